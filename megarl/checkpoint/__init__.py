@@ -1,0 +1,1 @@
+"""Checkpoints: HF safetensors directories, megatron-core dist checkpoints, and conversion."""

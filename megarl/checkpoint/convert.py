@@ -1,0 +1,196 @@
+"""HF <-> Megatron checkpoint conversion (the library API behind tools/convert_*.py).
+
+Both directions stream: HF -> Megatron reads one HF tensor group at a time into an uninitialised
+TP1/PP1 megatron-core model (one copy of the model in memory) and saves its sharded state dict;
+Megatron -> HF reads one decoder layer at a time from the dist checkpoint and writes size-capped
+safetensors shards. Outputs are written atomically (temporary directory, then rename). Every
+tensor's name and shape is checked against the model config before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megarl.checkpoint import hf_io, mcore_io
+from megarl.checkpoint.atomic import atomic_directory, check_output_dir
+from megarl.errors import CheckpointError, ConfigError, UnsupportedModelError
+from megarl.models import mapping
+from megarl.models.spec import ModelSpec, load_hf_config, spec_from_hf_config
+from megarl.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# HF tensors that carry no weights (rotary caches some older checkpoints saved).
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionSummary:
+    direction: str
+    tensors: int
+    bytes: int
+    seconds: float
+    out_dir: Path
+
+    def line(self) -> str:
+        return (
+            f"{self.direction}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s "
+            f"-> {self.out_dir}"
+        )
+
+
+def convert_hf_to_megatron(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
+) -> ConversionSummary:
+    """Write a megarl Megatron checkpoint (dist checkpoint + metadata) from an HF model directory.
+
+    ``tp``/``pp``/``vpp`` are the training layout the checkpoint is meant for: they are validated
+    against the model, fix the vocabulary padding and are recorded; the torch_dist format itself
+    loads into any layout.
+    """
+    start = time.perf_counter()
+    cfg = load_hf_config(hf_dir)
+    spec = spec_from_hf_config(cfg)
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    layout.check_model(
+        num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups
+    )
+    check_output_dir(out_dir)
+    reader = hf_io.HFReader(hf_dir)
+    maps = mapping.tensor_maps(spec)
+    _check_hf_names(spec, maps, reader.names(), Path(hf_dir))
+    model_dtype = DTYPES[_dtype_name(dtype)] if dtype else reader.get(maps[0].hf[0]).dtype
+
+    from megarl.models.provider import BuildOptions, build_model, global_named_parameters, padded_vocab_size
+    from megarl.parallel.init import init_distributed
+
+    init_distributed(ParallelLayout())  # a world of one: the torch_dist format is layout independent
+    opts = BuildOptions(dtype=model_dtype, init_weights=False, vocab_tp=tp, use_te=False)
+    with atomic_directory(out_dir) as tmp:
+        (model,) = build_model(spec, ParallelLayout(), opts)
+        params = dict(global_named_parameters(model))
+        padded = padded_vocab_size(spec, layout, opts)
+        nbytes = 0
+        with torch.no_grad():
+            for m in tqdm(maps, desc="HF -> Megatron", unit="tensor", disable=not progress):
+                full = mapping.to_mcore(m, spec, [reader.get(n) for n in m.hf], padded)
+                params[m.mcore].copy_(full)
+                nbytes += full.numel() * params[m.mcore].element_size()
+                del full
+        reader.close()
+        mcore_io.save_model([model], tmp / mcore_io.WEIGHTS_SUBDIR)
+        del model, params
+        (tmp / mcore_io.HF_SUBDIR).mkdir()
+        (tmp / mcore_io.HF_SUBDIR / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        hf_io.copy_aux_files(hf_dir, tmp / mcore_io.HF_SUBDIR)
+        from megarl.parallel.mcore_compat import MCORE_VERSION
+
+        meta = mcore_io.CheckpointMeta(
+            hf_config=cfg,
+            layout=layout,
+            padded_vocab_size=padded,
+            dtype=_dtype_name(str(model_dtype).removeprefix("torch.")),
+            megatron_core_version=".".join(map(str, MCORE_VERSION)),
+        )
+        mcore_io.write_meta(tmp, meta)
+    return ConversionSummary("HF -> Megatron", len(maps), nbytes, time.perf_counter() - start, Path(out_dir))
+
+
+def convert_megatron_to_hf(
+    mcore_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 1024**3, progress: bool = False
+) -> ConversionSummary:
+    """Write an HF directory (config.json, safetensors shards, tokenizer files) from a megarl checkpoint."""
+    start = time.perf_counter()
+    meta = mcore_io.read_meta(mcore_dir)
+    spec = spec_from_hf_config(meta.hf_config)
+    metadata = mcore_io.tensors_metadata(mcore_dir)
+    maps = mapping.tensor_maps(spec)
+    _check_checkpoint_shapes(spec, maps, metadata, meta.padded_vocab_size, Path(mcore_dir))
+    check_output_dir(out_dir)
+
+    from megarl.parallel.init import init_distributed
+
+    init_distributed(ParallelLayout())
+    n_tensors = 0
+    with atomic_directory(out_dir) as tmp:
+        writer = hf_io.HFWriter(tmp, max_shard_bytes)
+        by_key: dict[str, list[mapping.TensorMap]] = {}
+        for m in maps:  # one checkpoint key (a tensor kind stacked over all layers) at a time
+            by_key.setdefault(mapping.checkpoint_key(m.mcore)[0], []).append(m)
+        bar = tqdm(total=len(maps), desc="Megatron -> HF", unit="tensor", disable=not progress)
+        for key, group in by_key.items():
+            (stacked,) = mcore_io.read_full_tensors(mcore_dir, [key], metadata)
+            for m in group:
+                full = stacked if m.layer is None else stacked[m.layer]
+                for name, t in zip(m.hf, mapping.to_hf(m, spec, full), strict=True):
+                    writer.add(name, t)
+                    n_tensors += 1
+            del stacked
+            bar.update(len(group))
+        bar.close()
+        writer.close()
+        config = dict(meta.hf_config)
+        config["dtype"] = meta.dtype
+        config.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        hf_io.copy_aux_files(Path(mcore_dir) / mcore_io.HF_SUBDIR, tmp)
+    return ConversionSummary("Megatron -> HF", n_tensors, writer.total_bytes, time.perf_counter() - start, Path(out_dir))
+
+
+def _dtype_name(name: str) -> str:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; choose one of {sorted(DTYPES)}.")
+    return name
+
+
+def _check_hf_names(spec: ModelSpec, maps: list[mapping.TensorMap], found: set[str], hf_dir: Path) -> None:
+    expected = {n for m in maps for n in m.hf}
+    missing = sorted(expected - found)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint in {hf_dir} lacks {len(missing)} tensors that config.json implies "
+            f"(first: {missing[:3]}); the weights are incomplete or belong to another model."
+        )
+    extra = {n for n in found - expected if not n.endswith(_IGNORED_HF_SUFFIXES)}
+    if spec.tie_word_embeddings:
+        extra.discard("lm_head.weight")  # a tied copy some checkpoints store anyway
+    if extra:
+        raise UnsupportedModelError(
+            f"the checkpoint in {hf_dir} has {len(extra)} tensors megarl does not map for {spec.architecture} "
+            f"(first: {sorted(extra)[:3]}); the model uses a feature megarl does not support yet."
+        )
+
+
+def _check_checkpoint_shapes(
+    spec: ModelSpec, maps: list[mapping.TensorMap], metadata: dict, padded_vocab: int, ckpt_dir: Path
+) -> None:
+    for m in maps:
+        key, layer = mapping.checkpoint_key(m.mcore)
+        if key not in metadata:
+            raise CheckpointError(
+                f"tensor {key} is missing from the Megatron checkpoint in {ckpt_dir}; it was not written for "
+                f"this model ({spec.architecture}, {spec.num_layers} layers)."
+            )
+        shape = mapping.mcore_shape(m, spec, padded_vocab)
+        expected = shape if layer is None else (spec.num_layers, *shape)
+        found = tuple(metadata[key].global_shape)
+        if found != expected:
+            raise CheckpointError(
+                f"tensor {key} in {ckpt_dir} has global shape {list(found)}, expected {list(expected)} from the "
+                "model config stored with it; the checkpoint is corrupt or was written for another model."
+            )

@@ -1,0 +1,137 @@
+"""megarl's Megatron checkpoint directory: a megatron-core dist checkpoint plus metadata.
+
+Layout of a checkpoint directory::
+
+    megarl_checkpoint.json   what wrote it: source HF config, layout, padded vocab, dtype, versions
+    hf/                      config.json + tokenizer files of the source model (for export, rollout)
+    weights/                 megatron-core dist_checkpointing (torch_dist) model checkpoint
+
+The torch_dist format stores global tensors with sharding metadata, so a checkpoint written at one
+TP/PP loads into a model built at any other TP/PP (:func:`load_model`); vocabulary tensors whose
+padding differs between TP sizes load through megatron-core's shape-mismatch path (zero padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.errors import CheckpointError
+from megarl.parallel import mcore_compat
+from megarl.parallel.layout import ParallelLayout
+
+from megatron.core.dist_checkpointing import ShardedTensor  # noqa: E402
+
+META_FILE = "megarl_checkpoint.json"
+HF_SUBDIR = "hf"
+WEIGHTS_SUBDIR = "weights"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    hf_config: dict[str, Any]
+    layout: ParallelLayout  # the layout the checkpoint was written for (any layout can load it)
+    padded_vocab_size: int
+    dtype: str
+    megatron_core_version: str
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["layout"] = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "vpp": self.layout.vpp}
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def write_meta(ckpt_dir: Path, meta: CheckpointMeta) -> None:
+    (ckpt_dir / META_FILE).write_text(meta.to_json())
+
+
+def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / META_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} is not a megarl Megatron checkpoint ({META_FILE} is missing); pass a directory written "
+            "by tools/convert_hf_to_megatron.py or by megarl training."
+        )
+    try:
+        d = json.loads(path.read_text())
+        if d["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path} has format_version {d['format_version']}; this megarl reads version {FORMAT_VERSION}."
+            )
+        d["layout"] = ParallelLayout(**d["layout"])
+        return CheckpointMeta(**d)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e!r}); restore it from the original conversion.") from e
+
+
+def weights_dir(ckpt_dir: str | Path) -> Path:
+    path = Path(ckpt_dir) / WEIGHTS_SUBDIR
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(
+            f"{path} holds no megatron-core dist checkpoint (metadata.json is missing); the checkpoint is "
+            "incomplete: convert or save it again."
+        )
+    return path
+
+
+def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_model(chunks: list[torch.nn.Module], out_weights_dir: Path) -> None:
+    """Collective: every rank of the world calls it with its model chunks."""
+    out_weights_dir.mkdir(parents=True, exist_ok=True)
+    mcore_compat.save_checkpoint(_sharded_state_dict(chunks), str(out_weights_dir))
+
+
+def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Collective: load a checkpoint written at any layout into this rank's model chunks."""
+    path = weights_dir(ckpt_dir)
+    try:
+        state = mcore_compat.load_checkpoint(_sharded_state_dict(chunks), str(path))
+    except Exception as e:  # megatron/torch raise many types for missing or corrupt shards
+        raise CheckpointError(
+            f"cannot load the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
+            "or corrupt, or the checkpoint belongs to another model; convert it again from the HF model."
+        ) from e
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{i}"], strict=True)
+
+
+def tensors_metadata(ckpt_dir: str | Path) -> dict[str, ShardedTensor]:
+    path = weights_dir(ckpt_dir)
+    try:
+        return mcore_compat.load_tensors_metadata(str(path))
+    except Exception as e:
+        raise CheckpointError(f"the dist checkpoint metadata in {path} is unreadable ({e}); convert it again.") from e
+
+
+def read_full_tensors(ckpt_dir: str | Path, keys: list[str], metadata: dict[str, ShardedTensor]) -> list[torch.Tensor]:
+    """Read whole tensors from a dist checkpoint by checkpoint key, without building a model.
+
+    Decoder-layer keys come back stacked over layers ([num_layers, ...]). megatron-core cannot read
+    a single layer's slice in a world of one (its torch_dist reader wants every rank's full grid),
+    so callers stream key by key: peak memory is the largest stacked tensor, not the model.
+    """
+    path = weights_dir(ckpt_dir)
+    request_sd = {}
+    for key in keys:
+        if key not in metadata:
+            raise CheckpointError(f"tensor {key} is missing from the checkpoint in {path}; it belongs to another model.")
+        meta = metadata[key]
+        request_sd[key] = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype))
+    try:
+        loaded = mcore_compat.load_checkpoint(request_sd, str(path), partial=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read from the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
+            "or corrupt; convert the model again."
+        ) from e
+    return [loaded[key] for key in keys]

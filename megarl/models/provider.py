@@ -1,0 +1,128 @@
+"""Build megatron-core GPTModels from a :class:`ModelSpec` for any TP/PP/VPP layout.
+
+The decoder layers use Transformer Engine's spec when TE is importable (GPU clusters) and
+megatron-core's local spec (pure PyTorch) otherwise. Parallel state must already be initialised
+(``megarl.parallel.init.init_distributed``); pre/post-process stages follow from it. This module
+also maps a built model's parameters to global names (stage-local layer index -> global), which
+conversion, resharding and tests share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.mapping import local_name, split_layer_name, with_layer
+from megarl.models.spec import ModelSpec
+from megarl.parallel import mcore_compat
+from megarl.parallel.layout import ParallelLayout
+
+from megatron.core import parallel_state  # noqa: E402  (after mcore_compat applied the CPU layer)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How to build the model (not what the model is: that is the ModelSpec)."""
+
+    dtype: torch.dtype = torch.float32
+    use_te: bool | None = None  # None: TE when available
+    init_weights: bool = True  # False: leave parameters uninitialised (they will be loaded)
+    vocab_divisible_by: int = 128
+    vocab_tp: int | None = None  # pad the vocabulary as for this TP size (None: the layout's)
+    dropout: float = 0.0
+
+
+def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> TransformerConfig:
+    layout.check_model(
+        num_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+    )
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=opts.dropout,
+        attention_dropout=opts.dropout,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        params_dtype=opts.dtype,
+        pipeline_dtype=opts.dtype,
+        bf16=opts.dtype == torch.bfloat16,
+        fp16=opts.dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=opts.init_weights,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def padded_vocab_size(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> int:
+    return spec.padded_vocab_size(opts.vocab_tp or layout.tp, opts.vocab_divisible_by)
+
+
+def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = BuildOptions()) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage; one without VPP)."""
+    config = transformer_config(spec, layout, opts)
+    use_te = mcore_compat.transformer_engine_available() if opts.use_te is None else opts.use_te
+    layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm)
+    chunks = []
+    for vp in range(layout.vpp_size):
+        vp_stage = vp if layout.vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=padded_vocab_size(spec, layout, opts),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def global_named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global local-spec name, parameter) of one model chunk; layer indices made global.
+
+    Uses each layer's own ``layer_number`` (megatron computes the pipeline offset, including
+    uneven and VPP layouts), never a recomputed offset. The tied output layer copy on the last
+    stage is skipped: the embedding owns the shared weight.
+    """
+    offsets = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    for name, param in model.named_parameters():
+        name = name.removeprefix("module.")
+        if model.share_embeddings_and_output_weights and name == "output_layer.weight":
+            continue
+        layer, _ = split_layer_name(name)
+        if layer is not None:
+            name = with_layer(name, offsets[f"decoder.layers.{layer}."])
+        yield local_name(name), param

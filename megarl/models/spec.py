@@ -1,0 +1,164 @@
+"""ModelSpec: the architecture-independent description of a dense decoder, read from an HF config.
+
+Pure module (no megatron-core, no torch.distributed). The registry is keyed by the exact HF
+``architectures`` string; every family listed here shares the Llama-style decoder (RMSNorm,
+rotary embeddings, GQA attention, SwiGLU MLP) and differs only in the flags carried by the spec
+(qkv bias, qk-norm, tied embeddings). A config feature megarl cannot reproduce exactly raises
+:class:`UnsupportedModelError` rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import ConfigError, UnsupportedModelError
+
+# Megatron-core implements Llama-3 rope scaling with these constants fixed
+# (megatron/core/models/common/embeddings/rotary_pos_embedding.py `_apply_scaling`).
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class Family(enum.Enum):
+    LLAMA = "llama"
+    QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
+
+
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": Family.LLAMA,
+    "Qwen2ForCausalLM": Family.QWEN2,
+    "Qwen3ForCausalLM": Family.QWEN3,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # Llama-3 style scaling, None when absent
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_layernorm: bool
+    tie_word_embeddings: bool
+    dtype: str  # "float32" | "bfloat16" | "float16": the checkpoint's dtype
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron's padded vocabulary: a multiple of ``divisible_by * tp`` (Megatron-LM's rule)."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self) -> int:
+        """Parameters of the HF model (unpadded vocabulary)."""
+        h, v = self.hidden_size, self.vocab_size
+        attn = self.qkv_rows * h + self.num_attention_heads * self.head_dim * h
+        attn += self.qkv_rows if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_layernorm else 0
+        layer = attn + 3 * self.ffn_hidden_size * h + 2 * h
+        return self.num_layers * layer + h + v * h * (1 if self.tie_word_embeddings else 2)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise ConfigError(f"HF model directory {hf_dir} does not exist; pass the folder that holds config.json.")
+    if not path.is_file():
+        raise ConfigError(
+            f"{hf_dir} has no config.json, so it is not a HuggingFace model directory; pass the folder "
+            "written by `save_pretrained` (config.json + *.safetensors + tokenizer files)."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); restore it from the original model.") from e
+
+
+def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
+    """Validate an HF config dict (``config.json`` / ``PretrainedConfig.to_dict()``) and build a spec."""
+    archs = cfg.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or '(none given)'} in config.json; megarl supports "
+            f"{supported_architectures()}. Convert a model of a supported family, or add a family to "
+            "megarl.models.spec.ARCHITECTURES with its name mapping."
+        )
+    arch = known[0]
+    family = ARCHITECTURES[arch]
+    _require(cfg, "hidden_act", "silu", arch)
+    _require(cfg, "mlp_bias", False, arch)
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported; set it to false.")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    qkv_bias = True if family is Family.QWEN2 else bool(cfg.get("attention_bias", False))
+    theta, factor = _rope(cfg, arch)
+    return ModelSpec(
+        architecture=arch,
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling_factor=factor,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        qkv_bias=qkv_bias,
+        qk_layernorm=family is Family.QWEN3,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+    )
+
+
+def _require(cfg: dict[str, Any], key: str, expected: Any, arch: str) -> None:
+    found = cfg.get(key, expected)
+    if found != expected:
+        raise UnsupportedModelError(f"{arch} with {key}={found!r} is not supported; megarl needs {key}={expected!r}.")
+
+
+def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, float | None]:
+    """(rope_theta, llama3 scaling factor) from either the transformers 4.x or 5.x config keys."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(
+            f"{arch} with rope type {rope_type!r} is not supported; megarl supports 'default' and 'llama3'."
+        )
+    for key, value in _MCORE_LLAMA3_ROPE.items():
+        if float(params.get(key, value)) != value:
+            raise UnsupportedModelError(
+                f"llama3 rope scaling with {key}={params[key]} is not supported: megatron-core fixes {key}={value}."
+            )
+    return theta, float(params["factor"])

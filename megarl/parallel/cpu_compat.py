@@ -1,0 +1,115 @@
+"""Run megatron-core on machines without CUDA: the one place that redirects its CUDA-only calls.
+
+megatron-core's pipeline schedules, p2p communication, RoPE and tensor-parallel buffers allocate
+on ``"cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()`` /
+``current_stream()`` even when the model lives on CPU. On a machine without CUDA,
+:func:`enable` (idempotent) installs, for this process:
+
+* a ``TorchFunctionMode`` that rewrites any ``device=`` argument naming CUDA to CPU, and makes
+  ``Tensor.cuda()`` / ``Tensor.to("cuda")`` return CPU tensors;
+* CPU-safe replacements for the few ``torch.cuda`` functions megatron-core calls on its CPU path
+  (``current_device``, ``synchronize``, ``current_stream``, ``get_rng_state`` ...).
+
+It does nothing when CUDA is available, so GPU runs are never affected. Must not import
+megatron-core (it is applied before megatron-core is imported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_mode: _CudaToCpuMode | None = None
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # megatron passes torch.cuda.current_device() (an int) as a device
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA device argument to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for a CUDA stream on CPU: CPU ops are synchronous, so waits are no-ops."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: _NULL_STREAM
+    cuda.default_stream = lambda device=None: _NULL_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.empty_cache = lambda: None
+    # RNG: megatron's tracker snapshots "CUDA" RNG states; on CPU the CPU generator plays that role
+    # (callers seed it identically on every rank, see parallel.init.seed_everything).
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": None
+    cuda.manual_seed = lambda seed: None
+    cuda.manual_seed_all = lambda seed: None
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def enable() -> bool:
+    """Install the CPU redirections in this process if CUDA is absent. Returns True if active."""
+    global _mode
+    if cuda_available():
+        return False
+    with _lock:
+        if _mode is None:
+            _patch_torch_cuda()
+            _mode = _CudaToCpuMode()
+            _mode.__enter__()  # stays entered for the life of the process
+            logger.debug("megatron-core CPU compatibility enabled")
+    return True
+
+
+def is_enabled() -> bool:
+    return _mode is not None

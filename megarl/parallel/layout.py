@@ -1,0 +1,121 @@
+"""ParallelLayout: how one model is spread over a world of processes.
+
+Pure value type: no torch.distributed, no megatron-core. It knows megatron-core's default rank
+order ("tp-cp-ep-dp-pp": tensor parallel innermost, pipeline outermost) so that planners and tests
+can compute any rank's coordinates without a process group. Context and expert parallelism are
+reserved fields: only 1 is accepted until they are implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from megarl.errors import LayoutError
+
+
+class RankCoords(NamedTuple):
+    tp: int
+    pp: int
+    dp: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor (tp), pipeline (pp), data (dp) and virtual-pipeline (vpp) parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    cp: int = 1  # reserved: context parallelism
+    ep: int = 1  # reserved: expert parallelism
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"ParallelLayout.{name} must be a positive integer, found {value!r}.")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise LayoutError(f"ParallelLayout.vpp must be None or a positive integer, found {self.vpp!r}.")
+            if self.vpp > 1 and self.pp == 1:
+                raise LayoutError(
+                    f"virtual pipeline parallelism (vpp={self.vpp}) needs pp > 1, found pp=1; "
+                    "set vpp to None or raise pp."
+                )
+        if self.cp != 1 or self.ep != 1:
+            raise LayoutError(
+                f"context/expert parallelism are not supported yet (found cp={self.cp}, ep={self.ep}); set both to 1."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def vpp_size(self) -> int:
+        return self.vpp or 1
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None) -> ParallelLayout:
+        """The layout with the given tp/pp whose dp fills ``world_size``."""
+        if world_size % (tp * pp):
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                "choose tp and pp whose product divides the number of processes."
+            )
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"layout tp={self.tp} x pp={self.pp} x dp={self.dp} needs {self.world_size} processes, "
+                f"but the world has {world_size}; change dp (or tp/pp) so that tp*pp*dp == {world_size}."
+            )
+
+    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int) -> None:
+        """Raise LayoutError if this layout cannot split a model of these dimensions."""
+        if num_attention_heads % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} must divide the number of attention heads ({num_attention_heads}); "
+                f"choose tp from {_divisors(num_attention_heads)}."
+            )
+        if num_query_groups % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} must divide the number of key/value heads (query groups, {num_query_groups}); "
+                f"choose tp from {_divisors(num_query_groups)}."
+            )
+        stages = self.pp * self.vpp_size
+        if num_layers % stages:
+            raise LayoutError(
+                f"pp*vpp = {self.pp}*{self.vpp_size} = {stages} must divide the number of layers ({num_layers}); "
+                f"choose pp*vpp from {_divisors(num_layers)}."
+            )
+
+    def coords(self, rank: int) -> RankCoords:
+        """Coordinates of a global rank in megatron-core's default order (tp innermost, pp outermost)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside a world of {self.world_size}.")
+        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def rank_of(self, tp: int, pp: int, dp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def layers_of_stage(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """Global indices of the layers held by one pipeline stage (and virtual stage), even split."""
+        per_chunk = num_layers // (self.pp * self.vpp_size)
+        start = vp_stage * (num_layers // self.vpp_size) + pp_rank * per_chunk
+        return range(start, start + per_chunk)
+
+    def __str__(self) -> str:
+        vpp = f"xVPP{self.vpp}" if self.vpp else ""
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{vpp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

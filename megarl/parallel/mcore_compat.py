@@ -1,0 +1,70 @@
+"""The one module that talks to megatron-core's changing APIs.
+
+megarl supports megatron-core 0.16.1 (what Python 3.11 resolves) through the current release
+(GPU clusters on Python 3.12). Every call whose signature or behaviour differs between those
+versions goes through a function here, so version checks never spread through the code base.
+Importing this module imports megatron-core (and applies the CPU compatibility layer first).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+from megarl.parallel import cpu_compat
+
+cpu_compat.enable()
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import package_info as _mcore_info  # noqa: E402
+from megatron.core.models.gpt import gpt_layer_specs  # noqa: E402
+
+MCORE_VERSION: tuple[int, int, int] = (
+    int(_mcore_info.MAJOR),
+    int(_mcore_info.MINOR),
+    int(str(_mcore_info.PATCH).split("rc")[0]),
+)
+MIN_MCORE_VERSION = (0, 16, 1)
+if MCORE_VERSION < MIN_MCORE_VERSION:
+    raise ImportError(
+        f"megarl needs megatron-core >= {'.'.join(map(str, MIN_MCORE_VERSION))}, found "
+        f"{'.'.join(map(str, MCORE_VERSION))}; run `pip install -U megatron-core`."
+    )
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports and CUDA is present (TE cannot run without CUDA)."""
+    if cpu_compat.is_enabled() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool) -> Any:
+    """The GPT decoder-layer ModuleSpec: Transformer Engine's or megatron-core's local (pure PyTorch).
+
+    Keywords only: the positional order of these functions changed between releases.
+    """
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+
+def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:
+    """``dist_checkpointing.save`` in the torch_dist format (the default backend of every version)."""
+    dist_checkpointing.save(sharded_state_dict, checkpoint_dir)
+
+
+def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, *, partial: bool = False) -> dict:
+    """``dist_checkpointing.load``; ``partial=True`` allows reading a subset of a tensor's slices."""
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, validate_access_integrity=not partial)
+
+
+def load_tensors_metadata(checkpoint_dir: str) -> dict:
+    """Global shape and dtype of every tensor in a dist checkpoint, keyed by checkpoint key."""
+    return dist_checkpointing.load_tensors_metadata(checkpoint_dir)

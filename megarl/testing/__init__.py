@@ -1,0 +1,1 @@
+"""Helpers that build tiny models and tokenizers offline, for tests, the demo and benchmarks."""

@@ -1,0 +1,129 @@
+"""Tiny HF models and tokenizers built offline (no hub): for tests, the demo and benchmarks.
+
+Weights are random but not HF's default init: norms and biases get random values too, so a
+conversion that swapped or dropped any tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning from human feedback trains a policy with a reward model.",
+    "Megatron splits the model with tensor and pipeline parallelism.",
+    "1 + 1 = 2. 2 + 3 = 5. 12 * 3 = 36. The answer is 42.",
+    "def add(a, b):\n    return a + b\n",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def make_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300):
+    """A byte-level BPE tokenizer with a chat template; saved to ``out_dir`` when given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", chat_template=CHAT_TEMPLATE
+    )
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def tiny_config(
+    family: str = "llama",
+    *,
+    vocab_size: int = 300,
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tied: bool = False,
+    rope_scaling: bool = False,
+):
+    """An HF config of the given family ("llama", "qwen2", "qwen3")."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    if family == "llama":
+        rope = {"rope_type": "default", "rope_theta": 50000.0}
+        if rope_scaling:
+            rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**common, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                           architectures=["Qwen2ForCausalLM"])
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                           architectures=["Qwen3ForCausalLM"])
+    raise ValueError(f"unknown family {family!r}; choose llama, qwen2 or qwen3")
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights everywhere, including norms and biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    **config_kwargs,
+) -> Path:
+    """Write a random tiny HF causal LM (+ tokenizer) to ``out_dir`` and return the path."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    config = tiny_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    model.to(dtype).save_pretrained(str(out_dir))
+    if with_tokenizer:
+        make_tokenizer(out_dir, vocab_size=min(config.vocab_size, 300))
+    return out_dir

@@ -1,0 +1,35 @@
+"""megarl: Megatron-core-backed, Ray-coordinated RL post-training for large language models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-core + Ray reinforcement-learning post-training (PPO, GRPO) for LLMs",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        # A range that the CPU wheel 2.13.0 satisfies; GPU images bring their own CUDA build.
+        "torch>=2.6,<2.14",
+        # 0.16.1 is the newest release for Python 3.11; current releases need Python >= 3.12.
+        "megatron-core>=0.16.1",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "sentencepiece>=0.2",
+        "safetensors>=0.4",
+        "tensordict>=0.8",
+        "ray[default]>=2.40",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "psutil",  # megatron-core dist_checkpointing needs it but does not declare it
+        "einops",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.10"],
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "dev": ["pytest>=8", "ruff>=0.6"],
+    },
+)
