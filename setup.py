@@ -1,12 +1,16 @@
 """megarl: Megatron-core-backed, Ray-coordinated RL post-training for large language models."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+README = Path(__file__).with_name("README.md")
 
 setup(
     name="megarl",
     version="0.1.0",
     description="Megatron-core + Ray reinforcement-learning post-training (PPO, GRPO) for LLMs",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=README.read_text() if README.exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megarl", "megarl.*"]),
     python_requires=">=3.11",

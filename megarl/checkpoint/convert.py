@@ -149,7 +149,8 @@ def convert_megatron_to_hf(
         config.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         hf_io.copy_aux_files(Path(mcore_dir) / mcore_io.HF_SUBDIR, tmp)
-    return ConversionSummary("Megatron -> HF", n_tensors, writer.total_bytes, time.perf_counter() - start, Path(out_dir))
+    seconds = time.perf_counter() - start
+    return ConversionSummary("Megatron -> HF", n_tensors, writer.total_bytes, seconds, Path(out_dir))
 
 
 def _dtype_name(name: str) -> str:

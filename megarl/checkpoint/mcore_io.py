@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing import ShardedTensor
 
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
 from megarl.parallel.layout import ParallelLayout
-
-from megatron.core.dist_checkpointing import ShardedTensor  # noqa: E402
 
 META_FILE = "megarl_checkpoint.json"
 HF_SUBDIR = "hf"
@@ -124,7 +123,9 @@ def read_full_tensors(ckpt_dir: str | Path, keys: list[str], metadata: dict[str,
     request_sd = {}
     for key in keys:
         if key not in metadata:
-            raise CheckpointError(f"tensor {key} is missing from the checkpoint in {path}; it belongs to another model.")
+            raise CheckpointError(
+                f"tensor {key} is missing from the checkpoint in {path}; it was written for another model."
+            )
         meta = metadata[key]
         request_sd[key] = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype))
     try:

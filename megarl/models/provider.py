@@ -14,15 +14,14 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 
 from megarl.models.mapping import local_name, split_layer_name, with_layer
 from megarl.models.spec import ModelSpec
 from megarl.parallel import mcore_compat
 from megarl.parallel.layout import ParallelLayout
-
-from megatron.core import parallel_state  # noqa: E402  (after mcore_compat applied the CPU layer)
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

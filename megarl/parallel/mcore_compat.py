@@ -12,13 +12,13 @@ import functools
 import importlib.util
 from typing import Any
 
+from megatron.core import dist_checkpointing
+from megatron.core import package_info as _mcore_info
+from megatron.core.models.gpt import gpt_layer_specs
+
 from megarl.parallel import cpu_compat
 
 cpu_compat.enable()
-
-from megatron.core import dist_checkpointing  # noqa: E402
-from megatron.core import package_info as _mcore_info  # noqa: E402
-from megatron.core.models.gpt import gpt_layer_specs  # noqa: E402
 
 MCORE_VERSION: tuple[int, int, int] = (
     int(_mcore_info.MAJOR),

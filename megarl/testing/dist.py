@@ -1,0 +1,72 @@
+"""Run a function on every rank of a fresh multi-process gloo world (tests, benchmarks).
+
+Processes are spawned (not forked), each joins torch.distributed through the standard environment
+variables on a free loopback port, runs ``fn(rank, world_size, *args)``, and returns a
+JSON-serialisable result. A rank that raises makes :func:`run_world` raise with that rank's
+traceback; a world that does not finish within ``timeout_s`` is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    path = Path(out_dir) / f"rank{rank}.json"
+    try:
+        result = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException:  # reported to the parent, which raises
+        result = {"ok": False, "error": traceback.format_exc()}
+    path.write_text(json.dumps(result))
+    if not result["ok"]:
+        raise SystemExit(1)
+
+
+def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    """Run ``fn`` on ``world_size`` spawned ranks; return the per-rank results in rank order."""
+    with tempfile.TemporaryDirectory(prefix="megarl-world-") as out_dir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a world of {world_size} ranks did not finish within {timeout_s:.0f} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            pass  # the failing rank's traceback is in its result file
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            path = Path(out_dir) / f"rank{rank}.json"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} of {world_size} died without a result (killed or crashed)")
+            r = json.loads(path.read_text())
+            if not r["ok"]:
+                raise RuntimeError(f"rank {rank} of {world_size} raised:\n{r['error']}")
+            results.append(r["value"])
+        return results
