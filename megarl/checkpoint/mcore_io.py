@@ -95,7 +95,7 @@ def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
     path = weights_dir(ckpt_dir)
     try:
         state = mcore_compat.load_checkpoint(_sharded_state_dict(chunks), str(path))
-    except Exception as e:  # megatron/torch raise many types for missing or corrupt shards
+    except mcore_compat.CHECKPOINT_READ_ERRORS as e:  # many types for missing or corrupt shards
         raise CheckpointError(
             f"cannot load the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
             "or corrupt, or the checkpoint belongs to another model; convert it again from the HF model."
@@ -108,7 +108,7 @@ def tensors_metadata(ckpt_dir: str | Path) -> dict[str, ShardedTensor]:
     path = weights_dir(ckpt_dir)
     try:
         return mcore_compat.load_tensors_metadata(str(path))
-    except Exception as e:
+    except mcore_compat.CHECKPOINT_READ_ERRORS as e:
         raise CheckpointError(f"the dist checkpoint metadata in {path} is unreadable ({e}); convert it again.") from e
 
 
@@ -130,7 +130,7 @@ def read_full_tensors(ckpt_dir: str | Path, keys: list[str], metadata: dict[str,
         request_sd[key] = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype))
     try:
         loaded = mcore_compat.load_checkpoint(request_sd, str(path), partial=True)
-    except Exception as e:
+    except mcore_compat.CHECKPOINT_READ_ERRORS as e:
         raise CheckpointError(
             f"cannot read from the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
             "or corrupt; convert the model again."

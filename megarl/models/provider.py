@@ -103,6 +103,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        # megatron's local-spec norms ignore params_dtype; keep one dtype like Float16Module does
+        model.to(dtype=opts.dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -13,6 +13,7 @@ import importlib.util
 from typing import Any
 
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException as _TorchCheckpointException
 from megatron.core import package_info as _mcore_info
 from megatron.core.models.gpt import gpt_layer_specs
 
@@ -31,6 +32,11 @@ if MCORE_VERSION < MIN_MCORE_VERSION:
         f"megarl needs megatron-core >= {'.'.join(map(str, MIN_MCORE_VERSION))}, found "
         f"{'.'.join(map(str, MCORE_VERSION))}; run `pip install -U megatron-core`."
     )
+
+
+# What reading a missing or corrupt dist checkpoint raises. torch's CheckpointException derives
+# from BaseException, so a plain `except Exception` does not catch it.
+CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (Exception, _TorchCheckpointException)
 
 
 @functools.cache

@@ -70,7 +70,8 @@ def tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=256,
+        # llama3 rope scaling in megatron-core assumes an original context of 8192
+        max_position_embeddings=16384 if rope_scaling else 256,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         pad_token_id=0,
@@ -81,7 +82,7 @@ def tiny_config(
         rope = {"rope_type": "default", "rope_theta": 50000.0}
         if rope_scaling:
             rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         return LlamaConfig(**common, rope_parameters=rope, architectures=["LlamaForCausalLM"])
     if family == "qwen2":
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},

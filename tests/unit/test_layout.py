@@ -1,0 +1,59 @@
+"""ParallelLayout: rank coordinates against a hand-worked table, and actionable errors."""
+
+import pytest
+
+from megarl.errors import LayoutError
+from megarl.parallel.layout import ParallelLayout
+
+
+def test_coords_match_megatron_default_order_hand_worked():
+    # world of 8 = TP2 x DP2 x PP2, megatron order tp-cp-ep-dp-pp (tp fastest, pp slowest)
+    layout = ParallelLayout(tp=2, pp=2, dp=2)
+    expected = {
+        0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1),
+        4: (0, 1, 0), 5: (1, 1, 0), 6: (0, 1, 1), 7: (1, 1, 1),
+    }  # rank: (tp, pp, dp)
+    for rank, (tp, pp, dp) in expected.items():
+        c = layout.coords(rank)
+        assert (c.tp, c.pp, c.dp) == (tp, pp, dp)
+        assert layout.rank_of(tp=tp, pp=pp, dp=dp) == rank
+
+
+def test_layers_of_stage_with_and_without_vpp():
+    # RESHARDING.md 2.3: L=80, P=4, v=2 -> stage 0 holds layers 0-9 and 40-49
+    layout = ParallelLayout(tp=1, pp=4, dp=1, vpp=2)
+    assert list(layout.layers_of_stage(80, 0, 0)) == list(range(0, 10))
+    assert list(layout.layers_of_stage(80, 0, 1)) == list(range(40, 50))
+    assert list(layout.layers_of_stage(80, 3, 1)) == list(range(70, 80))
+    assert list(ParallelLayout(pp=2).layers_of_stage(4, 1)) == [2, 3]
+
+
+def test_world_size_mismatch_names_the_fix():
+    with pytest.raises(LayoutError, match=r"needs 4 processes, but the world has 6"):
+        ParallelLayout(tp=2, pp=2).check_world_size(6)
+    assert ParallelLayout.for_world(8, tp=2, pp=2).dp == 2
+    with pytest.raises(LayoutError, match="not divisible by tp\\*pp"):
+        ParallelLayout.for_world(6, tp=4)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (ParallelLayout(tp=5), r"attention heads \(12\); choose tp from \[1, 2, 3, 4, 6, 12\]"),
+        (ParallelLayout(tp=4), r"key/value heads \(query groups, 2\); choose tp from \[1, 2\]"),
+        (ParallelLayout(pp=3), r"number of layers \(8\)"),
+        (ParallelLayout(pp=2, vpp=3), r"pp\*vpp = 2\*3 = 6 must divide"),
+    ],
+)
+def test_model_that_does_not_divide(layout, message):
+    with pytest.raises(LayoutError, match=message):
+        layout.check_model(num_layers=8, num_attention_heads=12, num_query_groups=2)
+
+
+def test_invalid_values():
+    with pytest.raises(LayoutError, match="positive integer"):
+        ParallelLayout(tp=0)
+    with pytest.raises(LayoutError, match="needs pp > 1"):
+        ParallelLayout(vpp=2)
+    with pytest.raises(LayoutError, match="not supported yet"):
+        ParallelLayout(cp=2)

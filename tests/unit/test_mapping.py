@@ -1,0 +1,102 @@
+"""HF <-> Megatron tensor rules against hand-built layouts (written independently of mapping.py)."""
+
+import pytest
+import torch
+
+from megarl.models import mapping
+from megarl.models.mapping import Kind
+from megarl.models.spec import spec_from_hf_config
+from megarl.testing.tiny import tiny_config
+
+
+def _spec(family="llama", **kw):
+    return spec_from_hf_config(tiny_config(family, **kw).to_dict())
+
+
+def _map(spec, suffix, layer=0):
+    return next(m for m in mapping.tensor_maps(spec) if m.mcore == f"decoder.layers.{layer}.{suffix}")
+
+
+def test_qkv_interleaving_hand_worked():
+    # 4 query heads, 2 kv groups (r=2), head_dim 16; label every row by (tensor, head)
+    spec = _spec(hidden_size=64, num_heads=4, num_kv_heads=2)
+    d, h = spec.head_dim, spec.hidden_size
+    q = torch.arange(4).repeat_interleave(d).float()[:, None].expand(4 * d, h) + 100
+    k = torch.arange(2).repeat_interleave(d).float()[:, None].expand(2 * d, h) + 200
+    v = torch.arange(2).repeat_interleave(d).float()[:, None].expand(2 * d, h) + 300
+    m = _map(spec, "self_attention.linear_qkv.weight")
+    out = mapping.to_mcore(m, spec, [q, k, v], padded_vocab=384)
+    heads = out[::d, 0].tolist()  # one label per head block
+    assert heads == [100, 101, 200, 300, 102, 103, 201, 301]  # [q0 q1 k0 v0 | q2 q3 k1 v1]
+    back = mapping.to_hf(m, spec, out)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+def test_gate_up_and_tp_sharding_hand_worked():
+    spec = _spec(intermediate_size=96)
+    m = _map(spec, "mlp.linear_fc1.weight")
+    gate = torch.full((96, 64), 1.0)
+    gate[48:] = 2.0
+    up = torch.full((96, 64), 3.0)
+    up[48:] = 4.0
+    full = mapping.to_mcore(m, spec, [gate, up], padded_vocab=384)
+    assert torch.equal(full, torch.cat([gate, up]))
+    shard1 = mapping.tp_shard(m, full, tp=2, rank=1)  # [gate_1; up_1]
+    assert shard1[:48].unique().tolist() == [2.0] and shard1[48:].unique().tolist() == [4.0]
+    assert torch.equal(mapping.tp_gather(m, [mapping.tp_shard(m, full, 2, r) for r in range(2)]), full)
+
+
+@pytest.mark.parametrize("suffix, dim", [("self_attention.linear_proj.weight", 1), ("mlp.linear_fc2.weight", 1),
+                                         ("self_attention.linear_qkv.weight", 0), ("input_layernorm.weight", None)])
+def test_tp_shard_gather_roundtrip(suffix, dim):
+    spec = _spec()
+    m = _map(spec, suffix)
+    assert m.tp_dim == dim
+    full = torch.randn(mapping.mcore_shape(m, spec, 384))
+    shards = [mapping.tp_shard(m, full, 2, r) for r in range(2)]
+    if dim is not None:
+        assert shards[0].shape[dim] == full.shape[dim] // 2
+    assert torch.equal(mapping.tp_gather(m, shards), full)
+
+
+def test_vocab_padding_and_trim():
+    spec = _spec(vocab_size=300)
+    m = mapping.tensor_maps(spec)[0]
+    assert m.kind is Kind.VOCAB
+    emb = torch.randn(300, 64)
+    padded = mapping.to_mcore(m, spec, [emb], padded_vocab=spec.padded_vocab_size(2))
+    assert padded.shape == (512, 64) and padded[300:].abs().sum() == 0
+    (back,) = mapping.to_hf(m, spec, padded)
+    assert torch.equal(back, emb)
+
+
+def test_maps_cover_exactly_the_hf_state_dict():
+    from transformers import AutoModelForCausalLM
+
+    for family, tied in [("llama", False), ("qwen2", True), ("qwen3", False)]:
+        cfg = tiny_config(family, tied=tied)
+        spec = spec_from_hf_config(cfg.to_dict())
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        hf_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        maps = mapping.tensor_maps(spec)
+        ours = {n: s for m in maps for n, s in zip(m.hf, mapping.hf_shapes(m, spec))}
+        assert ours == hf_shapes
+
+
+def test_names_te_and_checkpoint_keys():
+    name = "decoder.layers.7.input_layernorm.weight"
+    assert mapping.te_name(name) == "decoder.layers.7.self_attention.linear_qkv.layer_norm_weight"
+    assert mapping.local_name(mapping.te_name(name)) == name
+    assert mapping.checkpoint_key(name) == ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 7)
+    assert mapping.checkpoint_key("output_layer.weight") == ("output_layer.weight", None)
+    assert mapping.with_layer("decoder.layers.1.mlp.linear_fc2.weight", 5) == "decoder.layers.5.mlp.linear_fc2.weight"
+
+
+def test_shape_mismatch_is_a_clear_error():
+    from megarl.errors import CheckpointError
+
+    spec = _spec()
+    m = _map(spec, "mlp.linear_fc2.weight")
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight has shape \[64, 95\], expected"):
+        mapping.to_mcore(m, spec, [torch.zeros(64, 95)], padded_vocab=384)

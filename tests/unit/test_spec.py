@@ -1,0 +1,69 @@
+"""HF config -> ModelSpec: registry, config-key variants, parameter count vs transformers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megarl.errors import ConfigError, UnsupportedModelError
+from megarl.models.spec import spec_from_hf_config
+from megarl.testing.tiny import tiny_config
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", False)])
+def test_num_parameters_matches_transformers(family, tied):
+    cfg = tiny_config(family, tied=tied)
+    spec = spec_from_hf_config(cfg.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert spec.qkv_bias == (family == "qwen2")
+    assert spec.qk_layernorm == (family == "qwen3")
+    assert spec.tie_word_embeddings == tied
+
+
+def test_unknown_architecture_lists_supported():
+    cfg = tiny_config("llama").to_dict() | {"architectures": ["GPT2LMHeadModel"]}
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        spec_from_hf_config(cfg)
+
+
+def test_transformers_4_and_5_rope_keys_agree():
+    v5 = tiny_config("llama").to_dict()  # rope_parameters
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"} | {"rope_theta": 50000.0}
+    assert spec_from_hf_config(v4) == spec_from_hf_config(v5)
+    assert spec_from_hf_config(v5).rope_theta == 50000.0
+
+
+def test_llama3_rope_scaling_and_unsupported_variants():
+    cfg = tiny_config("llama", rope_scaling=True).to_dict()
+    assert spec_from_hf_config(cfg).rope_scaling_factor == 8.0
+    bad = dict(cfg, rope_parameters=dict(cfg["rope_parameters"], high_freq_factor=2.0))
+    with pytest.raises(UnsupportedModelError, match="high_freq_factor=2.0.*megatron-core fixes"):
+        spec_from_hf_config(bad)
+    yarn = dict(cfg, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
+        spec_from_hf_config(yarn)
+
+
+def test_unsupported_features_raise():
+    cfg = tiny_config("llama").to_dict()
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
+        spec_from_hf_config(dict(cfg, hidden_act="gelu"))
+    with pytest.raises(UnsupportedModelError, match="mlp_bias"):
+        spec_from_hf_config(dict(cfg, mlp_bias=True))
+
+
+def test_padded_vocab_matches_megatron_lm_rule():
+    spec = spec_from_hf_config(tiny_config("llama", vocab_size=128256).to_dict())
+    # RESHARDING.md 1.4 worked numbers: Llama-3 V=128256, TP=8, D=128 -> 129024
+    assert spec.padded_vocab_size(8) == 129024
+    assert spec.padded_vocab_size(1) == 128256
+
+
+def test_hf_dir_without_config(tmp_path):
+    from megarl.models.spec import load_hf_config
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_hf_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_hf_config(tmp_path / "nope")
