@@ -1,4 +1,4 @@
-"""Shared CLI plumbing: logging setup and turning MegarlError into a one-paragraph message + exit 2."""
+"""Shared CLI plumbing: logging, quiet third-party warnings, MegarlError -> one paragraph + exit 2."""
 
 from __future__ import annotations
 
@@ -10,13 +10,23 @@ from collections.abc import Callable
 
 from megarl.errors import MegarlError
 
+# megatron-core warns about missing apex / TE on every import (expected on CPU, not actionable), and
+# torch about deprecated APIs megatron-core still calls. As PYTHONWARNINGS it reaches spawned workers.
+_QUIET = (
+    "ignore::FutureWarning,ignore::DeprecationWarning,ignore:Apex is not installed,"
+    "ignore:Transformer Engine and Apex,ignore:full scope is deprecated,ignore:When using async grad allreduce"
+)
+
 
 def run_cli(main: Callable[[], int]) -> None:
     """Run ``main``; a MegarlError prints its message (no traceback) and exits with status 2."""
     logging.basicConfig(level=os.environ.get("MEGARL_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
-    # megatron-core warns about missing apex / TE on every import: expected on CPU, not actionable.
-    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|TransformerEngine|full scope).*")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    os.environ.setdefault("PYTHONWARNINGS", _QUIET)
+    warnings.simplefilter("ignore", FutureWarning)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for spec in _QUIET.split(",")[2:]:
+        warnings.filterwarnings("ignore", message=spec.removeprefix("ignore:"))
     try:
         code = main()
     except MegarlError as e:

@@ -13,9 +13,9 @@ import importlib.util
 from typing import Any
 
 from megatron.core import dist_checkpointing
-from torch.distributed.checkpoint.api import CheckpointException as _TorchCheckpointException
 from megatron.core import package_info as _mcore_info
 from megatron.core.models.gpt import gpt_layer_specs
+from torch.distributed.checkpoint.api import CheckpointException as _TorchCheckpointException
 
 from megarl.parallel import cpu_compat
 

@@ -18,7 +18,7 @@ def _read_all(hf_dir):
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 (not a dict)
     return tensors
 
 

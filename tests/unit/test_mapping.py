@@ -29,7 +29,7 @@ def test_qkv_interleaving_hand_worked():
     heads = out[::d, 0].tolist()  # one label per head block
     assert heads == [100, 101, 200, 300, 102, 103, 201, 301]  # [q0 q1 k0 v0 | q2 q3 k1 v1]
     back = mapping.to_hf(m, spec, out)
-    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
 
 
 def test_gate_up_and_tp_sharding_hand_worked():
@@ -80,7 +80,7 @@ def test_maps_cover_exactly_the_hf_state_dict():
             model = AutoModelForCausalLM.from_config(cfg)
         hf_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         maps = mapping.tensor_maps(spec)
-        ours = {n: s for m in maps for n, s in zip(m.hf, mapping.hf_shapes(m, spec))}
+        ours = {n: s for m in maps for n, s in zip(m.hf, mapping.hf_shapes(m, spec), strict=True)}
         assert ours == hf_shapes
 
 

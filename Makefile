@@ -1,0 +1,33 @@
+# megarl: `make demo` runs the main job on this CPU machine, `make test` installs and runs the tests.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# The CPU wheel of torch (pip takes it from the local wheel cache on the dev/CI machines). A bare
+# `torch` requirement would pull a multi-GB CUDA build, so the pin is installed first.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install demo test test-quick lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/demo_conversion.py --out-dir outputs/demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+# Fast subset: no multi-process worlds, nothing marked slow.
+test-quick: lint
+	$(PY) -m pytest -q -m "not dist and not slow"
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache
