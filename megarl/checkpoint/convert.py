@@ -92,7 +92,6 @@ def convert_hf_to_megatron(
                 params[m.mcore].copy_(full)
                 nbytes += full.numel() * params[m.mcore].element_size()
                 del full
-        reader.close()
         mcore_io.save_model([model], tmp / mcore_io.WEIGHTS_SUBDIR)
         del model, params
         (tmp / mcore_io.HF_SUBDIR).mkdir()
@@ -128,10 +127,16 @@ def convert_megatron_to_hf(
     init_distributed(ParallelLayout())
     n_tensors = 0
     with atomic_directory(out_dir) as tmp:
-        writer = hf_io.HFWriter(tmp, max_shard_bytes)
         by_key: dict[str, list[mapping.TensorMap]] = {}
         for m in maps:  # one checkpoint key (a tensor kind stacked over all layers) at a time
             by_key.setdefault(mapping.checkpoint_key(m.mcore)[0], []).append(m)
+        plan = [
+            (name, shape, metadata[key].dtype)
+            for key, group in by_key.items()
+            for m in group
+            for name, shape in zip(m.hf, mapping.hf_shapes(m, spec), strict=True)
+        ]
+        writer = hf_io.HFWriter(tmp, plan, max_shard_bytes)
         bar = tqdm(total=len(maps), desc="Megatron -> HF", unit="tensor", disable=not progress)
         for key, group in by_key.items():
             (stacked,) = mcore_io.read_full_tensors(mcore_dir, [key], metadata)

@@ -1,20 +1,21 @@
 """Reading and writing HuggingFace model directories, one tensor at a time.
 
 :class:`HFReader` indexes ``model.safetensors`` or a sharded ``model.safetensors.index.json``
-and reads single tensors (never the whole model). :class:`HFWriter` writes tensors into
-size-capped safetensors shards as they arrive, plus the index, so at most one shard is held in
-memory. Errors name the file and the fix. No megatron-core here.
+and reads single tensors (never the whole model). :class:`HFWriter` streams tensors into
+size-capped safetensors shards as they arrive, plus the index, holding none of them. Errors
+name the file and the fix. No megatron-core here.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from megarl.errors import CheckpointError
 
@@ -62,7 +63,6 @@ class HFReader:
                 raise CheckpointError(
                     f"checkpoint shard {path} listed in {INDEX_FILE} is missing; copy the complete model directory."
                 )
-        self._open: dict[Path, object] = {}
 
     @staticmethod
     def _keys(path: Path) -> list[str]:
@@ -82,61 +82,85 @@ class HFReader:
                 f"tensor {name} is missing from the checkpoint in {self.dir}; the weights do not match config.json."
             )
         try:
-            handle = self._open.get(path)
-            if handle is None:
-                handle = self._open[path] = safe_open(str(path), framework="pt")
-            return handle.get_tensor(name)
+            # Open per tensor: a handle kept open keeps every page read so far mapped, and a whole
+            # model's worth of file pages would then count against this process's memory.
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"cannot read {name} from {path}: the file is corrupt or truncated ({e}).") from e
 
-    def close(self) -> None:
-        self._open.clear()
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class HFWriter:
-    """Stream tensors into safetensors shards of at most ``max_shard_bytes`` (one tensor may exceed it)."""
+    """Stream tensors straight into safetensors shards, holding none of them.
 
-    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 2 * 1024**3) -> None:
+    The tensors to come are declared up front (name, shape, dtype, in write order), so each
+    shard's header is written when the shard is opened and every :meth:`add` appends raw bytes.
+    Shards hold at most ``max_shard_bytes`` (a single larger tensor gets a shard of its own).
+    """
+
+    def __init__(self, out_dir: str | Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int = 2 * 1024**3) -> None:
         self.dir = Path(out_dir)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
+        self._plan = plan
+        self.shards: list[list[int]] = [[]]  # indices into plan
+        size = 0
+        for i, (_, shape, dtype) in enumerate(plan):
+            nbytes = math.prod(shape) * dtype.itemsize
+            if self.shards[-1] and size + nbytes > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(i)
+            size += nbytes
+        self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in plan)
+        self._shard_of = [k for k, idx in enumerate(self.shards) for _ in idx]
+        n = len(self.shards)
+        self.files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self._next = 0
+        self._shard = -1
+        self._fh = None
+
+    def _open_shard(self, shard: int) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for i in self.shards[shard]:
+            name, shape, dtype = self._plan[i]
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._fh = open(self.dir / (self.files[shard] + ".partial"), "wb")  # noqa: SIM115 (closed in _open/close)
+        self._fh.write(struct.pack("<Q", len(raw)) + raw)
+        self._shard = shard
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        tensor = tensor.contiguous()
-        if tensor.untyped_storage().nbytes() > nbytes:  # a view: do not keep its (larger) base alive
-            tensor = tensor.clone()
-        self._pending[name] = tensor
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        save_file(self._pending, str(self.dir / f"part-{len(self._shards):05d}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+        """Append the next tensor of the plan (same name, shape and dtype, in plan order)."""
+        expected = self._plan[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != expected:
+            raise ValueError(f"HFWriter got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected}")
+        shard = self._shard_of[self._next]
+        if shard != self._shard:
+            self._open_shard(shard)
+        self._fh.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._next += 1
 
     def close(self) -> list[str]:
-        """Write the last shard and the index; return the weight file names."""
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        if n == 1:
-            (self.dir / "part-00000.tmp").rename(self.dir / SINGLE_FILE)
-            return [SINGLE_FILE]
-        weight_map, files = {}, []
-        for i, names in enumerate(self._shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.dir / f"part-{i:05d}.tmp").rename(self.dir / fname)
-            weight_map.update(dict.fromkeys(names, fname))
-            files.append(fname)
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return files
+        """Finish the last shard, rename the shards into place, write the index; return file names."""
+        if self._next != len(self._plan):
+            raise ValueError(f"HFWriter closed after {self._next} of {len(self._plan)} planned tensors")
+        if self._fh is not None:
+            self._fh.close()
+        for f in self.files:
+            (self.dir / (f + ".partial")).rename(self.dir / f)
+        if len(self.files) > 1:
+            weight_map = {self._plan[i][0]: self.files[k] for k, idx in enumerate(self.shards) for i in idx}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return self.files
 
 
 def copy_aux_files(src: str | Path, dst: str | Path) -> list[str]:
