@@ -29,7 +29,7 @@ def forward_logits(
     if batch % micro_batch_size:
         raise ValueError(f"batch {batch} is not divisible by micro_batch_size {micro_batch_size}")
     device = next(chunks[0].parameters()).device
-    micro_batches = iter(input_ids.to(device).split(micro_batch_size))
+    micro_batches = input_ids.to(device).split(micro_batch_size)
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, seq)
 
     def loss_func(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
@@ -42,7 +42,8 @@ def forward_logits(
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[micro_batches] * len(chunks) if len(chunks) > 1 else micro_batches,
+            # each virtual stage draws every micro-batch from its own iterator
+            data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=batch // micro_batch_size,
             seq_length=seq,

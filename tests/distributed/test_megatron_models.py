@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 WORLD = 4
 SEQ = 12
-# (case, model, converted at (tp, pp), loaded at (tp, pp))
+# (case, model, converted at (tp, pp), loaded at (tp, pp[, vpp]))
 CASES = [
     ("llama_tp2pp2", "llama_gqa", (2, 2), (2, 2)),
     ("llama_tp1pp1", "llama_gqa", (2, 2), (1, 1)),
@@ -29,6 +29,8 @@ CASES = [
     ("qwen2_tied_tp1pp1", "qwen2_tied", (1, 1), (1, 1)),
     ("qwen3_tp2pp2", "qwen3", (2, 2), (2, 2)),
     ("llama_rope_scaling_tp2pp2", "llama_rope_scaling", (1, 1), (2, 2)),
+    ("qwen2_untied_tp1pp2vpp2", "qwen2_untied", (2, 2), (1, 2, 2)),
+    ("qwen2_tied_tp2pp2vpp2", "qwen2_tied", (1, 1), (2, 2, 2)),
 ]
 
 
@@ -87,8 +89,8 @@ def _world(rank, world_size, cases):
     from megarl.parallel.layout import ParallelLayout
 
     results = {}
-    for case, ckpt, hf_dir, (tp, pp), ids in cases:
-        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
+    for case, ckpt, hf_dir, (tp, pp, *vpp), ids in cases:
+        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, vpp=vpp[0] if vpp else None)
         init_distributed(layout)
         spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
         opts = BuildOptions(init_weights=False)
@@ -131,7 +133,7 @@ def world_results(tiny_hf, tmp_path_factory):
 def test_logits_match_transformers(world_results, case):
     per_rank, refs = world_results
     reported = [r[case] for r in per_rank if r[case]["logits"] is not None]
-    load_tp, load_pp = next(c[3] for c in CASES if c[0] == case)
+    load_pp = next(c[3][1] for c in CASES if c[0] == case)
     assert len(reported) == WORLD // load_pp  # every rank of the last stage returns logits
     for r in reported:
         diff = (torch.tensor(r["logits"]) - refs[case]).abs().max().item()
