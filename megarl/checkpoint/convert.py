@@ -92,7 +92,7 @@ def convert_hf_to_megatron(
                 params[m.mcore].copy_(full)
                 nbytes += full.numel() * params[m.mcore].element_size()
                 del full
-        mcore_io.save_model([model], tmp / mcore_io.WEIGHTS_SUBDIR)
+        mcore_io.save_model([model], tmp / mcore_io.WEIGHTS_SUBDIR, consume=True)
         del model, params
         (tmp / mcore_io.HF_SUBDIR).mkdir()
         (tmp / mcore_io.HF_SUBDIR / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

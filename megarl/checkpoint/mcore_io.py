@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import apply_factories
 
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
@@ -84,10 +86,35 @@ def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def save_model(chunks: list[torch.nn.Module], out_weights_dir: Path) -> None:
-    """Collective: every rank of the world calls it with its model chunks."""
+def save_model(chunks: list[torch.nn.Module], out_weights_dir: Path, *, consume: bool = False) -> None:
+    """Collective: every rank of the world calls it with its model chunks.
+
+    ``consume=True`` (conversion tools) keeps peak memory at one copy of the model: megatron-core's
+    writer clones every CPU tensor that is a view of a larger one (the gate and up halves of each
+    fused ``linear_fc1``), so each such parameter is split into owned halves here and its fused
+    storage released. The model must not be used afterwards.
+    """
     out_weights_dir.mkdir(parents=True, exist_ok=True)
-    mcore_compat.save_checkpoint(_sharded_state_dict(chunks), str(out_weights_dir))
+    sharded = _sharded_state_dict(chunks)
+    if consume:
+        _own_views_and_release(chunks, sharded)
+    mcore_compat.save_checkpoint(sharded, str(out_weights_dir))
+
+
+def _own_views_and_release(chunks: list[torch.nn.Module], sharded: dict) -> None:
+    apply_factories(sharded)  # factories (swiglu fc1) -> ShardedTensors whose data are views
+    views: dict[int, list[ShardedTensor]] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and sh.data is not None:
+            data = sh.data
+            if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                views.setdefault(data.untyped_storage().data_ptr(), []).append(sh)
+    params = {p.untyped_storage().data_ptr(): p for chunk in chunks for p in chunk.parameters()}
+    for ptr, shards in views.items():  # one fused parameter at a time: peak +1 tensor, not +1 model
+        for sh in shards:
+            sh.data = sh.data.clone()
+        if ptr in params:
+            params[ptr].data = params[ptr].data.new_empty(0)
 
 
 def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
