@@ -1,0 +1,78 @@
+"""Strict dataclass loading from plain data (parsed YAML, dicts).
+
+Unknown keys are errors that name the nearest valid key; values are checked against the field
+types (int, float, str, bool, enums, Optional, nested dataclasses, ``dict[str, X]``, ``list[X]``);
+defaults live only in the dataclass fields. Validation raises, it never rewrites. Pure module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from typing import Any, TypeVar
+
+from megarl.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; ``path`` prefixes error messages (e.g. ``placement.pools``)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping for {cls.__name__}, found {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {sorted(fields)}"
+            raise ConfigError(f"unknown config key {_join(path, key)!r}{hint}")
+    kwargs = {key: _convert(hints[key], value, _join(path, key)) for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from e
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {options}")
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else from_dict(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        valid = [m.value for m in tp]
+        if value not in valid:
+            raise ConfigError(f"{path}: {value!r} is not one of {valid}")
+        return tp(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, found {value!r}")
+        return {k: _convert(args[1], v, _join(path, k)) for k, v in value.items()}
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, found {value!r}")
+        return origin(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Any or (isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"{path}: expected {getattr(tp, '__name__', tp)}, found {value!r} ({type(value).__name__})")
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)

@@ -1,0 +1,82 @@
+"""WorkerProcess: the Ray actor that is one rank of a worker group.
+
+It owns the process-level state: the torch.distributed world (rendezvous through a TCPStore that
+rank 0 opens on a free port, so no port is ever hard-coded or raced for), megatron-core parallel
+state, and the roles hosted here. The driver never calls roles by name: it sends the role's own
+method (a function object) and this actor applies it to the hosted instance.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from megarl.controller.role import Role, WorkerContext
+from megarl.parallel.layout import ParallelLayout
+
+
+@ray.remote
+class WorkerProcess:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.roles: dict[str, Role] = {}
+        self.ctx: WorkerContext | None = None
+        self._store = None
+
+    def host(self) -> tuple[str, int, str]:
+        """(node IP, pid, Ray node id) of this rank."""
+        return ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def open_store(self, timeout_s: float) -> int:
+        """Rank 0: open the rendezvous TCPStore on a free port (the OS picks it) and return the port."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            ray.util.get_node_ip_address(), 0, self.world_size, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )
+        return self._store.port
+
+    def init_world(
+        self, master_addr: str, port: int, layout: ParallelLayout, seed: int, timeout_s: float
+    ) -> WorkerContext:
+        """Join the group's torch.distributed world and initialise megatron-core for ``layout``."""
+        import torch
+        import torch.distributed as dist
+
+        from megarl.parallel.init import default_backend, init_distributed
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self._store is None:
+            self._store = dist.TCPStore(master_addr, port, self.world_size, is_master=False, timeout=timeout)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+        dist.init_process_group(default_backend(), store=self._store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
+        init_distributed(layout, seed=seed)
+        self.ctx = WorkerContext(
+            rank=self.rank, world_size=self.world_size, layout=layout, coords=layout.coords(self.rank),
+            node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
+            device="cuda:0" if torch.cuda.is_available() else "cpu",
+        )
+        return self.ctx
+
+    def add_role(self, name: str, role_cls: type[Role], args: tuple, kwargs: dict) -> None:
+        if name in self.roles:
+            raise ValueError(f"role {name!r} is already hosted by rank {self.rank}")
+        self.roles[name] = role_cls(self.ctx, *args, **kwargs)
+
+    def call(self, role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Apply ``method`` (a function of the role's class) to the hosted role instance."""
+        return method(self.roles[role], *args, **kwargs)
+
+    def shutdown(self) -> None:
+        from megarl.parallel.init import destroy_distributed
+
+        self.roles.clear()
+        destroy_distributed()

@@ -1,0 +1,37 @@
+"""What runs inside a worker process: the per-rank context and the Role base class.
+
+A role (policy, critic, reference, reward model; test roles) is a plain class constructed inside a
+worker process with a :class:`WorkerContext` as its first argument. Several roles placed on one pool
+live in the same processes and share its torch.distributed world and megatron-core parallel state.
+No Ray here: roles must not depend on how they are hosted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.parallel.layout import ParallelLayout, RankCoords
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    rank: int
+    world_size: int
+    layout: ParallelLayout
+    coords: RankCoords
+    node_ip: str
+    node_id: str  # Ray node id (several simulated nodes can share one IP)
+    pid: int
+    device: str  # "cuda:0" or "cpu"
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """The rank whose result stands for its data-parallel rank (last PP stage, TP rank 0)."""
+        return self.coords.tp == 0 and self.coords.pp == self.layout.pp - 1
+
+
+class Role:
+    """Base class of everything hosted in a worker process."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx

@@ -1,0 +1,126 @@
+"""Batch: the one container the driver and the workers exchange.
+
+Per-sample tensors live in a ``tensordict.TensorDict`` whose batch dimension is the sample axis;
+per-sample Python objects (prompt strings, reward-function extras) are lists of the same length;
+``meta`` holds batch-level values (sampling settings, step counters). Batches split, concatenate,
+select fields and pad to a multiple of the data-parallel size (and drop that padding again), which
+is all the controller's dispatch needs. Pickles compactly for Ray's object store (tensor storages
+travel as out-of-band buffers). Pure module: no Ray, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+
+@dataclasses.dataclass
+class Batch:
+    tensors: TensorDict
+    non_tensors: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.tensors.batch_size) != 1:
+            raise ValueError(f"Batch tensors need a 1-d batch size, found {tuple(self.tensors.batch_size)}")
+        n = self.tensors.batch_size[0]
+        for key, values in self.non_tensors.items():
+            if len(values) != n:
+                raise ValueError(f"non-tensor field {key!r} has {len(values)} entries, the batch has {n} samples")
+
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        non_tensors: Mapping[str, Sequence[Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Batch:
+        """Build from plain dicts; every tensor's first dimension is the batch size."""
+        non_tensors = {k: list(v) for k, v in (non_tensors or {}).items()}
+        sizes = {k: t.shape[0] for k, t in tensors.items()} | {k: len(v) for k, v in non_tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"fields disagree on the batch size: {sizes}")
+        n = next(iter(sizes.values()), 0)
+        return cls(TensorDict(dict(tensors), batch_size=[n]), non_tensors, dict(meta or {}))
+
+    def __len__(self) -> int:
+        return int(self.tensors.batch_size[0])
+
+    def __getitem__(self, key: str) -> torch.Tensor | list[Any]:
+        if key in self.non_tensors:
+            return self.non_tensors[key]
+        if key in self.tensors.keys():  # noqa: SIM118 (TensorDict)
+            return self.tensors[key]
+        raise KeyError(f"batch has no field {key!r}; fields: {self.keys()}")
+
+    def keys(self) -> list[str]:
+        return sorted(list(self.tensors.keys()) + list(self.non_tensors))
+
+    def select(self, *keys: str) -> Batch:
+        """A batch with only these fields (meta is kept)."""
+        missing = [k for k in keys if k not in self.keys()]
+        if missing:
+            raise KeyError(f"batch has no fields {missing}; fields: {self.keys()}")
+        tensor_keys = [k for k in keys if k in self.tensors.keys()]  # noqa: SIM118
+        return Batch(
+            self.tensors.select(*tensor_keys),
+            {k: self.non_tensors[k] for k in keys if k in self.non_tensors},
+            dict(self.meta),
+        )
+
+    def update(self, other: Batch) -> Batch:
+        """A batch with the fields of both (``other`` wins on clashes); sizes must match."""
+        if len(other) != len(self):
+            raise ValueError(f"cannot merge a batch of {len(other)} samples into one of {len(self)}")
+        tensors = self.tensors.clone(recurse=False)
+        tensors.update(other.tensors)
+        return Batch(tensors, self.non_tensors | other.non_tensors, self.meta | other.meta)
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch(
+            self.tensors[start:stop], {k: v[start:stop] for k, v in self.non_tensors.items()}, dict(self.meta)
+        )
+
+    def index(self, indices: torch.Tensor | Sequence[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        order = idx.tolist()
+        non_tensors = {k: [v[i] for i in order] for k, v in self.non_tensors.items()}
+        return Batch(self.tensors[idx], non_tensors, dict(self.meta))
+
+    def chunk(self, n: int) -> list[Batch]:
+        """``n`` equal consecutive parts; the batch size must be divisible by ``n`` (pad first)."""
+        if n < 1 or len(self) % n:
+            raise ValueError(f"cannot split {len(self)} samples into {n} equal parts; pad_to_multiple({n}) first")
+        size = len(self) // n
+        return [self.slice(i * size, (i + 1) * size) for i in range(n)]
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        if not batches:
+            raise ValueError("cannot concatenate an empty list of batches")
+        keys = [b.keys() for b in batches]
+        if any(k != keys[0] for k in keys):
+            raise ValueError(f"batches with different fields cannot be concatenated: {keys}")
+        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in batches[0].non_tensors}
+        return Batch(tensors, non_tensors, dict(batches[0].meta))
+
+    def pad_to_multiple(self, k: int) -> tuple[Batch, int]:
+        """Append copies of the first samples until the size is a multiple of ``k``; return (batch, pad)."""
+        if len(self) == 0:
+            raise ValueError("cannot pad an empty batch")
+        pad = -len(self) % k
+        if pad == 0:
+            return self, 0
+        repeats = torch.arange(pad) % len(self)  # real samples, so padded rows compute finite values
+        return Batch.concat([self, self.index(repeats)]), pad
+
+    def unpad(self, pad: int) -> Batch:
+        return self if pad == 0 else self.slice(0, len(self) - pad)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
