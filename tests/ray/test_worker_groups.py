@@ -1,0 +1,153 @@
+"""The single controller on a real local Ray cluster (head + one simulated node, shared per session).
+
+Each check compares what the workers report (megatron-core's own parallel_state, real collectives,
+real pids and Ray node ids) with hand-worked expectations.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megarl.controller.group import GroupOptions, WorkerError, WorkerGroup, wait_all
+from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
+from megarl.controller.pools import Device, PoolConfig, ResourcePool
+from megarl.data.batch import Batch
+from megarl.errors import ConfigError
+from megarl.parallel.layout import ParallelLayout
+from megarl.testing.roles import EchoRole
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def placement(ray_cluster):
+    config = PlacementConfig(
+        pools={
+            "main": PoolSpec(devices_per_node=4, cpus_per_device=0.5, tp=2, pp=2),  # TP2xPP2
+            "critic": PoolSpec(devices_per_node=4, cpus_per_device=0.5, tp=2),  # TP2xDP2
+        },
+        roles={"policy": "main", "reference": "main", "critic": "critic"},
+    )
+    p = Placement(config, GroupOptions(call_timeout_s=120))
+    handles = {
+        "policy": p.add_role("policy", EchoRole, scale=2.0),
+        "reference": p.add_role("reference", EchoRole, scale=3.0),
+        "critic": p.add_role("critic", EchoRole, scale=-1.0),
+    }
+    yield p, handles
+    p.shutdown()
+
+
+# (rank -> (tp, pp, dp)) for megatron's default order, worked by hand
+TP2PP2 = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0)}
+TP2DP2 = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1)}
+
+
+@pytest.mark.parametrize("role, expected", [("policy", TP2PP2), ("critic", TP2DP2)])
+def test_ranks_and_collectives(placement, role, expected):
+    _, handles = placement
+    reports = handles[role].all(EchoRole.report)
+    assert [r.rank for r in reports] == [0, 1, 2, 3]
+    for r in reports:
+        assert (r.tp, r.pp, r.dp) == expected[r.rank]
+        assert (r.mcore_tp, r.mcore_pp, r.mcore_dp) == expected[r.rank]  # megatron-core agrees
+    sums = handles[role].all(EchoRole.all_reduce, 0.5)
+    for rank, s in enumerate(sums):
+        assert s["world"] == 0.5 * (1 + 2 + 3 + 4)
+        tp_peers = [q for q, c in expected.items() if (c[1], c[2]) == expected[rank][1:]]
+        dp_peers = [q for q, c in expected.items() if (c[0], c[1]) == expected[rank][:2]]
+        assert s["tp"] == 0.5 * sum(q + 1 for q in tp_peers)
+        assert s["dp"] == 0.5 * sum(q + 1 for q in dp_peers)
+
+
+def test_colocated_roles_share_processes_split_roles_do_not(placement):
+    _, handles = placement
+    policy = [r.pid for r in handles["policy"].all(EchoRole.report)]
+    reference = [r.pid for r in handles["reference"].all(EchoRole.report)]
+    critic = [r.pid for r in handles["critic"].all(EchoRole.report)]
+    assert policy == reference
+    assert len(set(policy)) == 4 and not set(policy) & set(critic)
+
+
+@pytest.mark.parametrize("n", [1, 5, 6, 8])
+@pytest.mark.parametrize("role", ["critic", "policy"])  # DP2 and DP1
+def test_dp_split_collect_keeps_order_and_drops_padding(placement, role, n):
+    _, handles = placement
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(n))
+    batch = Batch.from_dict({"x": x}, {"id": [f"s{i}" for i in range(n)]})
+    out = handles[role].dp(EchoRole.scale_batch, batch)
+    scale = {"critic": -1.0, "policy": 2.0}[role]
+    assert out["id"] == [f"s{i}" for i in range(n)]
+    assert torch.equal(out["y"], scale * x)
+    dp = 2 if role == "critic" else 1
+    per_rank = -(-n // dp)  # padded batch split evenly: the first ceil(n/dp) samples go to DP rank 0
+    assert out["dp_rank"].tolist() == [i // per_rank for i in range(n)]
+
+
+def test_async_calls_on_independent_groups_overlap(placement):
+    _, handles = placement
+    start = time.monotonic()
+    calls = [handles["policy"].all_async(EchoRole.sleep, 3.0), handles["critic"].all_async(EchoRole.sleep, 3.0)]
+    results = wait_all(calls)
+    assert results == [[3.0] * 4, [3.0] * 4]
+    assert time.monotonic() - start < 5.5  # sequential would take >= 6 s
+
+
+def test_strict_spread_pool_spans_two_nodes(ray_cluster):
+    pool = ResourcePool("spread", PoolConfig(nodes=2, devices_per_node=1, cpus_per_device=0.5))
+    group = WorkerGroup("spread", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
+    try:
+        handle = group.add_role("echo", EchoRole)
+        reports = handle.all(EchoRole.report)
+        assert len({r.node_id for r in reports}) == 2
+        assert {r.node_id for r in reports} == {n["NodeID"] for n in __import__("ray").nodes() if n["Alive"]}
+        assert [s["world"] for s in handle.all(EchoRole.all_reduce, 1.0)] == [3.0, 3.0]
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def test_worker_exception_names_role_and_rank_and_tears_down(ray_cluster):
+    pool = ResourcePool("fail", PoolConfig(devices_per_node=2, cpus_per_device=0.5))
+    group = WorkerGroup("fail", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
+    try:
+        handle = group.add_role("critic", EchoRole)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"critic failed on rank 1 .*ValueError: deliberate failure") as info:
+            handle.all(EchoRole.fail, 1)  # rank 0 blocks in a barrier that rank 1 never joins
+        assert time.monotonic() - start < 30
+        assert (info.value.role, info.value.rank) == ("critic", 1)
+        assert "process.py" in str(info.value)  # the worker's traceback is included
+        with pytest.raises(WorkerError, match="torn down"):
+            handle.all(EchoRole.noop)
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def test_call_timeout_tears_down_instead_of_hanging(ray_cluster):
+    pool = ResourcePool("slow", PoolConfig(devices_per_node=2, cpus_per_device=0.5))
+    group = WorkerGroup("slow", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
+    try:
+        handle = group.add_role("policy", EchoRole)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"did not finish within 2 s .*ranks still running: \[0, 1\]"):
+            handle.all_async(EchoRole.sleep, 60.0).result(timeout_s=2)
+        assert time.monotonic() - start < 10 and not group.alive
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def test_unsatisfiable_pools_fail_fast(ray_cluster):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"needs 1 node\(s\) x 64 bundle\(s\) of CPU=1.*can never provide"):
+        ResourcePool("huge", PoolConfig(devices_per_node=64))
+    with pytest.raises(ConfigError, match=r"needs 3 node\(s\).*can never provide"):
+        ResourcePool("three_nodes", PoolConfig(nodes=3, cpus_per_device=0.5))
+    with pytest.raises(ConfigError, match="asks for GPUs .* has none"):
+        ResourcePool("gpu", PoolConfig(device=Device.GPU))
+    assert time.monotonic() - start < 5

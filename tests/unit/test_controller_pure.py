@@ -1,0 +1,68 @@
+"""Pure parts of the controller: dispatch ownership, Batch, placement config, strict config loading."""
+
+import pytest
+import torch
+
+from megarl.config import from_dict
+from megarl.controller.dispatch import collect_ranks, dp_members
+from megarl.data.batch import Batch
+from megarl.errors import ConfigError, LayoutError
+from megarl.parallel.layout import ParallelLayout
+
+
+def test_dp_members_and_owners_hand_worked():
+    layout = ParallelLayout(tp=2, pp=2, dp=2)  # ranks: tp fastest, then dp, then pp
+    assert dp_members(layout) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert collect_ranks(layout) == [4, 6]  # last PP stage, TP rank 0
+    assert collect_ranks(ParallelLayout(tp=2, dp=2)) == [0, 2]
+    assert collect_ranks(ParallelLayout(pp=4)) == [3]
+
+
+def test_batch_pad_chunk_concat_unpad():
+    b = Batch.from_dict({"x": torch.arange(10).view(5, 2)}, {"s": list("abcde")}, {"step": 3})
+    padded, pad = b.pad_to_multiple(4)
+    assert pad == 3 and padded["s"] == list("abcdeabc")
+    assert [c["s"] for c in padded.chunk(4)] == [["a", "b"], ["c", "d"], ["e", "a"], ["b", "c"]]
+    back = Batch.concat(padded.chunk(4)).unpad(pad)
+    assert torch.equal(back["x"], b["x"]) and back["s"] == b["s"] and back.meta == {"step": 3}
+    assert b.pad_to_multiple(5) == (b, 0)
+    assert b.select("s").keys() == ["s"] and b.select("x")["x"].shape == (5, 2)
+    merged = b.update(Batch.from_dict({"y": torch.ones(5)}))
+    assert merged.keys() == ["s", "x", "y"]
+    assert b.index([4, 0])["s"] == ["e", "a"]
+    assert b.nbytes() == 10 * 8
+
+
+def test_batch_errors():
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        Batch.from_dict({"x": torch.zeros(3)}, {"s": ["a"]})
+    b = Batch.from_dict({"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="pad_to_multiple"):
+        b.chunk(2)
+    with pytest.raises(KeyError, match="no field 'y'"):
+        b["y"]
+    with pytest.raises(ValueError, match="different fields"):
+        Batch.concat([b, Batch.from_dict({"z": torch.zeros(1)})])
+
+
+def test_placement_config_from_dict_and_errors():
+    from megarl.controller.placement import PlacementConfig
+    from megarl.controller.pools import Device
+
+    cfg = from_dict(PlacementConfig, {
+        "pools": {"main": {"devices_per_node": 8, "tp": 4, "pp": 2, "device": "cpu"}},
+        "roles": {"policy": "main", "reference": "main"},
+    })
+    assert cfg.pools["main"].device is Device.CPU and cfg.pools["main"].layout() == ParallelLayout(tp=4, pp=2, dp=1)
+    with pytest.raises(ConfigError, match=r"key 'pools.main.devices_per_nod'; did you mean 'devices_per_node'"):
+        from_dict(PlacementConfig, {"pools": {"main": {"devices_per_nod": 2}}, "roles": {"policy": "main"}})
+    with pytest.raises(ConfigError, match="pool 'mian', which is not defined; did you mean 'main'"):
+        from_dict(PlacementConfig, {"pools": {"main": {}}, "roles": {"policy": "mian"}})
+    with pytest.raises(ConfigError, match=r"pools\.main\.tp: expected int, found 'two'"):
+        from_dict(PlacementConfig, {"pools": {"main": {"tp": "two"}}, "roles": {"policy": "main"}})
+    with pytest.raises(ConfigError, match=r"pools\.main\.device: 'tpu' is not one of"):
+        from_dict(PlacementConfig, {"pools": {"main": {"device": "tpu"}}, "roles": {"policy": "main"}})
+    with pytest.raises(LayoutError, match="not divisible by tp\\*pp"):
+        from_dict(PlacementConfig, {"pools": {"main": {"devices_per_node": 6, "tp": 4}}, "roles": {"p": "main"}})
+    with pytest.raises(ConfigError, match=r"pools \['spare'\] host no role"):
+        from_dict(PlacementConfig, {"pools": {"main": {}, "spare": {}}, "roles": {"p": "main"}})
