@@ -5,8 +5,9 @@ on ``"cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchroniz
 ``current_stream()`` even when the model lives on CPU. On a machine without CUDA,
 :func:`enable` (idempotent) installs, for this process:
 
-* a ``TorchFunctionMode`` that rewrites any ``device=`` argument naming CUDA to CPU, and makes
-  ``Tensor.cuda()`` / ``Tensor.to("cuda")`` return CPU tensors;
+* a ``TorchFunctionMode`` that rewrites any ``device=`` argument naming CUDA to CPU, makes
+  ``Tensor.cuda()`` / ``Tensor.to("cuda")`` return CPU tensors, and reports CPU tensors'
+  ``Tensor.type()`` as their ``torch.cuda.*`` names (the optimizer asserts on those strings);
 * CPU-safe replacements for the few ``torch.cuda`` functions megatron-core calls on its CPU path
   (``current_device``, ``synchronize``, ``current_stream``, ``get_rng_state`` ...).
 
@@ -47,6 +48,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizer and grad clipping assert `.type() == "torch.cuda.FloatTensor"`
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if func is torch.Tensor.to:
             args = tuple("cpu" if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
         return func(*args, **kwargs)

@@ -31,3 +31,10 @@ def test_megatron_causal_mask_helper_runs_on_cpu():
     mask = get_default_causal_mask(4)
     expected = torch.tensor([[j > i for j in range(4)] for i in range(4)])
     assert mask.device.type == "cpu" and torch.equal(mask, expected)
+
+
+def test_tensor_type_reports_cuda_names_for_megatron_optimizer_checks():
+    cpu_compat.enable()
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversions untouched
