@@ -62,9 +62,14 @@ def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return (mask != 0).to(dtype)
 
 
+def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where counted, exactly 0 elsewhere; also blocks NaN/inf at masked positions from gradients."""
+    return torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``sum(x[i] for i where mask[i])`` over all elements (``dim=None``) or along ``dim``."""
-    selected = torch.where(mask != 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    selected = zero_masked(x, mask)
     return selected.sum() if dim is None else selected.sum(dim=dim)
 
 
@@ -108,7 +113,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask != 0, whitened, torch.zeros((), dtype=whitened.dtype, device=x.device))
+    return zero_masked(whitened, mask)
 
 
 class LossAggregation(enum.Enum):

@@ -1,0 +1,114 @@
+"""RL algorithm math: advantage estimators, policy/value losses, KL terms and controllers, loss aggregation.
+
+Pure functions of tensors, chosen through explicit registries keyed by enums (an unknown key raises
+``ConfigError`` listing the valid ones). Token tensors are ``[batch, response_len]`` with a mask of the
+same shape (1 for response tokens that count). No I/O, no process groups, no Ray, no megatron:
+the driver and the workers call into this package, never the other way round.
+
+- :mod:`megarl.algos.ops`        masked reductions, whitening, :class:`LossAggregation`, :class:`LossNormalizer`
+- :mod:`megarl.algos.advantages` ``ADVANTAGE_ESTIMATORS``: GAE, GRPO, RLOO, REINFORCE++, ReMax
+- :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO; value loss; entropy
+- :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
+"""
+
+from megarl.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    AdvantageEstimator,
+    AdvantageInputs,
+    Advantages,
+    compute_advantages,
+    discounted_returns,
+    gae,
+    grpo,
+    reinforce_plus_plus,
+    remax,
+    rloo,
+)
+from megarl.algos.kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    KLControllerConfig,
+    KLControllerType,
+    KLEstimator,
+    KLPenalty,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_divergence,
+    kl_loss,
+)
+from megarl.algos.losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    ValueLossOutput,
+    aggregate_entropy,
+    compute_policy_loss,
+    entropy_from_logits,
+    gspo_loss,
+    ppo_clip_loss,
+    value_loss,
+)
+from megarl.algos.ops import (
+    LossAggregation,
+    LossNormalizer,
+    aggregate_loss,
+    masked_count,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    zero_masked,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageConfig",
+    "AdvantageEstimator",
+    "AdvantageInputs",
+    "Advantages",
+    "FixedKLController",
+    "KLController",
+    "KLControllerConfig",
+    "KLControllerType",
+    "KLEstimator",
+    "KLPenalty",
+    "LossAggregation",
+    "LossNormalizer",
+    "PolicyLoss",
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "ValueLossOutput",
+    "aggregate_entropy",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_advantages",
+    "compute_policy_loss",
+    "discounted_returns",
+    "entropy_from_logits",
+    "gae",
+    "grpo",
+    "gspo_loss",
+    "kl_divergence",
+    "kl_loss",
+    "masked_count",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_clip_loss",
+    "reinforce_plus_plus",
+    "remax",
+    "rloo",
+    "value_loss",
+    "zero_masked",
+]

@@ -1,0 +1,247 @@
+"""Policy losses (registry ``POLICY_LOSSES``), the clipped value loss and entropy, as pure tensor functions.
+
+Owns the per-token surrogate objectives of PPO-family updates and their diagnostics (clip
+fractions, approximate KL between the sampling and the current policy). Losses are returned
+ready for ``backward()`` after :func:`~megarl.algos.ops.aggregate_loss`; metrics are detached
+token-means over this (micro-)batch's counted tokens, for logging only.
+
+Must not import: torch.distributed, megatron, Ray, vLLM, or any megarl layer above ``algos``.
+Vocab-parallel entropy (logits sharded over tensor-parallel ranks) is the engine layer's job;
+:func:`entropy_from_logits` here is for a full-vocabulary tensor.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megarl.algos.ops import LossAggregation, LossNormalizer, aggregate_loss, lookup, masked_mean, zero_masked
+from megarl.errors import ConfigError
+
+# exp() of a log-ratio beyond this is inf in float32 and meaningless anyway (verl clamps the same way).
+_LOG_RATIO_LIMIT = 20.0
+
+
+class PolicyLoss(enum.Enum):
+    PPO_CLIP = "ppo_clip"  # token-level ratio, clipped (Schulman et al. 2017), optional dual-clip
+    GSPO = "gspo"  # sequence-level ratio, clipped (Zheng et al. 2025, GSPO-token form)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss: PolicyLoss = PolicyLoss.PPO_CLIP
+    clip_low: float = 0.2  # ratio kept >= 1 - clip_low
+    clip_high: float = 0.2  # ratio kept <= 1 + clip_high (DAPO "clip-higher": 0.28)
+    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (Ye et al. 2020: 3.0); None = off
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    norm_constant: float | None = None  # for SEQ_MEAN_TOKEN_SUM_NORM: the maximum response length
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+            raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, found {self.clip_low}, {self.clip_high}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"dual-clip clip_ratio_c must be > 1 (e.g. 3.0) or None, found {self.clip_ratio_c}")
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    clip_frac: torch.Tensor  # fraction of counted tokens where the clipped surrogate is the active one
+    dual_clip_frac: torch.Tensor  # fraction of counted tokens (A < 0) bounded by -A * clip_ratio_c
+    approx_kl_k1: torch.Tensor  # mean(log pi_old - log pi): KL(pi_old || pi), k1 estimator
+    approx_kl_k3: torch.Tensor  # mean(r - 1 - log r), r = pi / pi_old: KL(pi_old || pi), k3 estimator
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Detached scalars for the metrics logger (keys are metric names, not dispatch keys)."""
+        return {
+            "loss": self.loss.detach(),
+            "clip_frac": self.clip_frac,
+            "dual_clip_frac": self.dual_clip_frac,
+            "approx_kl_k1": self.approx_kl_k1,
+            "approx_kl_k3": self.approx_kl_k3,
+        }
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k1, k3)`` estimates of KL(pi_old || pi) from ``log_ratio = log pi - log pi_old``."""
+    log_ratio = log_ratio.detach()
+    k1 = masked_mean(-log_ratio, mask)
+    k3 = masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask)
+    return k1, k3
+
+
+def ppo_clip_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None = None,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate, per token, then aggregated.
+
+    ``r = exp(clamp(log pi - log pi_old, -20, 20))`` and::
+
+        l     = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+        l_dc  = min(l, -A c)   where A < 0 and dual-clip is on (c = clip_ratio_c > 1)
+
+    ``clip_frac`` counts tokens with ``-A clip(r) > -A r``; ``dual_clip_frac`` tokens with
+    ``A < 0`` and ``l > -A c``. ``normalizer``/``norm_constant`` as in ``aggregate_loss``.
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ConfigError(f"dual-clip clip_ratio_c must be > 1, found {clip_ratio_c}")
+    log_ratio = zero_masked(log_prob - old_log_prob, mask)
+    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    advantages = zero_masked(advantages, mask)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_frac = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
+    if clip_ratio_c is None:
+        dual_clip_frac = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    else:
+        bound = -advantages * clip_ratio_c
+        negative = advantages < 0
+        dual_clip_frac = masked_mean((negative & (per_token > bound)).to(ratio.dtype), mask)
+        per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer, norm_constant)
+    k1, k3 = _ratio_metrics(log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac.detach(), dual_clip_frac.detach(), k1, k3)
+
+
+def gspo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    aggregation: LossAggregation = LossAggregation.SEQ_MEAN_TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> PolicyLossOutput:
+    """GSPO-token: the clipped surrogate with a sequence-level, length-normalised ratio.
+
+    ``log s_i = mean_t (log pi - log pi_old)`` over the counted tokens of sequence ``i``; per token
+    ``s_{i,t} = exp(sg[log s_i] + log pi_t - sg[log pi_t])`` (value ``s_i``, gradient of ``log pi_t``),
+    and ``l = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))``. The paper aggregates with
+    ``SEQ_MEAN_TOKEN_MEAN`` (the default here) and much narrower clip ranges than PPO (3e-4, 4e-4).
+    No dual-clip.
+    """
+    log_prob, advantages = zero_masked(log_prob, mask), zero_masked(advantages, mask)
+    token_log_ratio = log_prob - zero_masked(old_log_prob, mask)
+    seq_log_ratio = masked_mean(token_log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
+    log_s = torch.clamp(seq_log_ratio + log_prob - log_prob.detach(), max=_LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_s)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_frac = masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach()
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer, norm_constant)
+    k1, k3 = _ratio_metrics(token_log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac, torch.zeros_like(clip_frac), k1, k3)
+
+
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, PolicyLossConfig, LossNormalizer | None], PolicyLossOutput]
+
+
+def _ppo_clip_entry(
+    lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
+) -> PolicyLossOutput:
+    return ppo_clip_loss(
+        lp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, cfg.aggregation, norm, cfg.norm_constant
+    )
+
+
+def _gspo_entry(
+    lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
+) -> PolicyLossOutput:
+    if cfg.clip_ratio_c is not None:
+        raise ConfigError(f"GSPO has no dual-clip; set clip_ratio_c to None, found {cfg.clip_ratio_c}")
+    return gspo_loss(lp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high, cfg.aggregation, norm, cfg.norm_constant)
+
+
+POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
+    PolicyLoss.PPO_CLIP: _ppo_clip_entry,
+    PolicyLoss.GSPO: _gspo_entry,
+}
+
+
+def compute_policy_loss(
+    cfg: PolicyLossConfig,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: LossNormalizer | None = None,
+) -> PolicyLossOutput:
+    """The policy loss ``cfg.loss`` with the clip ranges and aggregation of ``cfg``."""
+    shapes = {t.shape for t in (log_prob, old_log_prob, advantages, mask)}
+    if len(shapes) != 1:
+        raise ValueError(f"log_prob, old_log_prob, advantages and mask must share one shape, found {shapes}")
+    fn = lookup(POLICY_LOSSES, cfg.loss, PolicyLoss, "policy loss")
+    return fn(log_prob, old_log_prob, advantages, mask, cfg, normalizer)
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    clip_frac: torch.Tensor  # fraction of counted tokens where the clipped error is the larger one
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> ValueLossOutput:
+    """Clipped value loss: ``0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))``.
+
+    ``clip_range=None`` gives the plain ``0.5 * agg((V - R)^2)``; ``clip_frac`` counts tokens where
+    the clipped error is strictly larger (as in TRL and verl).
+    """
+    values, old_values, returns = (zero_masked(t, mask) for t in (values, old_values, returns))
+    err = (values - returns).square()
+    if clip_range is None:
+        per_token, clip_frac = err, torch.zeros((), dtype=err.dtype, device=err.device)
+    else:
+        v_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        err_clipped = (v_clipped - returns).square()
+        per_token = torch.maximum(err, err_clipped)
+        clip_frac = masked_mean((err_clipped > err).to(err.dtype), mask).detach()
+    loss = 0.5 * aggregate_loss(per_token, mask, aggregation, normalizer, norm_constant)
+    return ValueLossOutput(loss, clip_frac)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last axis: ``H = logsumexp(z) - sum_v softmax(z)_v z_v``."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def aggregate_entropy(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> torch.Tensor:
+    """Per-token entropy ``[batch, response_len]`` aggregated like the policy loss it regularises.
+
+    The trainer subtracts ``entropy_coef * aggregate_entropy(...)`` from the policy loss; using the
+    same aggregation and normaliser keeps the bonus correct under micro-batching.
+    """
+    return aggregate_loss(entropy, mask, aggregation, normalizer, norm_constant)
