@@ -74,3 +74,18 @@ def vocab_parallel_log_prob_entropy(
     if temperature != 1.0:
         logits = logits / temperature
     return _VocabParallelLogProbEntropy.apply(logits, target, vocab_start, vocab_size, group)
+
+
+def token_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-aligned (log p(input_ids[:, i] | input_ids[:, :i]), entropy of that distribution).
+
+    ``logits`` [b, s, V_local] from a causal LM (position i predicts token i+1). Position 0 has no
+    prediction and gets 0 in both outputs.
+    """
+    lp, ent = vocab_parallel_log_prob_entropy(
+        logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size, temperature=temperature
+    )
+    zero = lp.new_zeros(lp.shape[0], 1)
+    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent], dim=1)

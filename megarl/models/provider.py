@@ -74,6 +74,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptio
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        variable_seq_lengths=layout.pp > 1,  # micro-batches are cut to their own longest sequence
+        moe_token_dispatcher_type="alltoall",  # unused by dense models; "allgather" rejects variable lengths
     )
 
 

@@ -1,0 +1,71 @@
+"""Engine configuration: optimizer, LR schedule, micro-batching (typed, defaults live here only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from megarl.errors import ConfigError
+
+
+class OptimizerName(enum.Enum):
+    ADAM = "adam"  # AdamW (decoupled weight decay), megatron-core's
+    SGD = "sgd"
+
+
+class LRDecay(enum.Enum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+class Precision(enum.Enum):
+    FP32 = "float32"
+    BF16 = "bfloat16"  # bf16 params, fp32 master weights and grads (GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    optimizer: OptimizerName = OptimizerName.ADAM
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    lr_warmup_steps: int = 0
+    lr_decay: LRDecay = LRDecay.CONSTANT
+    lr_decay_steps: int = 1  # optimizer steps over which the LR decays (after warm-up)
+    use_distributed_optimizer: bool = True
+    max_consecutive_nonfinite: int = 3  # skipped steps in a row (NaN/inf loss or grads) before aborting
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, found lr={self.lr}, min_lr={self.min_lr}")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 1:
+            raise ConfigError("lr_warmup_steps must be >= 0 and lr_decay_steps >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchConfig:
+    """Micro-batches are formed per DP rank by token budget: sequences sorted by length, packed
+    greedily while ``size * longest <= max_tokens`` and ``size <= max_size``; each micro-batch is cut
+    to its own longest sequence, so no compute is spent on padding beyond it."""
+
+    max_tokens: int = 8192
+    max_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.max_size < 1:
+            raise ConfigError(f"micro-batch max_tokens and max_size must be >= 1, found {self.max_tokens}, "
+                              f"{self.max_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    optim: OptimConfig = OptimConfig()
+    micro_batch: MicroBatchConfig = MicroBatchConfig()
+    precision: Precision = Precision.FP32
+    seed: int = 1234

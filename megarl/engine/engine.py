@@ -1,0 +1,200 @@
+"""MegatronEngine: one role's megatron-core model on this rank, its optimizer and LR schedule, and
+forward / forward-backward passes over dynamic micro-batches through megatron-core's schedules.
+
+Batches are right-padded token rows: ``input_ids`` and ``attention_mask`` [B, S] plus whatever the
+role's loss needs. Each DP rank micro-batches its shard by token budget (see micro_batches.py).
+Losses returned by a role's loss function must already be normalised by *global* counts (over all
+micro-batches and DP ranks), so that summing them gives the loss of the whole batch; the engine
+undoes megatron-core's division by the number of micro-batches and its DP gradient averaging
+(scale by ``num_microbatches * dp``), making gradients independent of how the batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megarl.checkpoint import mcore_io
+from megarl.data.batch import Batch
+from megarl.engine import micro_batches
+from megarl.engine.config import EngineConfig, LRDecay, Precision
+from megarl.errors import MegarlError
+from megarl.models.provider import BuildOptions, build_model
+from megarl.models.spec import ModelSpec
+from megarl.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+# fn(logits_shard [b, s, V/tp], micro_batch) -> per-token outputs {name: [b, s]} (forward only)
+OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+# fn(logits_shard, micro_batch) -> (globally normalised loss, {metric: globally normalised value})
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class NonFiniteError(MegarlError, FloatingPointError):
+    """Too many optimizer steps in a row had a NaN/inf loss or gradient."""
+
+
+@dataclasses.dataclass
+class StepStats:
+    skipped_steps: int = 0
+    consecutive_skipped: int = 0
+    steps: int = 0
+
+
+class MegatronEngine:
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, config: EngineConfig, *,
+                 checkpoint_dir: str | None, trainable: bool) -> None:
+        self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
+        dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
+        self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=checkpoint_dir is None))
+        if checkpoint_dir is not None:
+            mcore_io.load_model(self.chunks, checkpoint_dir)  # before DDP copies params into its buffers
+        self.stats = StepStats()
+        if not trainable:
+            self.model = self.chunks
+            for c in self.chunks:
+                c.eval()
+            return
+        o = config.optim
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=o.use_distributed_optimizer, overlap_grad_reduce=False
+        )
+        self.model = [DistributedDataParallel(c.config, ddp_config, c) for c in self.chunks]
+        for c in self.chunks:
+            c.config.finalize_model_grads_func = finalize_model_grads  # DP + tied-embedding grad sync
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=o.optimizer.value, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+                clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        decay = "constant" if o.lr_decay is LRDecay.CONSTANT else o.lr_decay.value
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=o.lr_warmup_steps + o.lr_decay_steps,
+            lr_decay_style=decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # ----------------------------------------------------------------------------------- passes
+
+    def forward(self, batch: Batch, fn: OutputFn) -> dict[str, torch.Tensor] | None:
+        """Forward only. Per-token outputs [B, S] in batch order on last-stage ranks, None elsewhere."""
+        plan, mbs = self._micro_batches(batch)
+
+        def loss_func(mb, output, non_loss_data=True):
+            return fn(output, mb)
+
+        with torch.no_grad():
+            outputs = self._run(mbs, loss_func, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        b, s = batch["input_ids"].shape
+        return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s) for k in outputs[0]}
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
+        _, mbs = self._micro_batches(batch)
+        scale = len(mbs) * self.layout.dp
+
+        def loss_func(mb, output):
+            loss, metrics = loss_fn(output, mb)
+            return loss * scale, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = self._run(mbs, loss_func, forward_only=False)
+        metrics = self._reduce_metrics(reduced)
+        finite = self._all_finite(metrics.get("loss", 0.0))
+        if finite:
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            self.stats.consecutive_skipped = 0
+        else:
+            self.stats.skipped_steps += 1
+            self.stats.consecutive_skipped += 1
+            metrics["grad_norm"] = float("nan")
+            if self.stats.consecutive_skipped >= self.config.optim.max_consecutive_nonfinite:
+                raise NonFiniteError(
+                    f"{self.stats.consecutive_skipped} optimizer steps in a row had a NaN/inf loss or gradient "
+                    "(skipped); the run is diverging: lower the learning rate, check rewards and inputs for NaN."
+                )
+        self.stats.steps += 1
+        metrics |= {"lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": float(self.stats.skipped_steps),
+                    "step_skipped": float(not finite)}
+        return metrics
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _micro_batches(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+        lengths = batch["attention_mask"].sum(-1).long().tolist()
+        mb_cfg = self.config.micro_batch
+        plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
+        tensors = dict(batch.tensors.items())
+        mbs = []
+        for rows in plan:
+            length = max(lengths[i] for i in rows)
+            mb = micro_batches.cut(tensors, rows, length)
+            mb["position_ids"] = torch.arange(length).expand(len(rows), length)
+            mbs.append(mb)
+        return plan, mbs
+
+    def _run(self, mbs: list[dict[str, torch.Tensor]], loss_func, *, forward_only: bool) -> list[Any]:
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+            return output, lambda out, **kw: loss_func(mb, out, **kw)
+
+        chunks = self.model
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=max(mb["input_ids"].shape[1] for mb in mbs),
+            micro_batch_size=max(mb["input_ids"].shape[0] for mb in mbs),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _reduce_metrics(self, reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum the (globally normalised) per-micro-batch metrics over micro-batches and DP ranks on the
+        last pipeline stage, then share them with every stage."""
+        shared: list[dict[str, float] | None] = [None]
+        if parallel_state.is_pipeline_last_stage():
+            keys = sorted(reduced[0])
+            values = torch.stack([sum(r[k].double() for r in reduced) for k in keys])
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            shared = [dict(zip(keys, values.tolist(), strict=True))]
+        dist.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        return dict(shared[0])
+
+    def _all_finite(self, loss: float) -> bool:
+        """True when the loss and every gradient on every rank are finite."""
+        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0])
+        for m in self.model:
+            for p in m.module.parameters():
+                g = getattr(p, "main_grad", None)
+                if g is not None and not torch.isfinite(g).all():
+                    bad.fill_(1.0)
+                    break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0.0

@@ -1,0 +1,1 @@
+"""Roles hosted in worker processes: policy, critic, reference, reward model (megatron-core models)."""
