@@ -5,9 +5,9 @@ name, and the three dispatch modes are explicit methods:
 
 * :meth:`RoleHandle.all` - same arguments to every rank, every rank's result (rank order);
 * :meth:`RoleHandle.one` - one rank;
-* :meth:`RoleHandle.dp` - a :class:`Batch` padded to a multiple of DP, shard ``d`` put once in the
-  object store and sent to every rank of DP rank ``d``; results collected from each DP rank's owner
-  (last PP stage, TP rank 0), concatenated in sample order, padding removed.
+* :meth:`RoleHandle.dp` - a :class:`Batch` cut into DP shards (filler rows only where needed),
+  shard ``d`` put once in the object store and sent to every rank of DP rank ``d``; results
+  collected from each DP rank's owner (last PP stage, TP rank 0), in sample order, filler removed.
 
 Each has an ``*_async`` twin returning a :class:`PendingCall`, so calls on independent groups
 overlap. A worker that raises makes the call raise :class:`WorkerError` naming role, rank and the
@@ -186,8 +186,8 @@ class RoleHandle(Generic[R]):
 
     def dp_async(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[Batch]:
         layout = self.group.layout
-        padded, pad = batch.pad_to_multiple(layout.dp)
-        shard_refs = [ray.put(shard) for shard in padded.chunk(layout.dp)]  # one object per DP rank
+        shards, pad = batch.shard(layout.dp)
+        shard_refs = [ray.put(shard) for shard in shards]  # one object per DP rank
         futures = {
             rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
             for d, ranks in enumerate(dispatch.dp_members(layout))

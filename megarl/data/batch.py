@@ -4,8 +4,13 @@ Per-sample tensors live in a ``tensordict.TensorDict`` whose batch dimension is 
 per-sample Python objects (prompt strings, reward-function extras) are lists of the same length;
 ``meta`` holds batch-level values (sampling settings, step counters). Batches split, concatenate,
 select fields and pad to a multiple of the data-parallel size (and drop that padding again), which
-is all the controller's dispatch needs. Pickles compactly for Ray's object store (tensor storages
-travel as out-of-band buffers). Pure module: no Ray, no torch.distributed.
+is all the controller's dispatch needs.
+
+Pickling ships each tensor as a flat numpy byte array of exactly its own elements (never the larger
+storage a slice views), which pickle protocol 5 - and so Ray's object store - moves as an out-of-band
+buffer without copying. On the receiving side a read-only buffer (shared object-store memory) is
+copied once into a private tensor, so a role may modify its inputs without touching a peer's copy.
+Pure module: no Ray, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -109,6 +115,23 @@ class Batch:
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in batches[0].non_tensors}
         return Batch(tensors, non_tensors, dict(batches[0].meta))
 
+    def shard(self, n: int) -> tuple[list[Batch], int]:
+        """``n`` consecutive shards of ``ceil(len/n)`` rows; short trailing shards are filled with copies
+        of the first rows. Returns (shards, pad): concatenating the shards puts all ``pad`` filler rows
+        last, so ``Batch.concat(results).unpad(pad)`` restores the original rows. Copies only filler."""
+        if len(self) == 0:
+            raise ValueError("cannot shard an empty batch")
+        size = -(-len(self) // n)
+        shards = []
+        for d in range(n):
+            part = self.slice(min(d * size, len(self)), min((d + 1) * size, len(self)))
+            missing = size - len(part)
+            if missing:
+                filler = self.index(torch.arange(missing) % len(self))
+                part = Batch.concat([part, filler]) if len(part) else filler
+            shards.append(part)
+        return shards, size * n - len(self)
+
     def pad_to_multiple(self, k: int) -> tuple[Batch, int]:
         """Append copies of the first samples until the size is a multiple of ``k``; return (batch, pad)."""
         if len(self) == 0:
@@ -124,3 +147,23 @@ class Batch:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __reduce__(self):
+        tensors = {k: _pack(t) for k, t in self.tensors.items()}
+        return _unpickle_batch, (tensors, len(self), self.non_tensors, self.meta)
+
+
+def _pack(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
+
+
+def _unpack(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw.flags.writeable:  # a view of shared memory (Ray's object store): take a private copy
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+
+
+def _unpickle_batch(tensors: dict, size: int, non_tensors: dict, meta: dict) -> Batch:
+    td = TensorDict({k: _unpack(*v) for k, v in tensors.items()}, batch_size=[size])
+    return Batch(td, non_tensors, meta)
