@@ -97,8 +97,28 @@ def _world(rank, world_size, ckpt, old_log_probs):
                 named = [(n, p) for c in role.engine.chunks for n, p in global_named_parameters(c)]
                 res["grads"] = {n: p.main_grad.tolist() for n, p in named}
                 res["params"] = {n: p.detach().tolist() for n, p in named}
+            if name == "tp2pp2":
+                res["nonfinite"] = _nonfinite_steps(role, rows)
         out[name] = res
     return out
+
+
+def _nonfinite_steps(role, batch):
+    """NaN advantages: each step is skipped (parameters untouched) and counted; the 3rd in a row aborts."""
+    from megarl.data.batch import Batch
+    from megarl.engine.engine import NonFiniteError
+
+    bad = batch.update(Batch.from_dict({"advantages": batch["advantages"] * float("nan")}))
+    before = [p.detach().clone() for c in role.engine.chunks for p in c.parameters()]
+    skipped = [role.update(bad)["skipped_steps"] for _ in range(2)]
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, (p for c in role.engine.chunks for p in c.parameters()),
+                                                       strict=True))
+    try:
+        role.update(bad)
+        error = ""
+    except NonFiniteError as e:
+        error = str(e)
+    return {"skipped": skipped, "unchanged": unchanged, "error": error}
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +183,10 @@ def test_ppo_update_loss_gradients_and_sgd_step_match_reference(world, reference
             expected = ref[name] if key == "grads" else ref_weights[name] - LR * ref_grads[name]
             rel = (full - expected).norm() / expected.norm().clamp(min=1e-12)
             assert rel < 1e-5, f"{layout} {key} {name}: relative error {rel:.2e}"
+
+
+def test_nonfinite_steps_are_skipped_counted_and_abort(world):
+    for r in world:
+        res = r["tp2pp2"]["nonfinite"]
+        assert res["skipped"] == [1.0, 2.0] and res["unchanged"]
+        assert "3 optimizer steps in a row had a NaN/inf" in res["error"]
