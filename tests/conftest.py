@@ -18,6 +18,8 @@ TINY_MODELS = {
     "qwen2_tied": ("qwen2", dict(num_heads=4, num_kv_heads=2, tied=True)),
     "qwen3": ("qwen3", dict(num_heads=4, num_kv_heads=2)),
     "llama_rope_scaling": ("llama", dict(num_heads=4, num_kv_heads=4, rope_scaling=True)),
+    "llama_rm": ("llama", dict(num_heads=4, num_kv_heads=2, scalar_head=True)),
+    "qwen2_rm": ("qwen2", dict(num_heads=4, num_kv_heads=2, scalar_head=True, tied=True)),
 }
 
 

@@ -117,18 +117,29 @@ def _own_views_and_release(chunks: list[torch.nn.Module], sharded: dict) -> None
             params[ptr].data = params[ptr].data.new_empty(0)
 
 
-def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
-    """Collective: load a checkpoint written at any layout into this rank's model chunks."""
+def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path, *, exclude: tuple[str, ...] = ()) -> None:
+    """Collective: load a checkpoint written at any layout into this rank's model chunks.
+
+    Parameters whose names start with one of ``exclude`` keep their current values (a critic's new
+    value head on top of a causal LM's checkpoint).
+    """
     path = weights_dir(ckpt_dir)
+    sharded = _sharded_state_dict(chunks)
+    for sd in sharded.values():
+        for key in [k for k in sd if k.startswith(exclude)] if exclude else []:
+            del sd[key]
     try:
-        state = mcore_compat.load_checkpoint(_sharded_state_dict(chunks), str(path))
+        state = mcore_compat.load_checkpoint(sharded, str(path))
     except mcore_compat.CHECKPOINT_READ_ERRORS as e:  # many types for missing or corrupt shards
         raise CheckpointError(
             f"cannot load the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
             "or corrupt, or the checkpoint belongs to another model; convert it again from the HF model."
         ) from e
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state[f"model{i}"], strict=True)
+        result = chunk.load_state_dict(state[f"model{i}"], strict=not exclude)
+        missing = [k for k in getattr(result, "missing_keys", []) if not k.startswith(exclude)]
+        if missing:
+            raise CheckpointError(f"the checkpoint in {path} lacks {missing[:3]}; it belongs to another model.")
 
 
 def tensors_metadata(ckpt_dir: str | Path) -> dict[str, ShardedTensor]:

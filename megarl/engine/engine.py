@@ -55,12 +55,13 @@ class StepStats:
 
 class MegatronEngine:
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, config: EngineConfig, *,
-                 checkpoint_dir: str | None, trainable: bool) -> None:
+                 checkpoint_dir: str | None, trainable: bool, load_exclude: tuple[str, ...] = ()) -> None:
         self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
-        self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=checkpoint_dir is None))
-        if checkpoint_dir is not None:
-            mcore_io.load_model(self.chunks, checkpoint_dir)  # before DDP copies params into its buffers
+        init = checkpoint_dir is None or bool(load_exclude)
+        self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))
+        if checkpoint_dir is not None:  # before DDP copies params into its buffers
+            mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
         self.stats = StepStats()
         if not trainable:
             self.model = self.chunks

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from megarl.errors import CheckpointError
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import Head, ModelSpec
 
 
 class Kind(enum.Enum):
@@ -87,7 +87,9 @@ def tensor_maps(spec: ModelSpec) -> list[TensorMap]:
             hf = tuple(f"model.layers.{i}.{s}" for s in hf_suffixes)
             maps.append(TensorMap(f"decoder.layers.{i}.{suffix}", hf, kind, tp_dim, i))
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.COPY, None, None))
-    if not spec.tie_word_embeddings:
+    if spec.head is Head.SCALAR:  # replicated over TP: [1, hidden]
+        maps.append(TensorMap("output_layer.weight", ("score.weight",), Kind.COPY, None, None))
+    elif not spec.tie_word_embeddings:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), Kind.VOCAB, 0, None))
     return maps
 
@@ -150,6 +152,8 @@ def hf_shapes(m: TensorMap, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
         return ((h, q),)
     if suffix == "mlp.linear_fc2.weight":
         return ((h, spec.ffn_hidden_size),)
+    if suffix == "output_layer.weight":  # scalar head
+        return ((1, h),)
     if "q_layernorm" in suffix or "k_layernorm" in suffix:
         return ((d,),)
     return ((h,),)  # norms

@@ -19,7 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megarl.models.mapping import local_name, split_layer_name, with_layer
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import Head, ModelSpec
 from megarl.parallel import mcore_compat
 from megarl.parallel.layout import ParallelLayout
 
@@ -34,6 +34,26 @@ class BuildOptions:
     vocab_divisible_by: int = 128
     vocab_tp: int | None = None  # pad the vocabulary as for this TP size (None: the layout's)
     dropout: float = 0.0
+    seed: int = 0  # initial scalar-head weights (identical on every rank: the head is replicated)
+
+
+class ScalarHead(torch.nn.Module):
+    """One value per token, in place of megatron's vocabulary output layer ([s, b, h] -> [s, b, 1]).
+
+    Replicated over tensor-parallel ranks (hidden states are identical there), called like
+    megatron's ``ColumnParallelLinear`` output layer. Checkpointed as a replicated tensor.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int, init: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        if init:
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                self.weight.copy_(torch.randn(1, hidden_size, generator=gen) / hidden_size**0.5)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> TransformerConfig:
@@ -105,6 +125,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        if spec.head is Head.SCALAR and model.post_process:
+            model.output_layer = ScalarHead(spec.hidden_size, opts.dtype, opts.seed, opts.init_weights)
         # megatron's local-spec norms ignore params_dtype; keep one dtype like Float16Module does
         model.to(dtype=opts.dtype)
         if torch.cuda.is_available():

@@ -29,10 +29,18 @@ class Family(enum.Enum):
     QWEN3 = "qwen3"
 
 
-ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family.LLAMA,
-    "Qwen2ForCausalLM": Family.QWEN2,
-    "Qwen3ForCausalLM": Family.QWEN3,
+class Head(enum.Enum):
+    LM = "lm"  # vocabulary logits (causal LM)
+    SCALAR = "scalar"  # one value per token (critic, reward model: HF *ForSequenceClassification, num_labels=1)
+
+
+ARCHITECTURES: dict[str, tuple[Family, Head]] = {
+    "LlamaForCausalLM": (Family.LLAMA, Head.LM),
+    "Qwen2ForCausalLM": (Family.QWEN2, Head.LM),
+    "Qwen3ForCausalLM": (Family.QWEN3, Head.LM),
+    "LlamaForSequenceClassification": (Family.LLAMA, Head.SCALAR),
+    "Qwen2ForSequenceClassification": (Family.QWEN2, Head.SCALAR),
+    "Qwen3ForSequenceClassification": (Family.QWEN3, Head.SCALAR),
 }
 
 
@@ -53,8 +61,14 @@ class ModelSpec:
     max_position_embeddings: int
     qkv_bias: bool
     qk_layernorm: bool
-    tie_word_embeddings: bool
+    tie_word_embeddings: bool  # always False for a scalar head (there is no LM head to tie)
     dtype: str  # "float32" | "bfloat16" | "float16": the checkpoint's dtype
+    head: Head = Head.LM
+    pad_token_id: int | None = None  # scalar heads score the last token that is not padding
+
+    def with_head(self, head: Head) -> ModelSpec:
+        """The same decoder with another head (a critic built from a causal LM)."""
+        return dataclasses.replace(self, head=head, tie_word_embeddings=self.tie_word_embeddings and head is Head.LM)
 
     @property
     def heads_per_group(self) -> int:
@@ -76,7 +90,8 @@ class ModelSpec:
         attn += self.qkv_rows if self.qkv_bias else 0
         attn += 2 * self.head_dim if self.qk_layernorm else 0
         layer = attn + 3 * self.ffn_hidden_size * h + 2 * h
-        return self.num_layers * layer + h + v * h * (1 if self.tie_word_embeddings else 2)
+        head = h if self.head is Head.SCALAR else (0 if self.tie_word_embeddings else v * h)
+        return self.num_layers * layer + h + v * h + head
 
 
 def supported_architectures() -> list[str]:
@@ -109,7 +124,12 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
             "megarl.models.spec.ARCHITECTURES with its name mapping."
         )
     arch = known[0]
-    family = ARCHITECTURES[arch]
+    family, head = ARCHITECTURES[arch]
+    if head is Head.SCALAR and int(cfg.get("num_labels", len(cfg.get("id2label") or {0: 0}))) != 1:
+        raise UnsupportedModelError(
+            f"{arch} with {cfg.get('num_labels', len(cfg.get('id2label') or {}))} labels is not supported: reward "
+            "models and critics have one output; set num_labels=1."
+        )
     _require(cfg, "hidden_act", "silu", arch)
     _require(cfg, "mlp_bias", False, arch)
     if cfg.get("use_sliding_window"):
@@ -134,8 +154,10 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         qkv_bias=qkv_bias,
         qk_layernorm=family is Family.QWEN3,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head is Head.LM,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        head=head,
+        pad_token_id=cfg.get("pad_token_id"),
     )
 
 

@@ -58,8 +58,10 @@ def tiny_config(
     num_kv_heads: int = 2,
     tied: bool = False,
     rope_scaling: bool = False,
+    scalar_head: bool = False,
 ):
-    """An HF config of the given family ("llama", "qwen2", "qwen3")."""
+    """An HF config of the given family ("llama", "qwen2", "qwen3"); ``scalar_head``: a
+    ``*ForSequenceClassification`` with one label (reward model / critic)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -83,14 +85,16 @@ def tiny_config(
         if rope_scaling:
             rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        return LlamaConfig(**common, rope_parameters=rope, architectures=["LlamaForCausalLM"])
-    if family == "qwen2":
-        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                           architectures=["Qwen2ForCausalLM"])
-    if family == "qwen3":
-        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                           architectures=["Qwen3ForCausalLM"])
-    raise ValueError(f"unknown family {family!r}; choose llama, qwen2 or qwen3")
+        cls, name = LlamaConfig, "Llama"
+    elif family == "qwen2":
+        cls, name, rope = Qwen2Config, "Qwen2", {"rope_type": "default", "rope_theta": 1e6}
+    elif family == "qwen3":
+        cls, name, rope = Qwen3Config, "Qwen3", {"rope_type": "default", "rope_theta": 1e6}
+    else:
+        raise ValueError(f"unknown family {family!r}; choose llama, qwen2 or qwen3")
+    arch = f"{name}ForSequenceClassification" if scalar_head else f"{name}ForCausalLM"
+    extra = {"num_labels": 1} if scalar_head else {}
+    return cls(**common, rope_parameters=rope, architectures=[arch], **extra)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -117,12 +121,13 @@ def make_tiny_model(
     **config_kwargs,
 ) -> Path:
     """Write a random tiny HF causal LM (+ tokenizer) to ``out_dir`` and return the path."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     out_dir = Path(out_dir)
     config = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if config_kwargs.get("scalar_head") else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     model.to(dtype).save_pretrained(str(out_dir))
     if with_tokenizer:

@@ -56,7 +56,7 @@ class PolicyRole(Role):
     def update(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together)."""
         cfg, vocab = self.policy, self.spec.vocab_size
-        normalizer = _global_normalizer(batch["response_mask"])
+        normalizer = global_normalizer(batch["response_mask"])
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
             lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=cfg.temperature)
@@ -72,7 +72,7 @@ class PolicyRole(Role):
         return self.engine.train_step(batch, loss_fn)
 
 
-def _global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:
+def global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:
     """Token and sequence counts over the whole batch (every DP rank's shard)."""
     counts = algos.LossNormalizer.of(response_mask.double()).as_tensor()
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())

@@ -9,16 +9,26 @@ from megarl.models.spec import spec_from_hf_config
 from megarl.testing.tiny import tiny_config
 
 
-@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", False)])
-def test_num_parameters_matches_transformers(family, tied):
-    cfg = tiny_config(family, tied=tied)
+@pytest.mark.parametrize("family, tied, scalar", [("llama", False, False), ("qwen2", True, False),
+                                                 ("qwen2", False, False), ("qwen3", False, False),
+                                                 ("llama", False, True), ("qwen2", True, True)])
+def test_num_parameters_matches_transformers(family, tied, scalar):
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = tiny_config(family, tied=tied, scalar_head=scalar)
     spec = spec_from_hf_config(cfg.to_dict())
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = (AutoModelForSequenceClassification if scalar else AutoModelForCausalLM).from_config(cfg)
     assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
     assert spec.qkv_bias == (family == "qwen2")
     assert spec.qk_layernorm == (family == "qwen3")
-    assert spec.tie_word_embeddings == tied
+    assert spec.tie_word_embeddings == (tied and not scalar)
+
+
+def test_multi_label_classifier_is_rejected():
+    cfg = tiny_config("llama", scalar_head=True).to_dict() | {"id2label": {0: "a", 1: "b"}}
+    with pytest.raises(UnsupportedModelError, match="2 labels is not supported"):
+        spec_from_hf_config(cfg)
 
 
 def test_unknown_architecture_lists_supported():

@@ -1,0 +1,84 @@
+"""CriticRole (values + clipped value-loss updates) and RewardModelRole (sequence scores).
+
+Both put a scalar head on the decoder. A critic starts from an HF sequence-classification
+checkpoint (its ``score`` head) or from a causal LM (a fresh, seeded head replaces the LM head).
+Values are token-aligned like log-probs: ``values[:, i]`` is the head applied to the state that
+produced token ``i`` (the hidden state at position ``i - 1``); position 0 gets 0. A reward model
+scores each sequence at its last real token, as `transformers`' sequence classifiers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarl import algos
+from megarl.checkpoint import mcore_io
+from megarl.controller.role import Role, WorkerContext
+from megarl.data.batch import Batch
+from megarl.engine.config import EngineConfig
+from megarl.engine.engine import MegatronEngine
+from megarl.models.spec import Head, spec_from_hf_config
+from megarl.workers.policy import global_normalizer
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    value_clip: float | None = 0.2  # None: unclipped value loss
+    aggregation: algos.LossAggregation = algos.LossAggregation.TOKEN_MEAN
+
+
+def _scalar_engine(ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, trainable: bool) -> MegatronEngine:
+    spec = spec_from_hf_config(mcore_io.read_meta(checkpoint_dir).hf_config)
+    exclude = ("output_layer.",) if spec.head is Head.LM else ()  # a causal LM: new head, LM head not loaded
+    return MegatronEngine(spec.with_head(Head.SCALAR), ctx.layout, engine, checkpoint_dir=checkpoint_dir,
+                          trainable=trainable, load_exclude=exclude)
+
+
+def _token_values(output: torch.Tensor) -> torch.Tensor:
+    """[b, s, 1] head outputs -> token-aligned values [b, s] (the state before each token)."""
+    v = output.squeeze(-1).float()
+    return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
+
+
+class CriticRole(Role):
+    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, critic: CriticConfig,
+                 trainable: bool = True) -> None:
+        super().__init__(ctx)
+        self.critic = critic
+        self.engine = _scalar_engine(ctx, checkpoint_dir, engine, trainable)
+
+    def compute_values(self, batch: Batch) -> Batch | None:
+        """``values`` [B, S], token-aligned, zero outside ``attention_mask``."""
+        out = self.engine.forward(batch, lambda o, mb: {"values": _token_values(o) * mb["attention_mask"]})
+        return Batch.from_dict(out) if out is not None and self.ctx.is_collect_rank else None
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the (clipped) value loss; needs ``old_values`` and ``returns``."""
+        cfg = self.critic
+        normalizer = global_normalizer(batch["response_mask"])
+
+        def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
+            values = _token_values(output)
+            mask = mb["response_mask"].to(values.dtype)
+            out = algos.value_loss(values, mb["old_values"], mb["returns"], mask, cfg.value_clip, cfg.aggregation,
+                                   normalizer)
+            weight = mask.sum() / normalizer.token_count
+            return out.loss, {"vf_loss": out.loss.detach(), "vf_clip_frac": out.clip_frac * weight}
+
+        return self.engine.train_step(batch, loss_fn)
+
+
+class RewardModelRole(Role):
+    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig) -> None:
+        super().__init__(ctx)
+        self.engine = _scalar_engine(ctx, checkpoint_dir, engine, trainable=False)
+
+    def compute_scores(self, batch: Batch) -> Batch | None:
+        """``scores`` [B]: the head at each sequence's last real token (``attention_mask`` right-padded)."""
+        out = self.engine.forward(batch, lambda o, mb: {"raw": o.squeeze(-1).float()})
+        if out is None or not self.ctx.is_collect_rank:
+            return None
+        last = batch["attention_mask"].sum(-1).long() - 1
+        return Batch.from_dict({"scores": out["raw"].gather(1, last.unsqueeze(1)).squeeze(1)})
