@@ -29,6 +29,7 @@ from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
 from megarl.engine import micro_batches
 from megarl.engine.config import EngineConfig, LRDecay, Precision
+from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.errors import MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
@@ -63,6 +64,7 @@ class MegatronEngine:
         if checkpoint_dir is not None:  # before DDP copies params into its buffers
             mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
         self.stats = StepStats()
+        self._offloaders = {"params": StorageOffloader(), "grads": StorageOffloader(), "optimizer": StorageOffloader()}
         if not trainable:
             self.model = self.chunks
             for c in self.chunks:
@@ -141,6 +143,42 @@ class MegatronEngine:
         metrics |= {"lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": float(self.stats.skipped_steps),
                     "step_skipped": float(not finite)}
         return metrics
+
+    # ---------------------------------------------------------------------------------- offload
+
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Free parameters / gradients / optimizer state (host copies kept); returns bytes freed by kind.
+        The hybrid engine offloads grads + optimizer before rollout and params after the weight sync."""
+        freed = {}
+        param_ptrs = storage_ptrs(self._params())
+        grad_ptrs = storage_ptrs(self._grads())
+        if grads and self.trainable:
+            freed["grads"] = self._offloaders["grads"].offload(self._grads())
+        if optimizer and self.trainable:
+            freed["optimizer"] = self._offloaders["optimizer"].offload(self._optimizer_tensors(),
+                                                                      exclude=param_ptrs | grad_ptrs)
+        if params:
+            freed["params"] = self._offloaders["params"].offload(self._params())
+        return freed
+
+    def reload(self) -> None:
+        """Restore whatever :meth:`offload` freed, bit-identical."""
+        for offloader in self._offloaders.values():
+            offloader.reload()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for c in self.chunks for p in c.parameters()]
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.main_grad for p in self._params() if getattr(p, "main_grad", None) is not None]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        tensors = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            tensors += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+            tensors += [p for group in inner.param_groups for p in group["params"]]  # fp32 main params
+        return tensors
 
     # --------------------------------------------------------------------------------- internals
 

@@ -41,17 +41,7 @@ class PolicyRole(Role):
 
     def compute_log_probs(self, batch: Batch) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``."""
-        vocab, temp = self.spec.vocab_size, self.policy.temperature
-
-        def per_token(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temp)
-            mask = mb["attention_mask"].to(lp.dtype)
-            return {"log_probs": lp * mask, "entropy": ent * mask}
-
-        out = self.engine.forward(batch, per_token)
-        if out is None or not self.ctx.is_collect_rank:
-            return None
-        return Batch.from_dict(out)
+        return _log_probs(self.engine, self.ctx, batch, self.policy.temperature)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together)."""
@@ -70,6 +60,32 @@ class PolicyRole(Role):
             return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
 
         return self.engine.train_step(batch, loss_fn)
+
+
+class ReferenceRole(Role):
+    """The frozen reference policy: forward-only log-probs (no optimizer, no gradients)."""
+
+    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, temperature: float = 1.0):
+        super().__init__(ctx)
+        self.temperature = temperature
+        spec = spec_from_hf_config(mcore_io.read_meta(checkpoint_dir).hf_config)
+        self.engine = MegatronEngine(spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=False)
+
+    def compute_log_probs(self, batch: Batch) -> Batch | None:
+        """``log_probs`` and ``entropy`` [B, S] of the reference model (see PolicyRole)."""
+        return _log_probs(self.engine, self.ctx, batch, self.temperature)
+
+
+def _log_probs(engine: MegatronEngine, ctx: WorkerContext, batch: Batch, temperature: float) -> Batch | None:
+    vocab = engine.spec.vocab_size
+
+    def per_token(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature)
+        mask = mb["attention_mask"].to(lp.dtype)
+        return {"log_probs": lp * mask, "entropy": ent * mask}
+
+    out = engine.forward(batch, per_token)
+    return Batch.from_dict(out) if out is not None and ctx.is_collect_rank else None
 
 
 def global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:

@@ -69,24 +69,27 @@ def _world(rank, world_size, ckpt, old_log_probs):
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.workers.policy import PolicyConfig, PolicyRole, ReferenceRole
 
     ids, attn, resp, adv, _ = _batch_tensors()
     engine = EngineConfig(
-        optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, clip_grad=0.0, use_distributed_optimizer=False),
+        # momentum: its first step equals plain SGD (buffer = grad) and gives the optimizer a state to offload
+        optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, sgd_momentum=0.9, clip_grad=0.0,
+                          use_distributed_optimizer=False),
         micro_batch=MicroBatchConfig(max_tokens=40, max_size=4),  # several micro-batches of different lengths
     )
     out = {}
-    for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp2dp2": (1, 2), "tp1pp1dp4": (1, 1)}.items():
+    for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp2dp2": (1, 2), "tp1pp1dp4": (1, 1), "ref_tp2pp2": (2, 2)}.items():
         layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
         init_distributed(layout)
         coords = layout.coords(rank)
         ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
-        role = PolicyRole(ctx, ckpt, engine, PolicyConfig())
+        role = ReferenceRole(ctx, ckpt, engine) if name.startswith("ref") else PolicyRole(ctx, ckpt, engine,
+                                                                                            PolicyConfig())
         full = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
         lp = role.compute_log_probs(full)  # every DP rank gets the whole batch here
         res = {"coords": list(coords), "log_probs": lp["log_probs"].tolist() if lp is not None else None}
-        if name != "tp1pp1dp4":
+        if name in ("tp2pp2", "tp1pp2dp2"):
             old = torch.tensor(old_log_probs)  # the reference log-probs + noise, as a rollout would give
             train = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
                                      "old_log_probs": old, "advantages": adv})
@@ -98,9 +101,23 @@ def _world(rank, world_size, ckpt, old_log_probs):
                 res["grads"] = {n: p.main_grad.tolist() for n, p in named}
                 res["params"] = {n: p.detach().tolist() for n, p in named}
             if name == "tp2pp2":
+                res["offload"] = _offload_roundtrip(role)
                 res["nonfinite"] = _nonfinite_steps(role, rows)
         out[name] = res
     return out
+
+
+def _offload_roundtrip(role):
+    """Snapshot parameters, gradients and optimizer state; offload (storages freed); reload; compare."""
+    engine = role.engine
+    groups = {"params": engine._params(), "grads": engine._grads(), "optimizer": engine._optimizer_tensors()}
+    before = {k: [t.detach().clone() for t in ts] for k, ts in groups.items()}
+    freed = engine.offload()
+    emptied = all(t.untyped_storage().nbytes() == 0 for ts in groups.values() for t in ts)
+    engine.reload()
+    identical = {k: all(torch.equal(a, b) for a, b in zip(before[k], ts, strict=True)) for k, ts in groups.items()}
+    return {"freed": freed, "emptied": emptied, "identical": identical,
+            "counts": {k: len(v) for k, v in groups.items()}}
 
 
 def _nonfinite_steps(role, batch):
@@ -141,7 +158,7 @@ def reference(hf_and_ckpt):
     return _hf_reference(hf_and_ckpt[0])
 
 
-@pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp2dp2", "tp1pp1dp4"])
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp2dp2", "tp1pp1dp4", "ref_tp2pp2"])
 def test_log_probs_match_transformers(world, reference, layout):
     ref_lp = reference[0]
     reported = [r[layout]["log_probs"] for r in world if r[layout]["log_probs"] is not None]
@@ -190,3 +207,13 @@ def test_nonfinite_steps_are_skipped_counted_and_abort(world):
         res = r["tp2pp2"]["nonfinite"]
         assert res["skipped"] == [1.0, 2.0] and res["unchanged"]
         assert "3 optimizer steps in a row had a NaN/inf" in res["error"]
+
+
+def test_offload_reload_is_bit_identical_and_frees_storage(world):
+    for r in world:
+        res = r["tp2pp2"]["offload"]
+        assert res["emptied"]
+        assert res["identical"] == {"params": True, "grads": True, "optimizer": True}
+        assert res["counts"]["grads"] == res["counts"]["params"] > 0
+        assert res["freed"]["params"] > 0 and res["freed"]["grads"] > 0
+        assert res["freed"]["optimizer"] > 0  # the momentum buffers
