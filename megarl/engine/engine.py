@@ -126,8 +126,10 @@ class MegatronEngine:
         metrics = self._reduce_metrics(reduced)
         finite = self._all_finite(metrics.get("loss", 0.0))
         if finite:
-            ok, grad_norm, _ = self.optimizer.step()
+            # advance the schedule first: with W warm-up steps the k-th step (from 1) uses lr * k / W,
+            # so no step is wasted at lr 0
             self.scheduler.step(increment=1)
+            _, grad_norm, _ = self.optimizer.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.stats.consecutive_skipped = 0
         else:

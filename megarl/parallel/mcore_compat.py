@@ -74,3 +74,33 @@ def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, *, partial: b
 def load_tensors_metadata(checkpoint_dir: str) -> dict:
     """Global shape and dtype of every tensor in a dist checkpoint, keyed by checkpoint key."""
     return dist_checkpointing.load_tensors_metadata(checkpoint_dir)
+
+
+def _fix_distributed_optimizer_step_state() -> None:
+    """megatron-core 0.16-0.19: loading a "fully_reshardable" DistributedOptimizer checkpoint into
+    torch Adam raises ``KeyError: 'step'`` (the saved per-parameter tensors skip ``step`` but the
+    copy loop expects every state key), and the inner optimizer's load leaves one ``step`` tensor
+    shared by all parameters, which Adam then increments once per parameter (a silent ~2e-3 error
+    in the next update). Copy the other state keys, and give every parameter its own ``step``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_megarl_fixed", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state.get(main_param, {})
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step.detach().clone()
+
+    set_states._megarl_fixed = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+_fix_distributed_optimizer_step_state()

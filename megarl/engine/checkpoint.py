@@ -1,0 +1,129 @@
+"""Training checkpoints: model + optimizer + LR schedule + RNG, saved with dist-checkpointing.
+
+A training checkpoint directory has the same layout as a converted one (``megarl_checkpoint.json``,
+``hf/``, ``weights/``), so it loads into any TP/PP layout for inference and converts back to HF with
+tools/convert_megatron_to_hf.py; ``weights/`` additionally holds the optimizer state (in the
+layout-independent "fully reshardable" form for the distributed optimizer, so a different DP size
+can load it) and ``trainer_state.json`` the step, LR-schedule state and per-rank RNG states.
+
+Writes are atomic: every rank writes into one temporary sibling directory; rank 0 renames it into
+place after a barrier, so a crash never leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint import mcore_io
+from megarl.checkpoint.atomic import check_output_dir
+from megarl.errors import CheckpointError
+from megarl.parallel import mcore_compat
+
+TRAINER_STATE = "trainer_state.json"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(engine, *, is_loading: bool) -> dict:
+    # the unwrapped chunks (not DDP): same structure as a converted checkpoint; same Parameter objects
+    model_sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(engine.chunks)}
+    return model_sd | {
+        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    }
+
+
+def save_training_checkpoint(engine, out_dir: str | Path, *, step: int, source_dir: str | Path) -> Path:
+    """Collective. Writes ``out_dir`` atomically; ``source_dir`` is the checkpoint the run started
+    from (its metadata and hf/ files are carried over)."""
+    out_dir = Path(out_dir)
+    tmp = [None]
+    if dist.get_rank() == 0:
+        check_output_dir(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = [tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent)]
+    dist.broadcast_object_list(tmp, src=0)
+    tmp_dir = Path(tmp[0])
+    try:
+        weights = tmp_dir / mcore_io.WEIGHTS_SUBDIR
+        if dist.get_rank() == 0:
+            weights.mkdir()
+        dist.barrier()
+        mcore_compat.save_checkpoint(_sharded_state(engine, is_loading=False), str(weights))
+        rng = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, _rng_state())
+        if dist.get_rank() == 0:
+            meta = mcore_io.read_meta(source_dir)
+            mcore_io.write_meta(tmp_dir, meta)
+            shutil.copytree(Path(source_dir) / mcore_io.HF_SUBDIR, tmp_dir / mcore_io.HF_SUBDIR)
+            state = {"step": step, "scheduler": engine.scheduler.state_dict(), "rng": rng,
+                     "skipped_steps": engine.stats.skipped_steps}
+            (tmp_dir / TRAINER_STATE).write_text(json.dumps(state))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            tmp_dir.rename(out_dir)
+        dist.barrier()
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_training_checkpoint(engine, ckpt_dir: str | Path) -> int:
+    """Collective. Restore model, optimizer, schedule and (same world size) RNG; returns the step."""
+    ckpt_dir = Path(ckpt_dir)
+    path = mcore_io.weights_dir(ckpt_dir)
+    state_file = ckpt_dir / TRAINER_STATE
+    if not state_file.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no {TRAINER_STATE}: it is a model-only checkpoint; start a new run "
+                              "from it instead of resuming.")
+    trainer = json.loads(state_file.read_text())
+    _init_optimizer_state(engine)  # megatron can only load into existing optimizer state
+    try:
+        loaded = mcore_compat.load_checkpoint(_sharded_state(engine, is_loading=True), str(path))
+    except mcore_compat.CHECKPOINT_READ_ERRORS as e:
+        raise CheckpointError(f"cannot resume from {path}: {type(e).__name__}: {e}") from e
+    for i, m in enumerate(engine.chunks):
+        m.load_state_dict(loaded[f"model{i}"], strict=True)
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    engine.scheduler.load_state_dict(trainer["scheduler"])
+    engine.stats.skipped_steps = trainer["skipped_steps"]
+    if len(trainer["rng"]) == dist.get_world_size():
+        _set_rng_state(trainer["rng"][dist.get_rank()])
+    return int(trainer["step"])
+
+
+def _init_optimizer_state(engine) -> None:
+    """Create (zero) optimizer state without changing parameters: one step with zero gradients and lr 0."""
+    groups = [g for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+              for g in opt.optimizer.param_groups]
+    if all(len(opt.optimizer.state) for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])):
+        return
+    saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
+    for g in groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    for m in engine.model:
+        m.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    engine.optimizer.step()
+    for g, (lr, wd) in zip(groups, saved, strict=True):
+        g["lr"], g["weight_decay"] = lr, wd
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
