@@ -32,6 +32,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
+    import torch
+
+    torch.set_num_threads(1)  # the env var comes too late (torch is imported); also keeps results deterministic
     path = Path(out_dir) / f"rank{rank}.json"
     try:
         result = {"ok": True, "value": fn(rank, world_size, *args)}

@@ -164,7 +164,9 @@ def test_log_probs_match_transformers(world, reference, layout):
     reported = [r[layout]["log_probs"] for r in world if r[layout]["log_probs"] is not None]
     assert reported
     for lp in reported:
-        assert (torch.tensor(lp) - ref_lp).abs().max().item() < 1e-5
+        # 1e-5 relative to the entry's size: this random tiny model's log-probs reach -23, where fp32 spacing is 2e-6
+        err = ((torch.tensor(lp) - ref_lp).abs() / ref_lp.abs().clamp(min=1.0)).max().item()
+        assert err < 1e-5
 
 
 def _gather(world, layout, key):
@@ -217,3 +219,37 @@ def test_offload_reload_is_bit_identical_and_frees_storage(world):
         assert res["counts"]["grads"] == res["counts"]["params"] > 0
         assert res["freed"]["params"] > 0 and res["freed"]["grads"] > 0
         assert res["freed"]["optimizer"] > 0  # the momentum buffers
+
+
+def test_tp1pp1dp1_update_in_a_world_of_one_matches_reference(hf_and_ckpt, reference):
+    """The same update as a single process (TP1xPP1xDP1, all micro-batches on one rank)."""
+    from megarl.controller.role import WorkerContext
+    from megarl.data.batch import Batch
+    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
+    from megarl.models import mapping
+    from megarl.models.provider import global_named_parameters
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.workers.policy import PolicyConfig, PolicyRole
+
+    _, old, ref_loss, ref_grads, ref_weights = reference
+    ids, attn, resp, adv, _ = _batch_tensors()
+    layout = ParallelLayout()
+    init_distributed(layout)
+    ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, "cpu")
+    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, clip_grad=0.0,
+                                            use_distributed_optimizer=False),
+                          micro_batch=MicroBatchConfig(max_tokens=40, max_size=4))
+    role = PolicyRole(ctx, str(hf_and_ckpt[1]), engine, PolicyConfig())
+    metrics = role.update(Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
+                                           "old_log_probs": old, "advantages": adv}))
+    assert abs(metrics["pg_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    spec = spec_from_hf_config(load_hf_config(hf_and_ckpt[0]))
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
+    for name, p in global_named_parameters(role.engine.chunks[0]):
+        rows = ref_grads[name].shape[0]
+        grad, param = p.main_grad[:rows], p.detach()[:rows]
+        assert maps[name] and (grad - ref_grads[name]).norm() / ref_grads[name].norm() < 1e-5, name
+        expected = ref_weights[name] - LR * ref_grads[name]
+        assert (param - expected).norm() / expected.norm() < 1e-5, name

@@ -22,7 +22,18 @@ def _batch():
     return ids, attn
 
 
-def _world(rank, world_size, rm_ckpt, lm_ckpt):
+LR = 0.5
+
+
+def _critic_inputs():
+    g = torch.Generator().manual_seed(9)
+    ids, attn = _batch()
+    resp = attn.clone()
+    resp[:, :3] = 0
+    return resp, torch.randn(4, 12, generator=g) * resp, torch.randn(4, 12, generator=g) * 0.3 * resp
+
+
+def _world(rank, world_size, rm_ckpt, lm_ckpt, old_values):
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig
@@ -41,7 +52,22 @@ def _world(rank, world_size, rm_ckpt, lm_ckpt):
     lm_critic = CriticRole(ctx, lm_ckpt, engine, CriticConfig(), trainable=False)
     lm_values = lm_critic.compute_values(batch)
     head = [c.output_layer.weight.tolist() for c in lm_critic.engine.chunks if c.post_process]
+
+    from megarl.engine.config import OptimConfig, OptimizerName
+    from megarl.models.provider import global_named_parameters
+
+    resp, returns, _ = _critic_inputs()
+    sgd = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, clip_grad=0.0,
+                                         use_distributed_optimizer=False),
+                       micro_batch=MicroBatchConfig(max_tokens=24, max_size=4))
+    critic = CriticRole(ctx, rm_ckpt, sgd, CriticConfig(value_clip=0.2))
+    metrics = critic.update(batch.update(Batch.from_dict({"response_mask": resp, "returns": returns,
+                                                           "old_values": torch.tensor(old_values)})))
+    named = [(n, p) for c in critic.engine.chunks for n, p in global_named_parameters(c)]
     return {
+        "vf_loss": metrics["vf_loss"],
+        "coords": list(layout.coords(rank)),
+        "params": {n: p.detach().tolist() for n, p in named},
         "scores": None if scores is None else scores["scores"].tolist(),
         "rm_values": None if rm_values is None else rm_values["values"].tolist(),
         "lm_values": None if lm_values is None else lm_values["values"].tolist(),
@@ -54,7 +80,34 @@ def results(tiny_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("scalar")
     convert_hf_to_megatron(tiny_hf("llama_rm"), root / "rm", tp=2, pp=2)
     convert_hf_to_megatron(tiny_hf("llama_gqa"), root / "lm")
-    return run_world(_world, 4, str(root / "rm"), str(root / "lm"), timeout_s=900)
+    old_values = _critic_reference(tiny_hf("llama_rm"))[0]
+    return run_world(_world, 4, str(root / "rm"), str(root / "lm"), old_values.tolist(), timeout_s=900)
+
+
+def _critic_reference(hf_dir):
+    """old values (reference values + noise), clipped value loss and SGD-updated weights, from the HF RM."""
+    from transformers import AutoModelForSequenceClassification
+
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    ids, attn = _batch()
+    resp, returns, noise = _critic_inputs()
+    rm = AutoModelForSequenceClassification.from_pretrained(hf_dir)
+    values = _token_aligned(rm.score(rm.model(ids, attention_mask=attn.long()).last_hidden_state).squeeze(-1), attn)
+    old = (values.detach() + noise) * resp
+    clipped = old + (values - old).clamp(-0.2, 0.2)
+    per_token = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = 0.5 * (per_token * resp).sum() / resp.sum()
+    loss.backward()
+    spec = spec_from_hf_config(load_hf_config(hf_dir))
+    params = dict(rm.named_parameters())
+    updated = {
+        m.mcore: mapping.to_mcore(m, spec, [params[n].detach() - LR * params[n].grad for n in m.hf],
+                                  spec.padded_vocab_size(1))
+        for m in mapping.tensor_maps(spec)
+    }
+    return old, loss.item(), updated
 
 
 def _token_aligned(per_position, attn):
@@ -92,4 +145,26 @@ def test_critic_values_match_hidden_states_times_head(results, tiny_hf):
     for key, ref in (("rm_values", rm_ref), ("lm_values", lm_ref)):
         reported = [r[key] for r in results if r[key] is not None]
         assert len(reported) == 1
-        assert (torch.tensor(reported[0]) - ref).abs().max().item() < 1e-5, key
+        # 1e-5 relative to the value's size (values here reach ~20: fp32 spacing there is 2e-6)
+        err = ((torch.tensor(reported[0]) - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+        assert err < 1e-5, key
+
+
+def test_critic_update_matches_hf_autograd(results, tiny_hf):
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    _, ref_loss, updated = _critic_reference(tiny_hf("llama_rm"))
+    spec = spec_from_hf_config(load_hf_config(tiny_hf("llama_rm")))
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
+    for r in results:
+        assert abs(r["vf_loss"] - ref_loss) < 1e-5 * max(1.0, ref_loss)
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for r in results:
+        for name, t in r["params"].items():
+            shards.setdefault(name, {})[r["coords"][0]] = torch.tensor(t)
+    assert set(shards) == set(maps)
+    for name, by_tp in shards.items():
+        full = mapping.tp_gather(maps[name], [by_tp[t] for t in sorted(by_tp)])[: updated[name].shape[0]]
+        rel = (full - updated[name]).norm() / updated[name].norm()
+        assert rel < 1e-5, f"{name}: {rel:.2e}"
