@@ -6,6 +6,7 @@ real pids and Ray node ids) with hand-worked expectations.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -96,25 +97,30 @@ def test_async_calls_on_independent_groups_overlap(placement):
     assert time.monotonic() - start < 5.5  # sequential would take >= 6 s
 
 
-def test_strict_spread_pool_spans_two_nodes(ray_cluster):
-    pool = ResourcePool("spread", PoolConfig(nodes=2, devices_per_node=1, cpus_per_device=0.5))
-    group = WorkerGroup("spread", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
+@contextlib.contextmanager
+def _dp2_group(name: str, role: str, **pool_kwargs):
+    """A 2-rank DP group on its own pool (0.5 CPU per rank), released afterwards."""
+    pool = ResourcePool(name, PoolConfig(cpus_per_device=0.5, **pool_kwargs))
+    group = WorkerGroup(name, pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
     try:
-        handle = group.add_role("echo", EchoRole)
-        reports = handle.all(EchoRole.report)
-        assert len({r.node_id for r in reports}) == 2
-        assert {r.node_id for r in reports} == {n["NodeID"] for n in __import__("ray").nodes() if n["Alive"]}
-        assert [s["world"] for s in handle.all(EchoRole.all_reduce, 1.0)] == [3.0, 3.0]
+        yield group, group.add_role(role, EchoRole)
     finally:
         group.shutdown()
         pool.release()
 
 
+def test_strict_spread_pool_spans_two_nodes(ray_cluster):
+    import ray
+
+    with _dp2_group("spread", "echo", nodes=2, devices_per_node=1) as (_, handle):
+        reports = handle.all(EchoRole.report)
+        assert len({r.node_id for r in reports}) == 2
+        assert {r.node_id for r in reports} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert [s["world"] for s in handle.all(EchoRole.all_reduce, 1.0)] == [3.0, 3.0]
+
+
 def test_worker_exception_names_role_and_rank_and_tears_down(ray_cluster):
-    pool = ResourcePool("fail", PoolConfig(devices_per_node=2, cpus_per_device=0.5))
-    group = WorkerGroup("fail", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
-    try:
-        handle = group.add_role("critic", EchoRole)
+    with _dp2_group("fail", "critic", devices_per_node=2) as (_, handle):
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"critic failed on rank 1 .*ValueError: deliberate failure") as info:
             handle.all(EchoRole.fail, 1)  # rank 0 blocks in a barrier that rank 1 never joins
@@ -123,23 +129,14 @@ def test_worker_exception_names_role_and_rank_and_tears_down(ray_cluster):
         assert "process.py" in str(info.value)  # the worker's traceback is included
         with pytest.raises(WorkerError, match="torn down"):
             handle.all(EchoRole.noop)
-    finally:
-        group.shutdown()
-        pool.release()
 
 
 def test_call_timeout_tears_down_instead_of_hanging(ray_cluster):
-    pool = ResourcePool("slow", PoolConfig(devices_per_node=2, cpus_per_device=0.5))
-    group = WorkerGroup("slow", pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
-    try:
-        handle = group.add_role("policy", EchoRole)
+    with _dp2_group("slow", "policy", devices_per_node=2) as (group, handle):
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"did not finish within 2 s .*ranks still running: \[0, 1\]"):
             handle.all_async(EchoRole.sleep, 60.0).result(timeout_s=2)
         assert time.monotonic() - start < 10 and not group.alive
-    finally:
-        group.shutdown()
-        pool.release()
 
 
 def test_unsatisfiable_pools_fail_fast(ray_cluster):
