@@ -63,7 +63,23 @@ def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool) -> Any:
 
 def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:
     """``dist_checkpointing.save`` in the torch_dist format (the default backend of every version)."""
+    _reset_dead_write_queue()
     dist_checkpointing.save(sharded_state_dict, checkpoint_dir)
+
+
+def _reset_dead_write_queue() -> None:
+    """megatron-core's torch_dist writer caches, per process, a queue served by a multiprocessing
+    Manager process. If that process has died (killed, OOM), every later save fails with
+    BrokenPipeError; drop the stale queue so the next save starts a fresh Manager."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is None:
+        return
+    try:
+        queue.qsize()
+    except (OSError, EOFError):  # BrokenPipeError, ConnectionRefusedError, ...
+        filesystem_async._results_queue = None
 
 
 def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, *, partial: bool = False) -> dict:

@@ -77,3 +77,16 @@ def test_reward_model_roundtrip_bit_exact(tiny_hf, tmp_path, model):
     a, b = _read_all(src), _read_all(tmp_path / "hf")
     assert "score.weight" in a and sorted(a) == sorted(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_save_survives_a_dead_checkpoint_writer_manager(tiny_hf, tmp_path):
+    """megatron-core caches a queue served by a Manager process; if that process dies, saves must not break."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    convert_hf_to_megatron(tiny_hf("llama_gqa"), tmp_path / "a")
+    manager = filesystem_async._results_queue._manager
+    manager._process.kill()
+    manager._process.join(timeout=10)
+    convert_hf_to_megatron(tiny_hf("llama_gqa"), tmp_path / "b")
+    a = mcore_io.tensors_metadata(tmp_path / "a")
+    assert sorted(a) == sorted(mcore_io.tensors_metadata(tmp_path / "b"))
