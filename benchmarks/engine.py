@@ -83,7 +83,7 @@ def make_batch(b: int, s: int, vocab: int, response: int):
 
 
 def make_role(rank: int, world: int, ckpt: str, tp: int, pp: int, threads: int, max_tokens: int, trainable=True):
-    torch.set_num_threads(threads)  # run_world's OMP_NUM_THREADS=1 comes after torch's import: no effect
+    torch.set_num_threads(threads)  # run_world pins 1 thread per rank; TP1 uses both cores
     from megarl.controller.role import WorkerContext
     from megarl.engine.config import EngineConfig, MicroBatchConfig
     from megarl.parallel.init import init_distributed
@@ -196,24 +196,25 @@ def model(tmp: Path, name: str, **shape) -> tuple[str, object]:
 
 def render(info: dict, spec, rates: dict, rows: list, prof: dict | None, mem: list, args) -> str:
     n, tokens = flop_params(spec), args.batch * args.seq
-    lines = [f"# Engine benchmark, {info['date']}, variant: {args.variant}", "",
-             f"- megarl commit {info['commit']}; {info['machine']}; {info['platform']}",
-             f"- Python {platform.python_version()}, torch {torch.__version__}, megatron-core {info['mcore']}; "
-             f"worlds' extra env {info['env'] or '{}'}",
-             f"- load average (1/5/15 min): {info['load0']} at start, {info['load1']} at end (other engineers' "
-             "processes share the 2 cores)", "",
-             "## Model and batch", "", f"- Llama {SHAPE}: {spec.num_parameters() / 1e6:.2f} M parameters in all; "
-             f"N = {n / 1e6:.2f} M for the floor (all but the {spec.vocab_size * spec.hidden_size / 1e6:.2f} M input "
-             "embedding, a lookup; the untied LM head counts)",
-             f"- batch {args.batch} x {args.seq} tokens (all positions attended, response = last {args.seq // 2}), "
-             f"{tokens} tokens; micro-batches of <= {args.max_tokens} tokens; Adam, fp32; {args.iters} timed "
-             "iterations after 1 warm-up, median", "", "## fp32 matmul rate (GFLOP/s, main process, before the worlds)",
-             "", "| GEMM | 1 thread | 2 threads |", "|---|---|---|"]
-    lines += [f"| {k} | {rates[1][k]:.1f} | {rates[2][k]:.1f} |" for k in rates[1]]
-    lines += ["", "## Throughput vs FLOP floor", "", "Floor denominator: inside each world, after every iteration's "
-              "two passes, all ranks time the model mix at once; rate = median over iterations of the ranks' sum.",
-              "", "| layout | ranks x threads | summed rate GFLOP/s (min/median/max) | pass | median s | tokens/s | "
-              "floor tokens/s | measured/floor | target <= 1.5x |", "|---" * 9 + "|"]
+    out = [f"# Engine benchmark, {info['date']}, variant: {args.variant}", "",
+           f"- megarl commit {info['commit']}; {info['machine']}; {info['platform']}",
+           f"- Python {platform.python_version()}, torch {torch.__version__}, megatron-core {info['mcore']}; "
+           f"worlds' extra env {info['env'] or '{}'}",
+           f"- load average (1/5/15 min): {info['load0']} at start, {info['load1']} at end (other engineers' "
+           "processes share the 2 cores)", "", "## Model and batch", "",
+           f"- Llama {SHAPE}: {spec.num_parameters() / 1e6:.2f} M parameters in all; N = {n / 1e6:.2f} M for the "
+           f"floor (all but the {spec.vocab_size * spec.hidden_size / 1e6:.2f} M input embedding, a lookup; the "
+           "untied LM head counts)",
+           f"- batch {args.batch} x {args.seq} tokens (all attended, response = last {args.seq // 2}), {tokens} "
+           f"tokens; micro-batches of <= {args.max_tokens} tokens; Adam, fp32; median of {args.iters} iterations "
+           "after 1 warm-up", "", "## fp32 matmul rate (GFLOP/s, main process, before the worlds)", "",
+           "| GEMM | 1 thread | 2 threads |", "|---|---|---|"]
+    out += [f"| {k} | {rates[1][k]:.1f} | {rates[2][k]:.1f} |" for k in rates[1]]
+    if rows:
+        out += ["", "## Throughput vs FLOP floor", "", "Rate: after every iteration's two passes all ranks time the "
+                "model mix at once; the floor uses the median over iterations of the ranks' sum.", "",
+                "| layout | ranks x threads | rate GFLOP/s min/median/max | pass | median s | tokens/s | floor "
+                "tokens/s | measured/floor | target <= 1.5x |", "|---" * 9 + "|"]
     for name, (tp, pp, threads), r in rows:
         agg = [sum(x) for x in zip(*r["rates"], strict=True)]
         rate = statistics.median(agg)
@@ -222,25 +223,25 @@ def render(info: dict, spec, rates: dict, rows: list, prof: dict | None, mem: li
             floor = rate * 1e9 / (mult * n)
             ratio = floor / (tokens / t)
             met = ("met" if ratio <= TARGET else "MISSED") if name.startswith("tp1") else "n/a"
-            lines.append(f"| {name} | {tp * pp} x {threads} | {min(agg):.0f} / {rate:.0f} / {max(agg):.0f} | {p} | "
-                         f"{t:.2f} | {tokens / t:.0f} | {floor:.0f} | {ratio:.2f}x | {met} |")
+            out.append(f"| {name} | {tp * pp} x {threads} | {min(agg):.0f} / {rate:.0f} / {max(agg):.0f} | {p} | "
+                       f"{t:.2f} | {tokens / t:.0f} | {floor:.0f} | {ratio:.2f}x | {met} |")
     if prof:
-        lines += ["", "## TP1 profile (torch.profiler, one pass each; seconds, profiler overhead included)", ""]
-        for p, d in prof.items():
-            lines += [f"**{p}**: wall {d['wall']:.2f} s", "", "| region (inclusive) | s |", "|---|---|"]
-            lines += [f"| {k} | {v:.2f} |" for k, v in sorted(d["regions"].items(), key=lambda kv: -kv[1])]
-            lines += ["", "| op | calls | self s |", "|---|---|---|"]
-            lines += [f"| {k} | {c} | {s:.2f} |" for k, c, s in d["top"]] + [""]
+        out += ["", "## TP1 profile (torch.profiler, one pass each; seconds, profiler overhead included)", ""]
+    for p, d in (prof or {}).items():
+        out += [f"**{p}**: wall {d['wall']:.2f} s", "", "| region (inclusive) | s |", "|---|---|"]
+        out += [f"| {k} | {v:.2f} |" for k, v in sorted(d["regions"].items(), key=lambda kv: -kv[1])]
+        out += ["", "| op | calls | self s |", "|---|---|---|"]
+        out += [f"| {k} | {c} | {s:.2f} |" for k, c, s in d["top"]] + [""]
     if mem:
-        lines += ["", f"## Log-prob pass peak RSS vs vocabulary ({tokens} tokens; model {MEM_SHAPE})", "",
-                  "| vocab (padded) | micro-batch tokens | full [B,S,V] fp32 MiB | one micro-batch's logits MiB | "
-                  "peak RSS increase MiB | peak / micro-batch logits | peak / full logits |", "|---" * 7 + "|"]
-        for v, mt, m in mem:
-            full, mbl = tokens * m["padded_vocab"] * 4 / MIB, min(mt, tokens) * m["padded_vocab"] * 4 / MIB
-            pk = m["peak_delta"] / MIB
-            lines.append(f"| {v} ({m['padded_vocab']}) | {min(mt, tokens)} | {full:.0f} | {mbl:.0f} | {pk:.0f} | "
-                         f"{pk / mbl:.2f} | {pk / full:.2f} |")
-    return "\n".join(lines) + "\n"
+        out += ["", f"## Log-prob pass peak RSS vs vocabulary ({tokens} tokens; model {MEM_SHAPE})", "",
+                "| vocab (padded) | micro-batch tokens | full [B,S,V] fp32 MiB | one micro-batch's logits MiB | peak "
+                "RSS increase MiB | peak / micro-batch logits | peak / full logits |", "|---" * 7 + "|"]
+    for v, mt, m in mem:
+        full, mbl = tokens * m["padded_vocab"] * 4 / MIB, min(mt, tokens) * m["padded_vocab"] * 4 / MIB
+        pk = m["peak_delta"] / MIB
+        out.append(f"| {v} ({m['padded_vocab']}) | {min(mt, tokens)} | {full:.0f} | {mbl:.0f} | {pk:.0f} | "
+                   f"{pk / mbl:.2f} | {pk / full:.2f} |")
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
@@ -283,7 +284,7 @@ def main() -> None:
             rates[threads] = gemm_rates(spec, mb_tokens)
             logger.info("%d thread(s): model mix %.1f GFLOP/s", threads, rates[threads]["model mix"])
         rows, prof = [], None
-        for name in args.layouts.split(","):
+        for name in filter(None, args.layouts.split(",")):
             tp, pp, threads = LAYOUTS[name]
             t = time.perf_counter()
             res = run_world(bench_world, tp * pp, ckpt, tp, pp, threads, wargs, timeout_s=1200)
