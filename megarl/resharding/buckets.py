@@ -1,0 +1,121 @@
+"""Buckets of a resharding plan, and the local tensor work on both ends of a transfer.
+
+Pure torch (no process group): which HF tensors travel together (size-capped buckets in the plan's
+global order), how a rank turns its Megatron shard into HF-space pieces (q/k/v out of the
+per-group interleaving, gate/up halves, vocabulary padding trimmed, cast to the rollout dtype), and
+how a receiving rank assembles its rollout shard from slabs. The tied output layer never appears:
+the plan lists ``embed_tokens`` once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from megarl.models.mapping import Kind, tensor_maps
+from megarl.models.spec import ModelSpec
+from megarl.resharding.plan import HFTensor, ReshardPlan, Slab, Split, source_range
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    tensors: tuple[HFTensor, ...]
+    slabs: tuple[Slab, ...]  # the plan's slabs of these tensors, in plan order
+
+
+def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucket]:
+    """Consecutive tensors of the plan grouped so that no rank's rollout bytes in a bucket exceed
+    ``cap_bytes`` (a tensor larger than the cap travels alone). Same result on every rank."""
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, found {cap_bytes}")
+    ranks = range(plan.train.world_size)
+    by_tensor: dict[str, list[Slab]] = {}
+    for s in plan.slabs:
+        by_tensor.setdefault(s.tensor, []).append(s)
+    buckets: list[Bucket] = []
+    current: list[HFTensor] = []
+    load = dict.fromkeys(ranks, 0)
+    for t in plan.tensors:
+        size = {r: _range_bytes(t, plan.dest[(t.name, r)], itemsize) for r in ranks}
+        if current and any(load[r] + size[r] > cap_bytes for r in ranks):
+            buckets.append(_bucket(current, by_tensor))
+            current, load = [], dict.fromkeys(ranks, 0)
+        current.append(t)
+        load = {r: load[r] + size[r] for r in ranks}
+    if current:
+        buckets.append(_bucket(current, by_tensor))
+    return buckets
+
+
+def _bucket(tensors: list[HFTensor], by_tensor: dict[str, list[Slab]]) -> Bucket:
+    return Bucket(tuple(tensors), tuple(s for t in tensors for s in by_tensor[t.name]))
+
+
+def _range_bytes(t: HFTensor, rng: tuple[int, int], itemsize: int) -> int:
+    return (rng[1] - rng[0]) * t.row_elems * itemsize
+
+
+# ------------------------------------------------------------------------------------ sending side
+
+
+class LocalPieces:
+    """HF-space pieces of one rank's Megatron shards, converted lazily, one Megatron parameter at a time.
+
+    ``params``: global local-spec Megatron name -> this rank's shard (as in the training model).
+    """
+
+    def __init__(self, plan: ReshardPlan, spec: ModelSpec, tp_rank: int, params: Mapping[str, torch.Tensor],
+                 dtype: torch.dtype):
+        self.plan, self.spec, self.tp_rank, self.params, self.dtype = plan, spec, tp_rank, params, dtype
+        self._maps = {m.mcore: m for m in tensor_maps(spec)}
+        self._cache: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def piece(self, t: HFTensor) -> tuple[int, torch.Tensor]:
+        """(start, tensor) of the range of ``t`` this rank holds."""
+        if t.mcore not in self._cache:
+            self._cache = {t.mcore: self._split(t.mcore)}  # keep one parameter's pieces at a time
+        start, _ = source_range(t, self.spec, self.plan.train, self.tp_rank, self.plan.padded_vocab)
+        return (0 if t.split is Split.NONE else start), self._cache[t.mcore][t.index]
+
+    def slab(self, s: Slab) -> torch.Tensor:
+        """The contiguous tensor to send for slab ``s``."""
+        t = self.plan.tensor(s.tensor)
+        start, piece = self.piece(t)
+        if t.dim is None:
+            return piece
+        return piece.narrow(t.dim, s.start - start, s.stop - s.start).contiguous()
+
+    def _split(self, mcore: str) -> tuple[torch.Tensor, ...]:
+        m, shard = self._maps[mcore], self.params[mcore].detach()
+        if m.kind is Kind.QKV:
+            r, d = self.spec.heads_per_group, self.spec.head_dim
+            rest = tuple(shard.shape[1:])
+            x = shard.reshape(-1, r + 2, d, *rest)
+            parts = (x[:, :r].reshape(-1, *rest), x[:, r].reshape(-1, *rest), x[:, r + 1].reshape(-1, *rest))
+        elif m.kind is Kind.GATE_UP:
+            parts = tuple(shard.chunk(2, dim=0))
+        elif m.kind is Kind.VOCAB:
+            lo, hi = source_range(self.plan.tensor(m.hf[0]), self.spec, self.plan.train, self.tp_rank,
+                                  self.plan.padded_vocab)
+            parts = (shard[: hi - lo],)
+        else:
+            parts = (shard,)
+        return tuple(p.to(self.dtype).contiguous() for p in parts)
+
+
+# ---------------------------------------------------------------------------------- receiving side
+
+
+def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor for the range ``rng`` of ``t`` (the rollout shard)."""
+    shape = list(t.shape)
+    if t.dim is not None:
+        shape[t.dim] = rng[1] - rng[0]
+    return torch.empty(shape, dtype=dtype)
+
+
+def dest_view(dest: torch.Tensor, t: HFTensor, lo: int, s: Slab) -> torch.Tensor:
+    """The part of the rollout shard ``dest`` (starting at ``lo``) that slab ``s`` fills."""
+    return dest if t.dim is None else dest.narrow(t.dim, s.start - lo, s.stop - s.start)

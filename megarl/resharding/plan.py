@@ -1,0 +1,296 @@
+"""Resharding plan: which slices of which HF tensors every rank sends, receives and keeps.
+
+A pure, deterministic function of (training layout TP_t/PP_t/DP_t/VPP, rollout TP size TP_g,
+model spec). It imports torch only for dtypes: no process group, no megatron-core, no engine.
+
+Everything is expressed in *HF space*: the model's HF tensors (``q_proj``, ``gate_proj``,
+``embed_tokens`` ... trimmed to the true vocabulary). Every HF tensor is either replicated or cut
+into contiguous ranges along one dimension, both by Megatron's tensor parallelism and by vLLM's
+(RESHARDING.md 2.1-2.2): q/k/v rows by whole query groups, gate/up rows per half, o/down columns,
+vocabulary rows (Megatron: ``Vp/T`` per rank; vLLM: ``ceil(V/64)*64/G`` per rank). So a transfer
+is a :class:`Slab`: one range of one HF tensor from one rank to another.
+
+Rollout places (which rollout replica and TP rank each training rank plays):
+
+* ``HYBRID`` (TP_g divides TP_t*PP_t), the HybridFlow grouping (RESHARDING.md 3(b)): inside one
+  data-parallel replica's model-parallel group, with k = TP_t/TP_g, training TP rank t plays
+  rollout TP rank t // k and micro-DP replica (t mod k) + k*pp — so the rollout TP group is strided
+  and a rank's training shard lies inside its rollout shard (received bytes per rank
+  ``M/TP_g - own shard``). When TP_g does not divide TP_t the model-parallel group is numbered
+  TP-fastest and cut into consecutive rollout groups.
+* ``GATHER`` (otherwise): RESHARDING.md 3(a): every rank receives the full tensors it lacks and its
+  engine keeps its slice; rollout groups are consecutive global ranks.
+
+Sources: a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's own
+data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
+model-parallel group, as in HybridFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from collections.abc import Iterable
+
+from megarl.errors import LayoutError
+from megarl.models.mapping import Kind, TensorMap, hf_shapes, tensor_maps
+from megarl.models.spec import ModelSpec
+from megarl.parallel.layout import ParallelLayout
+
+VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+class Grouping(enum.Enum):
+    HYBRID = "hybrid"
+    GATHER = "gather"
+
+
+class Split(enum.Enum):
+    """How an HF tensor is cut along its tensor-parallel dimension."""
+
+    NONE = "none"  # replicated
+    EVEN = "even"  # equal contiguous ranges
+    KV = "kv"  # key/value rows: by KV head; vLLM replicates heads when TP_g > groups
+    VOCAB = "vocab"  # vocabulary rows with padding rules on both sides
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None  # the tensor-parallel dimension; None when replicated
+    split: Split
+    mcore: str  # the Megatron parameter it is part of
+    index: int  # its position in that parameter's HF tuple
+    stage: int  # pipeline rank that holds it
+
+    @property
+    def row_elems(self) -> int:
+        """Elements per unit of the split dimension (the whole tensor when replicated)."""
+        if self.dim is None:
+            return math.prod(self.shape)
+        return math.prod(self.shape) // self.shape[self.dim]
+
+    @property
+    def length(self) -> int:
+        return 1 if self.dim is None else self.shape[self.dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPlace:
+    replica: int  # global rollout replica index
+    tp_rank: int  # rank inside that replica's rollout TP group
+
+
+@dataclasses.dataclass(frozen=True)
+class Slab:
+    """Range [start, stop) of ``tensor`` along its TP dim (whole tensor when replicated), src -> dst."""
+
+    tensor: str
+    start: int
+    stop: int
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    train: ParallelLayout
+    rollout_tp: int
+    grouping: Grouping
+    padded_vocab: int
+    tensors: tuple[HFTensor, ...]  # the global order every rank agrees on
+    places: tuple[RolloutPlace, ...]  # by global rank
+    slabs: tuple[Slab, ...]  # in tensor order, then destination rank, then start
+    dest: dict[tuple[str, int], tuple[int, int]]  # (tensor, rank) -> range that rank ends up holding
+
+    def tensor(self, name: str) -> HFTensor:
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, HFTensor]:
+        return {t.name: t for t in self.tensors}
+
+    def slab_bytes(self, slab: Slab, itemsize: int) -> int:
+        t = self._by_name[slab.tensor]
+        return (slab.stop - slab.start) * t.row_elems * itemsize
+
+    def received_bytes(self, rank: int, itemsize: int) -> int:
+        """Bytes ``rank`` receives from other ranks (its own kept slabs excluded)."""
+        by_name = self._by_name
+        return sum(
+            (s.stop - s.start) * by_name[s.tensor].row_elems * itemsize
+            for s in self.slabs
+            if s.dst == rank and s.src != rank
+        )
+
+    def dest_bytes(self, rank: int, itemsize: int) -> int:
+        """Bytes of rollout weights ``rank`` ends up holding."""
+        by_name = self._by_name
+        return sum((b - a) * by_name[n].row_elems * itemsize for (n, r), (a, b) in self.dest.items() if r == rank)
+
+    @property
+    def num_replicas(self) -> int:
+        return len({p.replica for p in self.places})
+
+
+def make_plan(
+    spec: ModelSpec, train: ParallelLayout, rollout_tp: int, *, padded_vocab: int | None = None
+) -> ReshardPlan:
+    """The plan for moving ``spec``'s weights from ``train`` to rollout replicas of TP size ``rollout_tp``."""
+    check_rollout_tp(spec, train, rollout_tp)
+    vp = padded_vocab or spec.padded_vocab_size(train.tp)
+    grouping = Grouping.HYBRID if (train.tp * train.pp) % rollout_tp == 0 else Grouping.GATHER
+    tensors = tuple(hf_tensors(spec, train))
+    places = tuple(rollout_places(train, rollout_tp, grouping))
+    slabs: list[Slab] = []
+    dest: dict[tuple[str, int], tuple[int, int]] = {}
+    for t in tensors:
+        sources = [source_range(t, spec, train, tp, vp) for tp in range(train.tp)]
+        for rank, place in enumerate(places):
+            lo, hi = (0, t.length) if grouping is Grouping.GATHER else dest_range(t, spec, rollout_tp, place.tp_rank)
+            dest[(t.name, rank)] = (lo, hi)
+            slabs.extend(_slabs_for(t, train, rank, lo, hi, sources))
+    return ReshardPlan(train, rollout_tp, grouping, vp, tensors, places, tuple(slabs), dest)
+
+
+def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int) -> None:
+    """Raise LayoutError unless vLLM-style TP of size ``rollout_tp`` can split this model on this world."""
+    if not isinstance(rollout_tp, int) or rollout_tp < 1:
+        raise LayoutError(f"rollout tensor-parallel size must be a positive integer, found {rollout_tp!r}.")
+    if train.world_size % rollout_tp:
+        raise LayoutError(
+            f"rollout tp={rollout_tp} must divide the training world ({train}, {train.world_size} ranks): "
+            "every rank hosts one rollout shard."
+        )
+    g = spec.num_query_groups
+    if spec.num_attention_heads % rollout_tp or (g % rollout_tp and rollout_tp % g):
+        raise LayoutError(
+            f"rollout tp={rollout_tp} must divide the {spec.num_attention_heads} attention heads, and divide or be "
+            f"a multiple of the {g} key/value heads; choose another rollout tp."
+        )
+    if spec.ffn_hidden_size % rollout_tp:
+        raise LayoutError(f"rollout tp={rollout_tp} must divide the FFN size {spec.ffn_hidden_size}.")
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+def hf_tensors(spec: ModelSpec, train: ParallelLayout) -> list[HFTensor]:
+    """Every HF tensor of the model in the global order, with its split and owning pipeline stage."""
+    stage_of = {}
+    for pp in range(train.pp):
+        for vp in range(train.vpp_size):
+            for layer in train.layers_of_stage(spec.num_layers, pp, vp):
+                stage_of[layer] = pp
+    out = []
+    for m in tensor_maps(spec):
+        stage = stage_of[m.layer] if m.layer is not None else (0 if m.mcore.startswith("embedding") else train.pp - 1)
+        for i, (name, shape) in enumerate(zip(m.hf, hf_shapes(m, spec), strict=True)):
+            split = _split_of(m, i)
+            out.append(HFTensor(name, shape, m.tp_dim if split is not Split.NONE else None, split, m.mcore, i, stage))
+    return out
+
+
+def _split_of(m: TensorMap, index: int) -> Split:
+    if m.tp_dim is None:
+        return Split.NONE
+    if m.kind is Kind.VOCAB:
+        return Split.VOCAB
+    if m.kind is Kind.QKV and index > 0:
+        return Split.KV
+    return Split.EVEN
+
+
+def source_range(
+    t: HFTensor, spec: ModelSpec, train: ParallelLayout, tp_rank: int, padded_vocab: int
+) -> tuple[int, int]:
+    """Range of ``t`` (along its TP dim) held by training TP rank ``tp_rank``; may be empty for vocab."""
+    if t.split is Split.NONE:
+        return (0, 1)
+    if t.split is Split.VOCAB:
+        per = padded_vocab // train.tp
+        return (min(tp_rank * per, t.length), min((tp_rank + 1) * per, t.length))
+    per = t.length // train.tp
+    return (tp_rank * per, (tp_rank + 1) * per)
+
+
+def dest_range(t: HFTensor, spec: ModelSpec, rollout_tp: int, tp_rank: int) -> tuple[int, int]:
+    """Range of ``t`` that vLLM's tensor-parallel rank ``tp_rank`` of ``rollout_tp`` holds."""
+    if t.split is Split.NONE:
+        return (0, 1)
+    if t.split is Split.VOCAB:
+        per = -(-t.length // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // rollout_tp
+        return (min(tp_rank * per, t.length), min((tp_rank + 1) * per, t.length))
+    if t.split is Split.KV and rollout_tp > spec.num_query_groups:  # vLLM's num_kv_head_replicas
+        head = tp_rank // (rollout_tp // spec.num_query_groups)
+        return (head * spec.head_dim, (head + 1) * spec.head_dim)
+    per = t.length // rollout_tp
+    return (tp_rank * per, (tp_rank + 1) * per)
+
+
+# ----------------------------------------------------------------------------------------------- places
+
+
+def rollout_places(train: ParallelLayout, rollout_tp: int, grouping: Grouping) -> list[RolloutPlace]:
+    """(rollout replica, rollout TP rank) of every global training rank."""
+    places = []
+    mp = train.tp * train.pp
+    for rank in range(train.world_size):
+        c = train.coords(rank)
+        if grouping is Grouping.GATHER:
+            places.append(RolloutPlace(rank // rollout_tp, rank % rollout_tp))
+            continue
+        per_group = mp // rollout_tp
+        if train.tp % rollout_tp == 0:
+            k = train.tp // rollout_tp
+            local, tp_rank = c.tp % k + k * c.pp, c.tp // k
+        else:
+            j = c.pp * train.tp + c.tp
+            local, tp_rank = j // rollout_tp, j % rollout_tp
+        places.append(RolloutPlace(c.dp * per_group + local, tp_rank))
+    return places
+
+
+# ------------------------------------------------------------------------------------------------ slabs
+
+
+def _slabs_for(
+    t: HFTensor, train: ParallelLayout, rank: int, lo: int, hi: int, sources: list[tuple[int, int]]
+) -> list[Slab]:
+    me = train.coords(rank)
+    if t.split is Split.NONE:
+        src = rank if me.pp == t.stage else train.rank_of(me.tp, t.stage, me.dp)
+        return [Slab(t.name, 0, 1, src, rank)]
+    slabs = []
+    for tp, (a, b) in enumerate(sources):
+        start, stop = max(a, lo), min(b, hi)
+        if start >= stop:
+            continue
+        src = rank if (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, me.dp)
+        slabs.append(Slab(t.name, start, stop, src, rank))
+    return slabs
+
+
+@dataclasses.dataclass
+class RankSlabs:
+    """One rank's part of a plan, in plan order."""
+
+    send: list[Slab] = dataclasses.field(default_factory=list)
+    recv: list[Slab] = dataclasses.field(default_factory=list)
+    keep: list[Slab] = dataclasses.field(default_factory=list)
+
+
+def slabs_of_rank(slabs: Iterable[Slab], rank: int) -> RankSlabs:
+    """What ``rank`` sends, receives and keeps among ``slabs`` (order preserved)."""
+    out = RankSlabs()
+    for s in slabs:
+        if s.src == s.dst == rank:
+            out.keep.append(s)
+        elif s.src == rank:
+            out.send.append(s)
+        elif s.dst == rank:
+            out.recv.append(s)
+    return out

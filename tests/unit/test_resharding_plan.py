@@ -1,0 +1,205 @@
+"""Resharding plan without any process group: byte counts against RESHARDING.md's formulas, and
+every rank's rollout shard against vLLM's layout sliced by hand from the HF tensors."""
+
+import math
+
+import pytest
+import torch
+
+from megarl.errors import LayoutError
+from megarl.models import mapping
+from megarl.models.spec import spec_from_hf_config
+from megarl.parallel.layout import ParallelLayout
+from megarl.resharding.buckets import LocalPieces, dest_view, empty_dest, make_buckets
+from megarl.resharding.plan import Grouping, make_plan
+from megarl.resharding.vllm_layout import vllm_params
+from megarl.testing.tiny import tiny_config
+
+F32 = 4
+
+
+def _spec(family="llama", **kw):
+    return spec_from_hf_config(tiny_config(family, **kw).to_dict())
+
+
+def _hf_state(spec, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=g)
+        for m in mapping.tensor_maps(spec)
+        for name, shape in zip(m.hf, mapping.hf_shapes(m, spec), strict=True)
+    }
+
+
+# ------------------------------------------------------------------------------------------ bytes
+
+
+def _stage_bytes(spec, layout):
+    """(partitioned bytes per stage, replicated bytes per stage), computed from HF shapes and the layout."""
+    part, rep = [0] * layout.pp, [0] * layout.pp
+    per_stage = spec.num_layers // layout.pp
+    for m in mapping.tensor_maps(spec):
+        stage = m.layer // per_stage if m.layer is not None else (0 if "embedding" in m.mcore else layout.pp - 1)
+        nbytes = sum(math.prod(s) for s in mapping.hf_shapes(m, spec)) * F32
+        (rep if m.tp_dim is None else part)[stage] += nbytes
+    return part, rep
+
+
+@pytest.mark.parametrize("tp, pp, dp, g", [(2, 2, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2), (2, 2, 2, 2), (4, 1, 1, 1),
+                                           (1, 4, 1, 2)])
+def test_hybrid_bytes_match_formula(tp, pp, dp, g):
+    # V=512: no vocabulary padding on either side, so RESHARDING.md 3(b) holds exactly
+    spec = _spec(vocab_size=512, num_heads=4, num_kv_heads=4)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    plan = make_plan(spec, layout, g)
+    assert plan.grouping is Grouping.HYBRID
+    assert plan.num_replicas == layout.world_size // g
+    part, rep = _stage_bytes(spec, layout)
+    m_part = sum(part)
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        own = part[c.pp] // tp
+        # tp % g == 0: the training shard lies inside the rollout shard (M/TP_g - own shard);
+        # otherwise (consecutive grouping) only the rollout slice of its own stage is local
+        expected = m_part // g - (own if tp % g == 0 else part[c.pp] // g)
+        expected += sum(rep) - rep[c.pp]  # norms of other stages, whole
+        assert plan.received_bytes(rank, F32) == expected, rank
+    if tp % g == 0:  # the paper's per-GPU average: M/(TP_g PP_g) - M/(T P)
+        group = [layout.rank_of(t, p, 0) for p in range(pp) for t in range(tp)]
+        avg_part = sum(plan.received_bytes(r, F32) - (sum(rep) - rep[layout.coords(r).pp]) for r in group) / (tp * pp)
+        assert avg_part == pytest.approx(m_part / g - m_part / (tp * pp))
+
+
+def test_gather_bytes_match_formula():
+    spec = _spec(vocab_size=512, num_heads=4, num_kv_heads=4)
+    layout = ParallelLayout(tp=2, pp=1, dp=2)
+    plan = make_plan(spec, layout, 4)  # 4 does not divide tp*pp = 2: per-tensor gather, 3(a)
+    assert plan.grouping is Grouping.GATHER
+    part, rep = _stage_bytes(spec, layout)
+    for rank in range(layout.world_size):
+        assert plan.received_bytes(rank, F32) == sum(part) - sum(part) // 2  # (T P - 1)/(T P) M, T P = 2
+        assert plan.dest_bytes(rank, F32) == sum(part) + sum(rep)  # full tensors; the engine keeps its slice
+    assert [p.tp_rank for p in plan.places] == [0, 1, 2, 3]
+
+
+def test_traffic_stays_inside_model_parallel_group():
+    spec = _spec()
+    layout = ParallelLayout(tp=2, pp=2, dp=2)
+    plan = make_plan(spec, layout, 1)
+    for s in plan.slabs:
+        assert layout.coords(s.src).dp == layout.coords(s.dst).dp
+
+
+def test_hybridflow_groups_are_strided():
+    spec = _spec(num_heads=8, num_kv_heads=4, hidden_size=64)
+    layout = ParallelLayout(tp=4, pp=1, dp=1)
+    plan = make_plan(spec, layout, 2)
+    # RESHARDING.md 3(b): k = 2; rank t plays rollout rank t // 2 in micro-DP replica t % 2
+    assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_bad_rollout_tp():
+    spec = _spec(num_heads=4, num_kv_heads=2)
+    with pytest.raises(LayoutError, match="attention heads"):
+        make_plan(spec, ParallelLayout(tp=1, pp=1, dp=3), 3)
+    with pytest.raises(LayoutError, match="divide the training world"):
+        make_plan(spec, ParallelLayout(tp=2, pp=1, dp=1), 4)
+
+
+# ----------------------------------------------------------------------------- vLLM shards, by hand
+
+
+def _execute_in_memory(plan, spec, hf, dtype=torch.float32):
+    """Run the plan with in-process copies instead of a transport: rank -> {HF name: rollout shard}."""
+    layout, vp = plan.train, plan.padded_vocab
+    pieces = {}
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        params = {}
+        for m in mapping.tensor_maps(spec):
+            full = mapping.to_mcore(m, spec, [hf[n] for n in m.hf], vp)
+            params[m.mcore] = mapping.tp_shard(m, full, layout.tp, c.tp)
+        pieces[rank] = LocalPieces(plan, spec, c.tp, params, dtype)
+    out = {r: {} for r in range(layout.world_size)}
+    for bucket in make_buckets(plan, cap_bytes=4096, itemsize=4):
+        for t in bucket.tensors:
+            for r in out:
+                out[r][t.name] = empty_dest(t, plan.dest[(t.name, r)], dtype)
+        for s in bucket.slabs:
+            t = plan.tensor(s.tensor)
+            if layout.coords(s.src).pp != t.stage:
+                raise AssertionError(f"{s} comes from a stage that does not hold {t.name}")
+            dest_view(out[s.dst][t.name], t, plan.dest[(t.name, s.dst)][0], s).copy_(pieces[s.src].slab(s))
+    return out
+
+
+def _vllm_by_hand(spec, hf, g, tp_g):
+    """What vLLM's QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear /
+    VocabParallelEmbedding hold on rank g (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py)."""
+    d, n_g = spec.head_dim, spec.num_query_groups
+    out = {}
+    for name, t in hf.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "up_proj.weight")):
+            continue
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            kind = name.rsplit(".", 1)[1]
+            base = name[: -len(f"q_proj.{kind}")]
+            q = t.chunk(tp_g)[g]
+            if tp_g <= n_g:
+                k, v = hf[f"{base}k_proj.{kind}"].chunk(tp_g)[g], hf[f"{base}v_proj.{kind}"].chunk(tp_g)[g]
+            else:
+                head = g // (tp_g // n_g)
+                k = hf[f"{base}k_proj.{kind}"][head * d:(head + 1) * d]
+                v = hf[f"{base}v_proj.{kind}"][head * d:(head + 1) * d]
+            out[f"{base}qkv_proj.{kind}"] = torch.cat([q, k, v])
+        elif name.endswith("gate_proj.weight"):
+            base = name[: -len("gate_proj.weight")]
+            up = hf[f"{base}up_proj.weight"]
+            out[f"{base}gate_up_proj.weight"] = torch.cat([t.chunk(tp_g)[g], up.chunk(tp_g)[g]])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = t.chunk(tp_g, dim=1)[g]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = math.ceil(spec.vocab_size / 64) * 64 // tp_g
+            rows = torch.zeros(per, t.shape[1])
+            part = t[g * per:(g + 1) * per]
+            rows[: part.shape[0]] = part
+            out[name] = rows
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("family, tied, heads, kv, tp, pp, tp_g", [
+    ("llama", False, 8, 4, 4, 1, 2),   # acceptance: TP_t=4 PP_t=1 -> TP_g=2
+    ("llama", False, 4, 2, 2, 2, 2),   # acceptance: TP_t=2 PP_t=2 -> TP_g=2
+    ("qwen2", True, 4, 2, 2, 2, 4),    # TP_g > KV heads: vLLM replicates KV heads; tied embedding sent once
+    ("qwen2", False, 4, 2, 2, 2, 1),   # embedded engines: full tensors everywhere
+])
+def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g):
+    # V=300: Megatron pads to 512 (128 rows per TP4 rank, rank 3 empty), vLLM to 320 (160 per TP2 rank)
+    spec = _spec(family, vocab_size=300, num_heads=heads, num_kv_heads=kv, hidden_size=64, tied=tied)
+    hf = _hf_state(spec)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=1)
+    plan = make_plan(spec, layout, tp_g)
+    shards = _execute_in_memory(plan, spec, hf)
+    for rank in range(layout.world_size):
+        place = plan.places[rank]
+        got = vllm_params(shards[rank], vocab_size=spec.vocab_size, rollout_tp=tp_g)
+        want = _vllm_by_hand(spec, hf, place.tp_rank, tp_g)
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (rank, name)
+    if tied:
+        assert "lm_head.weight" not in shards[0]
+
+
+def test_buckets_respect_cap_and_order():
+    spec = _spec(vocab_size=512)
+    plan = make_plan(spec, ParallelLayout(tp=2, pp=2), 1)
+    cap = 40_000
+    buckets = make_buckets(plan, cap, F32)
+    assert [t.name for b in buckets for t in b.tensors] == [t.name for t in plan.tensors]
+    for b in buckets:
+        for rank in range(4):
+            size = sum(math.prod(t.shape) * F32 for t in b.tensors)  # TP_g=1: every rank holds whole tensors
+            assert size <= cap or len(b.tensors) == 1, (rank, size)
