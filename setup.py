@@ -30,6 +30,7 @@ setup(
         "tqdm",
         "psutil",  # megatron-core dist_checkpointing needs it but does not declare it
         "einops",
+        "pyarrow>=14",  # .parquet prompt datasets (megarl.data.prompts; imported only to read parquet)
     ],
     extras_require={
         "vllm": ["vllm>=0.10"],

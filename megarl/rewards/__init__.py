@@ -1,0 +1,55 @@
+"""Reward functions: the scorer contract, rule-based scorers, user functions by path, error policy.
+
+A reward function is any callable ``(prompt: str, response: str, row: Mapping[str, Any]) -> float``
+where ``row`` holds the dataset row's other columns (ground truth and the like). Pure package: no
+Ray, no vLLM, no torch.distributed; reward *models* (networks) live with the workers, not here.
+
+- :mod:`megarl.rewards.base`  :class:`RewardFunction`, :class:`WeightedReward`, :func:`score_samples`
+  with :class:`OnError`, :class:`RewardError`
+- :mod:`megarl.rewards.rules` ``BUILTIN_REWARDS``: ``gsm8k``, ``math_boxed``, ``integer_answer``
+- :mod:`megarl.rewards.user`  :func:`load_reward_function` (``"file.py:function"``),
+  :func:`resolve_reward_function` (a built-in key or a file spec)
+"""
+
+from megarl.rewards.base import (
+    OnError,
+    RewardError,
+    RewardFunction,
+    ScoreInfo,
+    WeightedReward,
+    as_score,
+    score_samples,
+)
+from megarl.rewards.rules import (
+    BUILTIN_REWARDS,
+    GSM8KReward,
+    IntegerAnswerReward,
+    MathBoxedReward,
+    builtin_reward,
+    extract_boxed,
+    extract_gsm8k_answer,
+    normalize_math,
+    parse_number,
+)
+from megarl.rewards.user import load_reward_function, resolve_reward_function
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "GSM8KReward",
+    "IntegerAnswerReward",
+    "MathBoxedReward",
+    "OnError",
+    "RewardError",
+    "RewardFunction",
+    "ScoreInfo",
+    "WeightedReward",
+    "as_score",
+    "builtin_reward",
+    "extract_boxed",
+    "extract_gsm8k_answer",
+    "load_reward_function",
+    "normalize_math",
+    "parse_number",
+    "resolve_reward_function",
+    "score_samples",
+]
