@@ -1,10 +1,25 @@
 """Per-token log-probs and entropy from vocabulary-parallel logits, without gathering the vocabulary.
 
 Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary. One fused autograd
-function computes, per token, ``log p(target)`` and the entropy of the softmax with two all-reduces
-over the TP group (max; then sum-exp, sum of p*logit and the target logit together), and
-differentiates both exactly. Columns at or beyond the true vocabulary size (Megatron's padding) are
-excluded, so results match a model with the unpadded vocabulary. Inputs are used in float32.
+function computes, per token, ``log p(target)`` and the entropy of the softmax at a temperature, with
+exactly two all-reduces over the TP group per call (the max; then sum-exp, sum of p*logit and the
+target logit together; none at TP1), and differentiates both exactly.
+
+Invariants:
+
+- Memory: nothing of size [tokens, V_local] is created except the gradient in backward. The work is
+  done in token chunks through reused float32 buffers of at most ``CHUNK_BYTES`` each (so glibc
+  serves them from the heap, not from fresh page-faulting mmaps), and backward saves only the input
+  logits (which the caller holds anyway) and a few floats per token; it recomputes p per chunk.
+- Columns at or beyond the true vocabulary size (Megatron's padding, always a suffix of the last
+  shards) are never read: they get zero probability and exactly zero gradient, so results match a
+  model with the unpadded vocabulary. Targets must be below the true vocabulary size.
+- Math is float32 whatever the logits' dtype (bf16 is cast per chunk); the gradient comes back in the
+  logits' dtype. Only the entropy (log-prob) term of the gradient is computed when only the entropy
+  (log-prob) output is differentiated.
+
+This module imports torch.distributed only; it owns no process group (megatron-core's TP group is the
+default).
 """
 
 from __future__ import annotations
@@ -12,43 +27,111 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Size of one float32 [chunk tokens, V_local] work buffer (forward uses two, backward one or two).
+# Small enough to stay in L2/L3 and far below glibc's 32 MiB mmap threshold; large enough that the
+# per-chunk op overhead is negligible (V=32000: 16 tokens a chunk; V=152k: 3).
+CHUNK_BYTES = 2**21
+
+
+def chunk_tokens(local_vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one float32 [chunk, local_vocab] buffer takes at most ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * max(1, local_vocab)))
+
+
+def _sum_stats(x: torch.Tensor, m: torch.Tensor, temperature: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` [n, v]: (sum exp(z), sum exp(z) * z) with z = x / temperature - m, chunk by chunk."""
+    n, v = x.shape
+    sum_exp, sum_exp_z = m.new_zeros(n), m.new_zeros(n)
+    if v == 0:
+        return sum_exp, sum_exp_z
+    zbuf, ebuf = m.new_empty(min(rows, n), v), m.new_empty(min(rows, n), v)
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        z, e = zbuf[: j - i], ebuf[: j - i]
+        z.copy_(x[i:j])
+        if temperature != 1.0:
+            z.div_(temperature)
+        z.sub_(m[i:j, None])
+        torch.exp(z, out=e)
+        torch.sum(e, dim=-1, out=sum_exp[i:j])
+        torch.sum(z.mul_(e), dim=-1, out=sum_exp_z[i:j])
+    return sum_exp, sum_exp_z
+
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int, group):
-        logits = logits.float()
-        local_vocab = logits.shape[-1]
-        valid = (torch.arange(local_vocab, device=logits.device) + vocab_start) < vocab_size
-        masked = logits.masked_fill(~valid, float("-inf"))
-        lmax = masked.max(dim=-1).values
-        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = masked - lmax.unsqueeze(-1)
-        exp = shifted.exp()  # exactly 0 on padded columns
-        local_t = target - vocab_start
-        in_shard = (local_t >= 0) & (local_t < local_vocab)
-        t_logit = shifted.gather(-1, local_t.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-        stats = torch.stack(
-            [exp.sum(-1), (exp * shifted.masked_fill(~valid, 0.0)).sum(-1), torch.where(in_shard, t_logit, 0.0)]
-        )
-        dist.all_reduce(stats, group=group)
-        sum_exp, sum_exp_x, t_shifted = stats
+    def forward(ctx, logits, target, vocab_start: int, vocab_size: int, temperature: float, rows: int, group):
+        ctx.set_materialize_grads(False)
+        x = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits
+        n_valid = min(max(vocab_size - vocab_start, 0), x.shape[1])  # the padding is a suffix
+        xv = x[:, :n_valid]
+        local_t = target.reshape(-1) - vocab_start
+        in_shard = (local_t >= 0) & (local_t < n_valid)
+        idx = local_t.clamp(0, max(n_valid - 1, 0))
+        reduce = group is not None and dist.get_world_size(group) > 1
+
+        # max(x / T) == max(x) / T for T > 0 (division is monotone), so no scaled copy is needed
+        if n_valid:
+            m = xv.amax(dim=-1).float().div_(temperature)
+        else:
+            m = torch.full(x.shape[:1], float("-inf"), device=x.device)
+        if reduce:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        stats = torch.empty(3, x.shape[0], device=x.device)
+        stats[0], stats[1] = _sum_stats(xv, m, temperature, rows)
+        t_z = x.gather(-1, idx[:, None]).squeeze(-1).float().div_(temperature).sub_(m)  # same ops as in chunks
+        stats[2] = torch.where(in_shard, t_z, 0.0)
+        if reduce:
+            dist.all_reduce(stats, group=group)
+        sum_exp, sum_exp_z, t_shifted = stats
         lse = sum_exp.log()  # of the shifted logits
         log_prob = t_shifted - lse
-        entropy = lse - sum_exp_x / sum_exp
-        ctx.save_for_backward(shifted, lse, entropy, local_t, in_shard)
-        return log_prob, entropy
+        entropy = lse - sum_exp_z / sum_exp
+        ctx.save_for_backward(logits, idx, in_shard, m, lse, entropy)
+        ctx.n_valid, ctx.temperature, ctx.rows = n_valid, temperature, rows
+        shape = logits.shape[:-1]
+        return log_prob.view(shape), entropy.view(shape)
 
     @staticmethod
-    def backward(ctx, grad_log_prob: torch.Tensor, grad_entropy: torch.Tensor):
-        shifted, lse, entropy, local_t, in_shard = ctx.saved_tensors
-        log_p = shifted - lse.unsqueeze(-1)
-        p = log_p.exp()  # 0 on padded columns (shifted is -inf there)
-        # d logp(t)/dl_j = 1[j=t] - p_j ;  dH/dl_j = -p_j (log p_j + H)
-        grad = -p * (grad_log_prob.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (log_p.nan_to_num(neginf=0.0)
-                                                                                 + entropy.unsqueeze(-1)))
-        onehot = torch.zeros_like(grad).scatter_(-1, local_t.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), 1.0)
-        grad = grad + onehot * (grad_log_prob * in_shard).unsqueeze(-1)
-        return grad, None, None, None, None
+    def backward(ctx, grad_log_prob, grad_entropy):
+        nones = (None,) * 6
+        if grad_log_prob is None and grad_entropy is None:
+            return (None, *nones)
+        logits, idx, in_shard, m, lse, entropy = ctx.saved_tensors
+        n_valid, temperature, rows = ctx.n_valid, ctx.temperature, ctx.rows
+        x = logits.reshape(-1, logits.shape[-1])
+        grad = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
+        grad[:, n_valid:].zero_()
+        # d log p_t / dz_j = 1[j=t] - p_j ;  dH/dz_j = -p_j (log p_j + H) ;  z = x / T.
+        # The signs and 1/T are folded into the per-token grads: grad_j = p_j * (a + b (log p_j + H)) + [j=t] g_lp / T
+        a = None if grad_log_prob is None else grad_log_prob.reshape(-1).float() / -temperature
+        b = None if grad_entropy is None else grad_entropy.reshape(-1).float() / -temperature
+        direct = grad.dtype == torch.float32  # compute in place in the gradient; else via a float32 buffer
+        k = min(rows, x.shape[0])
+        zbuf = None if direct else x.new_empty(k, n_valid, dtype=torch.float32)
+        pbuf = None if b is None else x.new_empty(k, n_valid, dtype=torch.float32)
+        t_grad = None if a is None else torch.where(in_shard, -a, 0.0)[:, None]  # the 1[j=t] g_lp / T term
+        for i in range(0, x.shape[0] if n_valid else 0, rows):
+            j = min(i + rows, x.shape[0])
+            out = grad[i:j, :n_valid]
+            z = out if direct else zbuf[: j - i]
+            z.copy_(x[i:j, :n_valid])
+            if temperature != 1.0:
+                z.div_(temperature)
+            z.sub_(m[i:j, None]).sub_(lse[i:j, None])  # log p (m + lse rounded first: 2x the error)
+            if b is None:
+                z.exp_().mul_(a[i:j, None])
+            else:
+                p = torch.exp(z, out=pbuf[: j - i])
+                z.add_(entropy[i:j, None]).mul_(b[i:j, None])
+                if a is not None:
+                    z.add_(a[i:j, None])
+                z.mul_(p)
+            if a is not None:
+                z.scatter_add_(-1, idx[i:j, None], t_grad[i:j])
+            if not direct:
+                out.copy_(z)
+        return (grad.view(logits.shape), *nones)
 
 
 def vocab_parallel_log_prob_entropy(
@@ -58,22 +141,26 @@ def vocab_parallel_log_prob_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(target), entropy) per position from this rank's vocabulary shard of the logits.
+    """(log p(target), entropy) per position from this rank's vocabulary shard of ``logits / temperature``.
 
-    ``logits``: [..., V_local] (rank r holds columns [r*V_local, (r+1)*V_local) of the padded vocab);
-    ``target``: [...] global token ids; ``vocab_size``: the true vocabulary (padding excluded);
-    ``group``: the tensor-parallel group (None: megatron-core's). Needs an initialised world.
+    ``logits``: [..., V_local] (rank r holds columns [r*V_local, (r+1)*V_local) of the padded vocab),
+    best contiguous (else one copy is made); ``target``: [...] global token ids below ``vocab_size``,
+    the true vocabulary (padding excluded); ``group``: the tensor-parallel group (None: megatron-core's);
+    ``chunk``: tokens per work chunk (None: :func:`chunk_tokens`). Needs an initialised world.
+    Gradients flow to ``logits`` (through the temperature).
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, found {temperature}")
     if group is None:
         from megatron.core import parallel_state
 
         group = parallel_state.get_tensor_model_parallel_group()
-    rank = dist.get_rank(group)
-    vocab_start = rank * logits.shape[-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _VocabParallelLogProbEntropy.apply(logits, target, vocab_start, vocab_size, group)
+    vocab_start = dist.get_rank(group) * logits.shape[-1]
+    rows = chunk or chunk_tokens(logits.shape[-1])
+    return _VocabParallelLogProbEntropy.apply(logits, target, vocab_start, vocab_size, float(temperature), rows,
+                                              group)
 
 
 def token_log_probs(
@@ -84,8 +171,9 @@ def token_log_probs(
     ``logits`` [b, s, V_local] from a causal LM (position i predicts token i+1). Position 0 has no
     prediction and gets 0 in both outputs.
     """
-    lp, ent = vocab_parallel_log_prob_entropy(
-        logits[:, :-1], input_ids[:, 1:], vocab_size=vocab_size, temperature=temperature
-    )
+    # Every position is evaluated (the last one against a dummy target, then dropped) because
+    # logits[:, :-1] is not viewable as [tokens, V] and would cost a full copy of the logits.
+    target = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+    lp, ent = vocab_parallel_log_prob_entropy(logits, target, vocab_size=vocab_size, temperature=temperature)
     zero = lp.new_zeros(lp.shape[0], 1)
-    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent], dim=1)
+    return torch.cat([zero, lp[:, :-1]], dim=1), torch.cat([zero, ent[:, :-1]], dim=1)
