@@ -26,8 +26,9 @@ class Bucket:
 
 
 def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucket]:
-    """Consecutive tensors of the plan grouped so that no rank's rollout bytes in a bucket exceed
-    ``cap_bytes`` (a tensor larger than the cap travels alone). Same result on every rank."""
+    """Consecutive tensors of the plan grouped so that no rank's transient bytes in a bucket (its
+    rollout shards, staging buffers, outgoing copies) exceed ``cap_bytes``; a tensor over the cap
+    travels alone. A pure function of the plan: every rank computes the same buckets."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, found {cap_bytes}")
     ranks = range(plan.train.world_size)
@@ -38,23 +39,36 @@ def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucke
     current: list[HFTensor] = []
     load = dict.fromkeys(ranks, 0)
     for t in plan.tensors:
-        size = {r: _range_bytes(t, plan.dest[(t.name, r)], itemsize) for r in ranks}
-        if current and any(load[r] + size[r] > cap_bytes for r in ranks):
+        size = _transient_bytes(plan, t, by_tensor[t.name], itemsize)
+        if current and any(load[r] + size.get(r, 0) > cap_bytes for r in ranks):
             buckets.append(_bucket(current, by_tensor))
             current, load = [], dict.fromkeys(ranks, 0)
         current.append(t)
-        load = {r: load[r] + size[r] for r in ranks}
+        for r, n in size.items():
+            load[r] += n
     if current:
         buckets.append(_bucket(current, by_tensor))
     return buckets
 
 
+def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize: int) -> dict[int, int]:
+    """Per rank: rollout shard of ``t`` + staging for non-contiguous received slabs + outgoing copies."""
+    out: dict[int, int] = {}
+    sent: set[tuple[int, int, int]] = set()
+    for s in slabs:
+        n = plan.slab_bytes(s, itemsize)
+        if s.src != s.dst:
+            if t.dim not in (None, 0):
+                out[s.dst] = out.get(s.dst, 0) + n
+            if (s.src, s.start, s.stop) not in sent:
+                sent.add((s.src, s.start, s.stop))
+                out[s.src] = out.get(s.src, 0) + n
+        out[s.dst] = out.get(s.dst, 0) + n  # the shard itself
+    return out
+
+
 def _bucket(tensors: list[HFTensor], by_tensor: dict[str, list[Slab]]) -> Bucket:
     return Bucket(tuple(tensors), tuple(s for t in tensors for s in by_tensor[t.name]))
-
-
-def _range_bytes(t: HFTensor, rng: tuple[int, int], itemsize: int) -> int:
-    return (rng[1] - rng[0]) * t.row_elems * itemsize
 
 
 # ------------------------------------------------------------------------------------ sending side

@@ -9,6 +9,7 @@ only from each DP rank's owner (last PP stage, TP rank 0); other ranks return No
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,10 @@ from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.engine.vocab_parallel import token_log_probs
+from megarl.errors import ConfigError
 from megarl.models.spec import spec_from_hf_config
+from megarl.rollout.base import SamplingParams
+from megarl.workers.hybrid import HybridRollout, RolloutConfig, RolloutMismatchError, logprob_abs_diff, rollout_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +37,56 @@ class PolicyConfig:
 
 class PolicyRole(Role):
     def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, policy: PolicyConfig,
-                 trainable: bool = True) -> None:
+                 trainable: bool = True, rollout: RolloutConfig | None = None) -> None:
         super().__init__(ctx)
-        self.spec = spec_from_hf_config(mcore_io.read_meta(checkpoint_dir).hf_config)
+        hf_config = mcore_io.read_meta(checkpoint_dir).hf_config
+        self.spec = spec_from_hf_config(hf_config)
         self.policy = policy
         self.engine = MegatronEngine(self.spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=trainable)
+        self.rollout = None
+        if rollout is not None:
+            pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
+            self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad)
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+        """Sample ``params.n`` responses per prompt with the colocated rollout engine (current weights).
+
+        ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share).
+        Returns training rows (see :func:`megarl.workers.hybrid.rollout_batch`) grouped by prompt, plus
+        ``old_log_probs`` from the training model when ``rollout.logprob_check`` is on (the PPO ratio's
+        denominator, so the trainer need not recompute it); metrics in ``meta["metrics"]``.
+        """
+        if self.rollout is None:
+            raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
+        cfg = self.rollout.config
+        if cfg.logprob_check and params.temperature not in (0.0, self.policy.temperature):
+            raise ConfigError(
+                f"sampling temperature {params.temperature} differs from policy.temperature "
+                f"{self.policy.temperature}: training log-probs would be of another distribution. Set them equal."
+            )
+        ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
+        outputs, metrics = self.rollout.generate(ids, params)
+        pad = self.rollout.rollout.pad_token_id
+        batch = rollout_batch(ids, outputs, pad)
+        metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
+        if cfg.logprob_check:
+            start = time.perf_counter()
+            lp = self.compute_log_probs(batch)
+            metrics["timing/old_log_probs_s"] = time.perf_counter() - start
+            if lp is not None:
+                batch = batch.update(Batch.from_dict({"old_log_probs": lp["log_probs"]}))
+                diff = logprob_abs_diff(lp["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+                metrics["rollout/logprob_abs_diff"] = diff
+                if cfg.max_logprob_abs_diff is not None and diff > cfg.max_logprob_abs_diff:
+                    raise RolloutMismatchError(
+                        f"rollout log-probs differ from the training model's by {diff:.3g} on average (limit "
+                        f"{cfg.max_logprob_abs_diff}); the weight sync or the name mapping is broken, or the "
+                        "rollout dtype is too coarse for this limit."
+                    )
+        if not self.ctx.is_collect_rank:
+            return None
+        batch.meta["metrics"] = metrics
+        return batch
 
     def compute_log_probs(self, batch: Batch) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``."""

@@ -1,0 +1,104 @@
+"""Execute a resharding plan over the training workers' own process group (gloo on CPU, NCCL on GPU).
+
+Every rank walks the same buckets in the same order. Inside a bucket each slab is one point-to-point
+message (``batch_isend_irecv``; the slab's index in the bucket is its tag), received straight into
+the rollout shard when the slab is a contiguous part of it (dim-0 ranges), through a staging
+buffer otherwise. A rank yields each finished bucket as ``[(hf_name, rollout shard)]`` for its
+engine to load, then drops it. Extra memory is bounded by the bucket cap plus one Megatron
+parameter's converted pieces; never a second model copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.spec import ModelSpec
+from megarl.resharding.buckets import Bucket, LocalPieces, dest_view, empty_dest, make_buckets
+from megarl.resharding.plan import ReshardPlan
+
+
+@dataclasses.dataclass
+class TransferStats:
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_kept: int = 0  # copied locally (the rank already held them)
+    buckets: int = 0
+
+    def metrics(self, prefix: str = "reshard/") -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()}
+
+
+def stream_weights(
+    plan: ReshardPlan,
+    spec: ModelSpec,
+    params: Mapping[str, torch.Tensor],
+    *,
+    rank: int,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    stats: TransferStats | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield this rank's rollout shards bucket by bucket (HF names, ``dtype``, vocab trimmed).
+
+    ``params``: global local-spec Megatron name -> this rank's shard (all its model chunks).
+    ``rank``: this process's rank in ``group`` (the world the plan's layout describes).
+    Every rank of the group must consume the whole iterator: buckets are collective.
+    """
+    stats = stats if stats is not None else TransferStats()
+    pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for bucket in make_buckets(plan, bucket_bytes, itemsize):
+        start = time.perf_counter()
+        out = _exchange(plan, bucket, pieces, rank, dtype, itemsize, stats, group)
+        stats.seconds += time.perf_counter() - start
+        stats.buckets += 1
+        yield out
+
+
+def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, rank: int, dtype: torch.dtype,
+              itemsize: int, stats: TransferStats, group) -> list[tuple[str, torch.Tensor]]:
+    dests = {t.name: empty_dest(t, plan.dest[(t.name, rank)], dtype) for t in bucket.tensors
+             if any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)}
+    ops: list[dist.P2POp] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sent: dict[tuple[str, int, int], torch.Tensor] = {}  # one contiguous copy per slab, however many peers
+    for tag, s in enumerate(bucket.slabs):
+        if rank not in (s.src, s.dst):
+            continue
+        t = plan.tensor(s.tensor)
+        nbytes = plan.slab_bytes(s, itemsize)
+        if s.src == rank:
+            key = (s.tensor, s.start, s.stop)
+            if key not in sent:
+                sent[key] = pieces.slab(s)
+        if s.src == s.dst:
+            dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s).copy_(sent[key])
+            stats.bytes_kept += nbytes
+        elif s.src == rank:
+            ops.append(dist.P2POp(dist.isend, sent[key], _peer(s.dst, group), group=group, tag=tag))
+            stats.bytes_sent += nbytes
+        else:
+            view = dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s)
+            buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype)
+            if buf is not view:
+                staged.append((view, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, _peer(s.src, group), group=group, tag=tag))
+            stats.bytes_received += nbytes
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    for view, buf in staged:
+        view.copy_(buf)
+    return list(dests.items())
+
+
+def _peer(rank_in_group: int, group) -> int:
+    """P2POp takes global ranks."""
+    return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)

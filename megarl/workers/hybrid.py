@@ -1,0 +1,187 @@
+"""The hybrid engine: a policy worker trains with Megatron and generates with a colocated rollout engine.
+
+One :meth:`HybridRollout.generate` call is one full transition cycle on every rank of the policy's
+world (all ranks must call it together):
+
+1. train -> rollout: (GPU) offload gradients and optimizer state; wake the rollout engine; stream
+   the Megatron shards into it bucket by bucket along a :mod:`megarl.resharding` plan (no full model
+   copy is ever assembled besides the rollout engine's own weights); (GPU) offload the training params.
+2. each rollout replica generates its contiguous share of this data-parallel rank's prompts
+   (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index);
+3. rollout -> train: the rollout engine sleeps (weights and cache freed); training state reloads;
+   the replicas' outputs are gathered over the model-parallel group in replica order.
+
+Owns the rollout engine and the plan; does not know about losses or the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megarl.controller.role import WorkerContext
+from megarl.data.batch import Batch
+from megarl.engine.engine import MegatronEngine
+from megarl.errors import ConfigError, MegarlError
+from megarl.models.provider import global_named_parameters
+from megarl.models.spec import ModelSpec
+from megarl.resharding.plan import make_plan
+from megarl.resharding.transport import TransferStats, stream_weights
+from megarl.rollout.base import RolloutOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RolloutBackend(enum.Enum):
+    EMBEDDED = "embedded"  # transformers model in the worker process (CPU default, one GPU)
+    VLLM = "vllm"  # vLLM engine (GPU clusters; the `vllm` extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    backend: RolloutBackend = RolloutBackend.EMBEDDED
+    tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
+    dtype: str = "float32"  # dtype of the rollout weights ("bfloat16" on GPU)
+    bucket_mb: float = 64.0  # resharding bucket cap per rank
+    max_batch_size: int = 64  # rows decoded at once per replica
+    logprob_check: bool = True  # compare rollout and training log-probs after every sync
+    max_logprob_abs_diff: float | None = None  # raise when the mean |difference| exceeds this
+    offload_train_state: bool | None = None  # None: only when training on a GPU (on CPU the host is the device)
+
+
+class RolloutMismatchError(MegarlError):
+    """Rollout log-probs disagree with the training model's: the weight sync or the mapping is broken."""
+
+
+class HybridRollout:
+    def __init__(self, ctx: WorkerContext, spec: ModelSpec, hf_config: dict, engine: MegatronEngine,
+                 config: RolloutConfig, pad_token_id: int) -> None:
+        self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
+        self.dtype = getattr(torch, config.dtype)
+        self.plan = make_plan(spec, ctx.layout, config.tp)
+        self.place = self.plan.places[ctx.rank]
+        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx.device)
+        self.rollout.sleep()
+
+    # ------------------------------------------------------------------------------- transitions
+
+    def to_rollout(self) -> dict[str, float]:
+        """Train -> rollout: offload training state (GPU), stream weights into the woken rollout engine."""
+        start = time.perf_counter()
+        offload = self._offload_train_state()
+        if offload:
+            self.engine.offload(params=False, grads=True, optimizer=True)
+        self.rollout.wake_up()
+        stats = TransferStats()
+        params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
+        for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
+                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats):
+            self.rollout.update_weights(bucket)
+            bucket.clear()  # drop the shards as soon as the engine has copied them
+        self.rollout.finish_weight_update()
+        if offload:
+            self.engine.offload(params=True, grads=False, optimizer=False)
+        return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start}
+
+    def to_train(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self.rollout.sleep()
+        if self._offload_train_state():
+            self.engine.reload()
+        return {"timing/to_train_s": time.perf_counter() - start}
+
+    def _offload_train_state(self) -> bool:
+        configured = self.config.offload_train_state
+        return configured if configured is not None else self.ctx.device.startswith("cuda")
+
+    # -------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RolloutOutput], dict]:
+        """All replicas' outputs of this DP rank's prompts (same on every rank of the group), and metrics."""
+        metrics = self.to_rollout()
+        per_group = self.plan.num_replicas // self.ctx.layout.dp
+        local = self.place.replica % per_group
+        lo, hi = _share(len(prompts), per_group, local)
+        seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
+        start = time.perf_counter()
+        mine = None
+        if self.place.tp_rank == 0 and hi > lo:
+            mine = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
+            mine.prompt_index += lo
+        metrics["timing/generate_s"] = time.perf_counter() - start
+        metrics |= self.to_train()
+        group = parallel_state.get_model_parallel_group()
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (local, mine), group=group)
+        outputs = [out for _, out in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
+        return outputs, metrics
+
+
+def _share(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Contiguous share ``index`` of ``n`` items over ``parts`` (sizes differ by at most one)."""
+    base, extra = divmod(n, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
+def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, device: str):
+    if config.backend is RolloutBackend.EMBEDDED:
+        from transformers import AutoConfig
+
+        from megarl.rollout.embedded import EmbeddedEngine
+
+        if config.tp != 1:
+            raise ConfigError(
+                f"the embedded rollout engine runs one full model per rank (rollout tp=1); found tp={config.tp}. "
+                "Set rollout.tp=1, or use rollout.backend=vllm for tensor-parallel generation."
+            )
+        cfg = dict(hf_config)
+        model_type = cfg.pop("model_type")
+        hf = AutoConfig.for_model(model_type, **cfg)
+        return EmbeddedEngine(hf, dtype=dtype, pad_token_id=pad_token_id, device=device,
+                              max_batch_size=config.max_batch_size)
+    raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")
+
+
+# ------------------------------------------------------------------------------- batch assembly
+
+
+def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_token_id: int) -> Batch:
+    """Training rows [prompt | response | pad] from rollout outputs (rows grouped by prompt).
+
+    Fields: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens),
+    ``rollout_log_probs`` (token-aligned: entry i is the log-prob of token i), ``prompt_index``,
+    ``response_lengths``; non-tensor ``finish_reasons``.
+    """
+    rows = [(int(i), out.responses[r, : int(n)], out.log_probs[r, : int(n)], reason)
+            for out in outputs
+            for r, (i, n, reason) in enumerate(zip(out.prompt_index, out.response_lengths, out.finish_reasons,
+                                                   strict=True))]
+    width = max(len(prompts[i]) + len(resp) for i, resp, _, _ in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attn, resp_mask, lps = (torch.zeros(len(rows), width) for _ in range(3))
+    for k, (i, resp, lp, _) in enumerate(rows):
+        p, n = len(prompts[i]), len(resp)
+        ids[k, :p] = torch.as_tensor(prompts[i])
+        ids[k, p:p + n] = resp
+        attn[k, :p + n] = 1
+        resp_mask[k, p:p + n] = 1
+        lps[k, p:p + n] = lp
+    return Batch.from_dict(
+        {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_log_probs": lps,
+         "prompt_index": torch.tensor([r[0] for r in rows]),
+         "response_lengths": torch.tensor([len(r[1]) for r in rows])},
+        non_tensors={"finish_reasons": [r[3] for r in rows]},
+    )
+
+
+def logprob_abs_diff(training: torch.Tensor, rollout: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Mean |training - rollout| log-prob over response tokens (``rollout/logprob_abs_diff``)."""
+    mask = response_mask.to(torch.float64)
+    return float(((training.double() - rollout.double()).abs() * mask).sum() / mask.sum().clamp(min=1))
