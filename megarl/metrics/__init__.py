@@ -1,0 +1,1 @@
+"""Measurements a run reports: memory peaks (host and device); trackers live beside them."""
