@@ -32,41 +32,10 @@ TARGET = 1.5  # peak RSS <= TARGET x model bytes
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4)
 
 
-def make_model(out: Path, dtype, seed: int = 0, shard_bytes: int = 2**30) -> tuple[int, int]:
-    """Random HF Llama written shard by shard (never the whole model in memory); returns (params, bytes)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+def make_model(out: Path, dtype, seed: int = 0) -> tuple[int, int]:
+    from megarl.testing.tiny import write_random_model
 
-    from megarl.testing.tiny import make_tokenizer, tiny_config
-
-    config = tiny_config("llama", **SHAPE)
-    with torch.device("meta"):  # names and shapes only
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
-    shards, size, itemsize = [[]], 0, torch.empty((), dtype=dtype).element_size()
-    for name, shape in shapes.items():
-        if shards[-1] and size + shape.numel() * itemsize > shard_bytes:
-            shards, size = [*shards, []], 0
-        shards[-1].append(name)
-        size += shape.numel() * itemsize
-    out.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for names, fname in zip(shards, files, strict=True):
-        tensors = {}
-        for name in names:
-            t = torch.randn(shapes[name], generator=gen, dtype=dtype)
-            scale = 0.5 if "embed" in name or "lm_head" in name else shapes[name][-1] ** -0.5
-            tensors[name] = 1.0 + 0.1 * t if "norm" in name else t * scale
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-    nbytes = sum(s.numel() for s in shapes.values()) * itemsize
-    weight_map = {n: f for names, f in zip(shards, files, strict=True) for n in names}
-    index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    config.dtype = dtype
-    config.save_pretrained(str(out))
-    make_tokenizer(out, vocab_size=300)
-    return sum(s.numel() for s in shapes.values()), nbytes
+    return write_random_model(out, "llama", dtype=dtype, seed=seed, **SHAPE)
 
 
 def run_phase(args: argparse.Namespace) -> None:

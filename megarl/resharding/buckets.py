@@ -21,14 +21,17 @@ from megarl.resharding.plan import HFTensor, ReshardPlan, Slab, Split, source_ra
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    tensors: tuple[HFTensor, ...]
-    slabs: tuple[Slab, ...]  # the plan's slabs of these tensors, in plan order
+    tensors: tuple[HFTensor, ...]  # tensors with slabs in this bucket
+    slabs: tuple[Slab, ...]  # in plan order
+    final: bool = True  # False: an early part of one tensor over the cap; its shard is complete after the last part
 
 
 def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucket]:
     """Consecutive tensors of the plan grouped so that no rank's transient bytes in a bucket (its
-    rollout shards, staging buffers, outgoing copies) exceed ``cap_bytes``; a tensor over the cap
-    travels alone. A pure function of the plan: every rank computes the same buckets."""
+    rollout shards, staging buffers, outgoing copies) exceed ``cap_bytes``. A tensor over the cap
+    travels alone, in parts whose slabs are cut to fit the cap (its rollout shard is the only thing
+    larger than the cap that a rank ever holds). A pure function of the plan: every rank computes the
+    same buckets."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, found {cap_bytes}")
     ranks = range(plan.train.world_size)
@@ -39,10 +42,13 @@ def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucke
     current: list[HFTensor] = []
     load = dict.fromkeys(ranks, 0)
     for t in plan.tensors:
-        size = _transient_bytes(plan, t, by_tensor[t.name], itemsize)
+        size = _transient_bytes(plan, t, by_tensor[t.name], itemsize, with_dest=True)
         if current and any(load[r] + size.get(r, 0) > cap_bytes for r in ranks):
             buckets.append(_bucket(current, by_tensor))
             current, load = [], dict.fromkeys(ranks, 0)
+        if any(n > cap_bytes for n in size.values()):
+            buckets.extend(_parts(plan, t, by_tensor[t.name], cap_bytes, itemsize))
+            continue
         current.append(t)
         for r, n in size.items():
             load[r] += n
@@ -51,8 +57,29 @@ def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucke
     return buckets
 
 
-def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize: int) -> dict[int, int]:
-    """Per rank: rollout shard of ``t`` + staging for non-contiguous received slabs + outgoing copies."""
+def _parts(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], cap: int, itemsize: int) -> list[Bucket]:
+    """One tensor over the cap: slabs cut into ranges of <= cap/4 bytes, grouped so that each part's
+    staging and outgoing copies stay within the cap on every rank."""
+    unit = t.row_elems * itemsize
+    rows = max(1, cap // 4 // unit)
+    pieces = [dataclasses.replace(s, start=a, stop=min(a + rows, s.stop))
+              for s in slabs for a in range(s.start, s.stop, rows)] if t.dim is not None else slabs
+    parts: list[list[Slab]] = [[]]
+    load: dict[int, int] = {}
+    for s in pieces:
+        size = _transient_bytes(plan, t, [s], itemsize, with_dest=False)
+        if parts[-1] and any(load.get(r, 0) + n > cap for r, n in size.items()):
+            parts.append([])
+            load = {}
+        parts[-1].append(s)
+        for r, n in size.items():
+            load[r] = load.get(r, 0) + n
+    return [Bucket((t,), tuple(p), final=i == len(parts) - 1) for i, p in enumerate(parts)]
+
+
+def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize: int, *,
+                     with_dest: bool) -> dict[int, int]:
+    """Per rank: staging for non-contiguous received slabs + outgoing copies (+ the rollout shard)."""
     out: dict[int, int] = {}
     sent: set[tuple[int, int, int]] = set()
     for s in slabs:
@@ -63,7 +90,8 @@ def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize
             if (s.src, s.start, s.stop) not in sent:
                 sent.add((s.src, s.start, s.stop))
                 out[s.src] = out.get(s.src, 0) + n
-        out[s.dst] = out.get(s.dst, 0) + n  # the shard itself
+        if with_dest:
+            out[s.dst] = out.get(s.dst, 0) + n
     return out
 
 
@@ -75,7 +103,8 @@ def _bucket(tensors: list[HFTensor], by_tensor: dict[str, list[Slab]]) -> Bucket
 
 
 class LocalPieces:
-    """HF-space pieces of one rank's Megatron shards, converted lazily, one Megatron parameter at a time.
+    """HF-space pieces of one rank's Megatron shards, split lazily, one Megatron parameter at a time
+    (views, except q/k/v which must be un-interleaved); cast to the rollout dtype per slab.
 
     ``params``: global local-spec Megatron name -> this rank's shard (as in the training model).
     """
@@ -93,13 +122,16 @@ class LocalPieces:
         start, _ = source_range(t, self.spec, self.plan.train, self.tp_rank, self.plan.padded_vocab)
         return (0 if t.split is Split.NONE else start), self._cache[t.mcore][t.index]
 
-    def slab(self, s: Slab) -> torch.Tensor:
-        """The contiguous tensor to send for slab ``s``."""
+    def view(self, s: Slab) -> torch.Tensor:
+        """Slab ``s`` of this rank's piece, in the training dtype (a view where possible)."""
         t = self.plan.tensor(s.tensor)
         start, piece = self.piece(t)
-        if t.dim is None:
-            return piece
-        return piece.narrow(t.dim, s.start - start, s.stop - s.start).contiguous()
+        return piece if t.dim is None else piece.narrow(t.dim, s.start - start, s.stop - s.start)
+
+    def slab(self, s: Slab) -> torch.Tensor:
+        """The contiguous tensor in the rollout dtype to send for slab ``s`` (converted per slab, so
+        only what is on the wire is ever copied)."""
+        return self.view(s).to(self.dtype).contiguous()
 
     def _split(self, mcore: str) -> tuple[torch.Tensor, ...]:
         m, shard = self._maps[mcore], self.params[mcore].detach()
@@ -116,7 +148,7 @@ class LocalPieces:
             parts = (shard[: hi - lo],)
         else:
             parts = (shard,)
-        return tuple(p.to(self.dtype).contiguous() for p in parts)
+        return parts
 
 
 # ---------------------------------------------------------------------------------- receiving side

@@ -54,18 +54,23 @@ def stream_weights(
     stats = stats if stats is not None else TransferStats()
     pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize):
         start = time.perf_counter()
-        out = _exchange(plan, bucket, pieces, rank, dtype, itemsize, stats, group)
+        for t in bucket.tensors:
+            if t.name not in dests and any(s.dst == rank for s in bucket.slabs if s.tensor == t.name):
+                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype)
+        _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group)
         stats.seconds += time.perf_counter() - start
         stats.buckets += 1
-        yield out
+        if bucket.final:
+            out = [(t.name, dests.pop(t.name)) for t in bucket.tensors if t.name in dests]
+            yield out
+            del out  # hold no reference while the next bucket runs (the consumer clears the list)
 
 
-def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, rank: int, dtype: torch.dtype,
-              itemsize: int, stats: TransferStats, group) -> list[tuple[str, torch.Tensor]]:
-    dests = {t.name: empty_dest(t, plan.dest[(t.name, rank)], dtype) for t in bucket.tensors
-             if any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)}
+def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dict[str, torch.Tensor], rank: int,
+              dtype: torch.dtype, itemsize: int, stats: TransferStats, group) -> None:
     ops: list[dist.P2POp] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent: dict[tuple[str, int, int], torch.Tensor] = {}  # one contiguous copy per slab, however many peers
@@ -74,14 +79,14 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, rank: int,
             continue
         t = plan.tensor(s.tensor)
         nbytes = plan.slab_bytes(s, itemsize)
+        if s.src == s.dst:  # cast straight into place
+            dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s).copy_(pieces.view(s))
+            stats.bytes_kept += nbytes
+            continue
         if s.src == rank:
             key = (s.tensor, s.start, s.stop)
             if key not in sent:
                 sent[key] = pieces.slab(s)
-        if s.src == s.dst:
-            dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s).copy_(sent[key])
-            stats.bytes_kept += nbytes
-        elif s.src == rank:
             ops.append(dist.P2POp(dist.isend, sent[key], _peer(s.dst, group), group=group, tag=tag))
             stats.bytes_sent += nbytes
         else:
@@ -96,7 +101,6 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, rank: int,
             req.wait()
     for view, buf in staged:
         view.copy_(buf)
-    return list(dests.items())
 
 
 def _peer(rank_in_group: int, group) -> int:

@@ -133,3 +133,44 @@ def make_tiny_model(
     if with_tokenizer:
         make_tokenizer(out_dir, vocab_size=min(config.vocab_size, 300))
     return out_dir
+
+
+def write_random_model(
+    out_dir: str | Path, family: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
+    shard_bytes: int = 2**30, **config_kwargs,
+) -> tuple[int, int]:
+    """A random HF model of any size written shard by shard (never whole in memory), with an index
+    and a tiny tokenizer; returns (parameters, bytes). For benchmarks of 0.5B-1B models."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    config = tiny_config(family, **config_kwargs)
+    with torch.device("meta"):  # names and shapes only
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    shards, size, itemsize = [[]], 0, torch.empty((), dtype=dtype).element_size()
+    for name, shape in shapes.items():
+        if shards[-1] and size + shape.numel() * itemsize > shard_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append(name)
+        size += shape.numel() * itemsize
+    out_dir.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for names, fname in zip(shards, files, strict=True):
+        tensors = {}
+        for name in names:
+            t = torch.randn(shapes[name], generator=gen, dtype=dtype)
+            scale = 0.5 if "embed" in name or "lm_head" in name else shapes[name][-1] ** -0.5
+            tensors[name] = 1.0 + 0.1 * t if "norm" in name else t * scale
+        save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+    nbytes = sum(s.numel() for s in shapes.values()) * itemsize
+    weight_map = {n: f for names, f in zip(shards, files, strict=True) for n in names}
+    index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.dtype = dtype
+    config.save_pretrained(str(out_dir))
+    make_tokenizer(out_dir, vocab_size=300)
+    return sum(s.numel() for s in shapes.values()), nbytes
