@@ -79,6 +79,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     out = {"model_bytes": spec.num_parameters() * itemsize, "own_bytes": _own_hf_bytes(spec, layout, rank, itemsize)}
 
     def timed(fn):
+        fn()  # warm-up: connections, allocator, lazy imports
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -112,7 +113,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
 
     hybrid = HybridRollout(ctx, spec, hf_config, engine, RolloutConfig(dtype="bfloat16", bucket_mb=cap_mb), 0)
     transitions = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first one is the warm-up
         dist.barrier()
         reset_peaks()
         before = peaks().host_rss
@@ -122,7 +123,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
         weights = sum(p.numel() * p.element_size() for p in hybrid.rollout.model.parameters())
         transitions.append({"seconds": seconds, "extra": peaks().host_peak - before - weights})
         hybrid.to_train()
-    out["transition_s"] = statistics.median(t["seconds"] for t in transitions)
+    out["transition_s"] = statistics.median(t["seconds"] for t in transitions[1:])
     out["transition_extra"] = max(t["extra"] for t in transitions)
     out["largest_tensor"] = spec.vocab_size * spec.hidden_size * itemsize
     return out
@@ -180,6 +181,16 @@ def _report(results, params, args, load) -> str:
             bw = x["received"] / x["seconds"] / gb
             lines.append(f"| TP_g={g} transport | {rank} | {x['received'] / gb:.4f} | {x['planned'] / gb:.4f} | "
                          f"{formula} | {x['seconds']:.2f} | {bw:.2f} | {bw / raw_bw:.2f}x |")
+    raw_total = sum(r["allgather_bytes"] for r in results) / statistics.median(r["allgather_s"] for r in results) / gb
+    lines += ["", "| target | bytes received, all ranks | seconds | aggregate GB/s | vs raw all_gather aggregate |",
+              "|---|---|---|---|---|",
+              f"| raw all_gather | {sum(r['allgather_bytes'] for r in results) / gb:.3f} GB | "
+              f"{statistics.median(r['allgather_s'] for r in results):.2f} | {raw_total:.2f} | 1.00x |"]
+    for g in (1, 2):
+        total = sum(r[f"g{g}"]["received"] for r in results) / gb
+        secs = max(r[f"g{g}"]["seconds"] for r in results)
+        lines.append(f"| TP_g={g} transport | {total:.3f} GB | {secs:.2f} | {total / secs:.2f} | "
+                     f"{total / secs / raw_total:.2f}x |")
     mean_g2 = statistics.mean(r["g2"]["received"] for r in results) / gb
     lines += [
         "",
