@@ -16,8 +16,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
+# GRPO on the tiny addition task, policy TP2 + reference on 2 CPU processes (~3 min); resumes if re-run.
 demo: install
-	$(PY) examples/demo_conversion.py --out-dir outputs/demo
+	$(PY) examples/grpo_addition_tiny/run.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -30,8 +30,10 @@ setup(
         "tqdm",
         "psutil",  # megatron-core dist_checkpointing needs it but does not declare it
         "einops",
+        "tensorboard>=2.14",  # metrics (torch.utils.tensorboard.SummaryWriter)
         "pyarrow>=14",  # .parquet prompt datasets (megarl.data.prompts; imported only to read parquet)
     ],
+    entry_points={"console_scripts": ["megarl=megarl.cli.main:main"]},
     extras_require={
         "vllm": ["vllm>=0.10"],
         "te": ["transformer-engine[pytorch]>=2.0"],

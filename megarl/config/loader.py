@@ -69,6 +69,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return origin(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is Any or (isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{path}: expected {getattr(tp, '__name__', tp)}, found {value!r} ({type(value).__name__})")

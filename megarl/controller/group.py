@@ -197,6 +197,22 @@ class RoleHandle(Generic[R]):
         return PendingCall(self.group, self.name, futures,
                            lambda res: Batch.concat([res[r] for r in owners]).unpad(pad))
 
+    def dp_split_async(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[list[T]]:
+        """Like :meth:`dp_async` for calls that must not see filler rows (training steps): the batch is
+        cut into ``dp`` equal shards (its size must divide) and each DP rank's owner result comes back."""
+        layout = self.group.layout
+        shard_refs = [ray.put(shard) for shard in batch.chunk(layout.dp)]
+        futures = {
+            rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
+            for d, ranks in enumerate(dispatch.dp_members(layout))
+            for rank in ranks
+        }
+        owners = dispatch.collect_ranks(layout)
+        return PendingCall(self.group, self.name, futures, lambda res: [res[r] for r in owners])
+
+    def dp_split(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> list[T]:
+        return self.dp_split_async(method, batch, *args, **kwargs).result()
+
     def all(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         return self.all_async(method, *args, **kwargs).result()
 

@@ -17,6 +17,7 @@ from megarl import algos
 from megarl.checkpoint import mcore_io
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
+from megarl.engine.checkpoint import load_training_checkpoint, save_training_checkpoint
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.models.spec import Head, spec_from_hf_config
@@ -68,6 +69,14 @@ class CriticRole(Role):
             return out.loss, {"vf_loss": out.loss.detach(), "vf_clip_frac": out.clip_frac * weight}
 
         return self.engine.train_step(batch, loss_fn)
+
+
+    def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
+        """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic)."""
+        save_training_checkpoint(self.engine, out_dir, step=step, source_dir=source_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        return load_training_checkpoint(self.engine, ckpt_dir)
 
 
 class RewardModelRole(Role):

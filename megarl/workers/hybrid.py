@@ -17,7 +17,6 @@ Owns the rollout engine and the plan; does not know about losses or the trainer.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 
@@ -31,28 +30,12 @@ from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError, MegarlError
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
-from megarl.resharding.plan import make_plan
+from megarl.resharding.plan import ReshardPlan, make_plan
 from megarl.resharding.transport import TransferStats, stream_weights
 from megarl.rollout.base import RolloutOutput, SamplingParams
+from megarl.rollout.config import RolloutBackend, RolloutConfig
 
 log = logging.getLogger(__name__)
-
-
-class RolloutBackend(enum.Enum):
-    EMBEDDED = "embedded"  # transformers model in the worker process (CPU default, one GPU)
-    VLLM = "vllm"  # vLLM engine (GPU clusters; the `vllm` extra)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    backend: RolloutBackend = RolloutBackend.EMBEDDED
-    tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
-    dtype: str = "float32"  # dtype of the rollout weights ("bfloat16" on GPU)
-    bucket_mb: float = 64.0  # resharding bucket cap per rank
-    max_batch_size: int = 64  # rows decoded at once per replica
-    logprob_check: bool = True  # compare rollout and training log-probs after every sync
-    max_logprob_abs_diff: float | None = None  # raise when the mean |difference| exceeds this
-    offload_train_state: bool | None = None  # None: only when training on a GPU (on CPU the host is the device)
 
 
 class RolloutMismatchError(MegarlError):
@@ -66,7 +49,7 @@ class HybridRollout:
         self.dtype = getattr(torch, config.dtype)
         self.plan = make_plan(spec, ctx.layout, config.tp)
         self.place = self.plan.places[ctx.rank]
-        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx.device)
+        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan)
         self.rollout.sleep()
 
     # ------------------------------------------------------------------------------- transitions
@@ -111,9 +94,11 @@ class HybridRollout:
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
         start = time.perf_counter()
         mine = None
-        if self.place.tp_rank == 0 and hi > lo:
-            mine = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
-            mine.prompt_index += lo
+        if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
+            out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
+            if self.place.tp_rank == 0:
+                mine = out
+                mine.prompt_index += lo
         metrics["timing/generate_s"] = time.perf_counter() - start
         metrics |= self.to_train()
         group = parallel_state.get_model_parallel_group()
@@ -130,7 +115,8 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
     return lo, lo + base + (index < extra)
 
 
-def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, device: str):
+def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
+                  plan: ReshardPlan):
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
 
@@ -144,8 +130,18 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
         cfg = dict(hf_config)
         model_type = cfg.pop("model_type")
         hf = AutoConfig.for_model(model_type, **cfg)
-        return EmbeddedEngine(hf, dtype=dtype, pad_token_id=pad_token_id, device=device,
+        return EmbeddedEngine(hf, dtype=dtype, pad_token_id=pad_token_id, device=ctx.device,
                               max_batch_size=config.max_batch_size)
+    if config.backend is RolloutBackend.VLLM:
+        from megarl.rollout.vllm_engine import VLLMEngine, check_places
+
+        # vLLM's TP groups are consecutive global ranks: the plan's rollout groups must be the same ones
+        check_places(plan, ctx.rank)
+        start = ctx.rank - ctx.rank % config.tp
+        return VLLMEngine.from_hf_config(
+            hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
+            seed=config.seed, max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
+            pad_token_id=pad_token_id, expected_tp_ranks=list(range(start, start + config.tp)))
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")
 
 

@@ -19,6 +19,7 @@ from megarl import algos
 from megarl.checkpoint import mcore_io
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
+from megarl.engine.checkpoint import load_training_checkpoint, save_training_checkpoint
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.engine.vocab_parallel import token_log_probs
@@ -33,6 +34,8 @@ class PolicyConfig:
     loss: algos.PolicyLossConfig = algos.PolicyLossConfig()
     entropy_coef: float = 0.0
     temperature: float = 1.0  # must equal the rollout temperature
+    kl_loss_coef: float = 0.0  # > 0: add coef * KL(policy || reference) to the loss (needs ``ref_log_probs``)
+    kl_estimator: algos.KLEstimator = algos.KLEstimator.K3
 
 
 class PolicyRole(Role):
@@ -68,6 +71,9 @@ class PolicyRole(Role):
         outputs, metrics = self.rollout.generate(ids, params)
         pad = self.rollout.rollout.pad_token_id
         batch = rollout_batch(ids, outputs, pad)
+        per_prompt = [k for k in prompts.tensors.keys() if k not in ("prompt_ids", "prompt_lengths")]  # noqa: SIM118
+        if per_prompt:  # e.g. a global prompt id: copied to each of the prompt's responses
+            batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
         metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
         if cfg.logprob_check:
             start = time.perf_counter()
@@ -106,9 +112,23 @@ class PolicyRole(Role):
             # token-mean metrics of this micro-batch, weighted so that they add up to global means
             weight = mask.sum() / normalizer.token_count
             metrics = {k: v * weight for k, v in out.metrics().items() if k != "loss"}
+            if cfg.kl_loss_coef:
+                kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, cfg.kl_estimator, cfg.loss.aggregation, normalizer,
+                                   cfg.loss.norm_constant)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["kl_loss"] = kl.detach()
             return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
 
         return self.engine.train_step(batch, loss_fn)
+
+
+    def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
+        """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic)."""
+        save_training_checkpoint(self.engine, out_dir, step=step, source_dir=source_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Collective: restore what :meth:`save_checkpoint` wrote; returns its step."""
+        return load_training_checkpoint(self.engine, ckpt_dir)
 
 
 class ReferenceRole(Role):

@@ -1,0 +1,30 @@
+"""``megarl`` command line: ``megarl train CONFIG.yaml [key.path=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+
+from megarl.cli.common import run_cli
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megarl.trainer.config import load_config
+    from megarl.trainer.trainer import run
+
+    run(load_config(args.config, args.overrides))
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="megarl", description="Megatron-core + Ray RL post-training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a policy (PPO, GRPO, ...) from a YAML config")
+    train.add_argument("config", help="YAML config file (see examples/)")
+    train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. policy.optim.lr=1e-5")
+    train.set_defaults(fn=_train)
+    args = parser.parse_args()
+    run_cli(lambda: args.fn(args))
+
+
+if __name__ == "__main__":
+    main()

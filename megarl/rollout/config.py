@@ -1,0 +1,28 @@
+"""How the policy's rollout engine is built and fed (typed config; pure: no engine imports)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class RolloutBackend(enum.Enum):
+    EMBEDDED = "embedded"  # transformers model in the worker process (CPU default, one GPU)
+    VLLM = "vllm"  # vLLM engine (GPU clusters; the `vllm` extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    backend: RolloutBackend = RolloutBackend.EMBEDDED
+    tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
+    dtype: str = "float32"  # dtype of the rollout weights ("bfloat16" on GPU)
+    bucket_mb: float = 64.0  # resharding bucket cap per rank
+    max_batch_size: int = 64  # rows decoded at once per replica
+    logprob_check: bool = True  # compare rollout and training log-probs after every sync
+    max_logprob_abs_diff: float | None = None  # raise when the mean |difference| exceeds this
+    offload_train_state: bool | None = None  # None: only when training on a GPU (on CPU the host is the device)
+    # vLLM backend only
+    gpu_memory_utilization: float = 0.5  # share of the GPU vLLM may take (weights + KV cache), free at build time
+    enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
+    max_model_len: int | None = None  # prompt + response tokens; None: the model config's
+    seed: int = 0  # vLLM engine seed; unseeded sampling draws from it (same on every rank of a TP group)

@@ -1,0 +1,22 @@
+"""Trainer callbacks: user code that observes (or records) the run at stage boundaries.
+
+A callback is any object with these two methods; the trainer calls them in order of registration.
+``on_stage_end`` receives the step's working :class:`Batch` after ``rollout``, ``reward``,
+``advantages`` and ``step`` (after the updates), so a callback can log samples, export data or
+raise to stop the run. Callbacks must not modify the batch. Pure protocol: no imports above ``data``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from megarl.data.batch import Batch
+
+STAGES = ("rollout", "reward", "advantages", "step")
+
+
+@runtime_checkable
+class Callback(Protocol):
+    def on_stage_end(self, stage: str, step: int, batch: Batch) -> None: ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...

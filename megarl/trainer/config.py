@@ -1,0 +1,216 @@
+"""The training run's configuration: typed dataclasses, loaded from YAML with ``key.path=value`` overrides.
+
+One dataclass per concern, at most three levels deep (``policy.optim.lr``); defaults live in the
+fields; unknown keys are errors naming the nearest valid key (:mod:`megarl.config.loader`).
+:func:`check_config` validates what can be checked without starting a worker (paths, layouts,
+batch divisibility, algorithm/role consistency) and raises :class:`ConfigError`; it never rewrites.
+Pure module: no Ray, no process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
+from megarl.algos.kl import KLControllerConfig, KLEstimator
+from megarl.algos.losses import PolicyLossConfig
+from megarl.config.loader import from_dict
+from megarl.engine.config import EngineConfig
+from megarl.errors import ConfigError
+from megarl.parallel.layout import ParallelLayout
+from megarl.rewards.base import OnError
+from megarl.rollout.config import RolloutBackend
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # HF model directory or megarl (Megatron) checkpoint directory
+    tokenizer: str | None = None  # default: the model directory (its hf/ subdir for a megarl checkpoint)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # .jsonl or .parquet with a prompt column
+    val: str | None = None
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512  # tokens; longer prompts are dropped (and counted)
+    apply_chat_template: bool = True
+    batch_size: int = 8  # prompts per step
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    n: int = 4  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_at_eos: bool = True
+    val_n: int = 1
+    val_temperature: float = 0.0
+    backend: RolloutBackend = RolloutBackend.EMBEDDED
+    tp: int = 1
+    dtype: str = "float32"
+    bucket_mb: float = 64.0
+    max_batch_size: int = 64
+    max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: AdvantageConfig = AdvantageConfig(estimator=AdvantageEstimator.GRPO)
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    entropy_coef: float = 0.0
+    kl_penalty: KLControllerConfig | None = None  # KL to the reference subtracted from the reward
+    kl_loss_coef: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 = off
+    kl_estimator: KLEstimator = KLEstimator.K3
+    value_clip: float | None = 0.2  # critic (GAE only)
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_penalty is not None or self.kl_loss_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage.estimator is AdvantageEstimator.GAE
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    function: str = "integer_answer"  # a built-in key or "path/to/file.py:function"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
+    on_error: OnError = OnError.RAISE
+    error_score: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    total_steps: int = 10
+    output_dir: str = "outputs/run"
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2
+    val_every: int = 0  # 0 = no validation
+    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    seed: int = 1
+    tensorboard: bool = True
+    wandb_project: str | None = None  # log to Weights & Biases when set (needs `wandb`)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """One colocated pool for policy, reference and critic; dp fills nodes * devices_per_node."""
+
+    nodes: int = 1
+    devices_per_node: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "gpu"
+    cpus_per_device: float = 1.0
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout.for_world(self.nodes * self.devices_per_node, tp=self.tp, pp=self.pp, vpp=self.vpp)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutSection = RolloutSection()
+    cluster: ClusterConfig = ClusterConfig()
+    policy: EngineConfig = EngineConfig()
+    critic: EngineConfig = EngineConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerSection = TrainerSection()
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """YAML file (or nothing) + ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path} does not exist.") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. policy.optim.lr=1e-5).")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section.")
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return from_dict(TrainConfig, data)
+
+
+def to_plain(cfg: Any) -> Any:
+    """The config as plain YAML-able data (enums by value)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if isinstance(cfg, dict):
+        return {k: to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [to_plain(v) for v in cfg]
+    return cfg
+
+
+def dump_config(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_plain(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------- validation
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Everything checkable before workers start; raises ConfigError with what to change."""
+    if cfg.cluster.device not in ("auto", "cpu", "gpu"):
+        raise ConfigError(f"cluster.device must be 'auto', 'cpu' or 'gpu', found {cfg.cluster.device!r}.")
+    layout = cfg.cluster.layout()
+    if not cfg.model.path or not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path {cfg.model.path!r} is not a directory; give an HF model directory or a "
+                          "megarl checkpoint (tools/convert_hf_to_megatron.py writes one).")
+    if not cfg.data.train:
+        raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
+    d, r, a = cfg.data, cfg.rollout, cfg.algorithm
+    if d.batch_size % layout.dp:
+        raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
+                          f"({layout}); change one of them.")
+    rows = d.batch_size * r.n
+    if rows % (a.mini_batches * layout.dp):
+        raise ConfigError(f"batch_size*n = {rows} responses per step must split into algorithm.mini_batches="
+                          f"{a.mini_batches} x dp={layout.dp} equal parts.")
+    if a.advantage.estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and r.n < 2:
+        raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set rollout.n >= 2.")
+    if a.advantage.estimator is AdvantageEstimator.REMAX:
+        raise ConfigError("ReMax needs a greedy baseline rollout per prompt, which the trainer does not run yet; "
+                          "choose grpo, rloo, reinforce_plus_plus or gae.")
+    if r.temperature == 0:
+        raise ConfigError("rollout.temperature=0 (greedy) gives no exploration to learn from; use > 0 for training "
+                          "(val_temperature may be 0).")
+    t = cfg.trainer
+    if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
+    if t.val_every and not d.val:
+        raise ConfigError(f"trainer.val_every={t.val_every} but data.val is not set; give a validation file or "
+                          "set val_every=0.")
+    if a.ppo_epochs < 1 or a.mini_batches < 1:
+        raise ConfigError("algorithm.ppo_epochs and mini_batches must be >= 1.")

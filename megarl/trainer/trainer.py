@@ -1,0 +1,278 @@
+"""The RL fit loop: rollout -> rewards -> reference/old log-probs -> values -> advantages -> updates.
+
+The driver holds the algorithm; workers (one colocated Ray pool: policy with its rollout engine,
+reference, critic) do the model work. Each stage is a named method run inside a named timer, and
+:meth:`Trainer.train_step` reads as the recipe. Everything checkable is checked before a worker
+starts (:func:`megarl.trainer.config.check_config`, the dataset, the reward function). Checkpoints
+every ``save_every`` steps; a new run in the same output directory resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl import algos
+from megarl.checkpoint import mcore_io
+from megarl.data.batch import Batch
+from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts
+from megarl.metrics.tracking import Tracker
+from megarl.rewards.base import score_samples
+from megarl.rewards.user import resolve_reward_function
+from megarl.rollout.base import SamplingParams
+from megarl.trainer import checkpoints
+from megarl.trainer.callbacks import Callback
+from megarl.trainer.config import TrainConfig, check_config, dump_config, to_plain
+
+logger = logging.getLogger(__name__)
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}_s": v for k, v in self.seconds.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> None:
+        check_config(cfg)
+        self.cfg, self.callbacks = cfg, callbacks
+        self.out = Path(cfg.trainer.output_dir)
+        self.tokenizer = _load_tokenizer(cfg)
+        self.train_data = self._load_data(cfg.data.train)
+        self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
+        self.reward_fn = resolve_reward_function(cfg.reward.function, **cfg.reward.options)
+        self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        a = cfg.algorithm
+        self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
+        self.step = 0
+        self.out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, self.out / "config.yaml")
+        self.resume_from = checkpoints.latest(self.out) if cfg.trainer.resume else None
+        from megarl.trainer.workers import Workers  # Ray and the workers: only once the config is known good
+
+        self.workers = Workers(cfg, self.out, self.tokenizer)
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+
+    def _load_data(self, path: str):
+        d = self.cfg.data
+        cfg = PromptDataConfig(path=path, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                               apply_chat_template=d.apply_chat_template, shuffle=d.shuffle, seed=self.cfg.trainer.seed)
+        data = load_prompts(cfg, self.tokenizer)
+        if data.num_filtered:
+            logger.warning("%s: %d prompts longer than %d tokens were dropped", path, data.num_filtered,
+                           d.max_prompt_length)
+        return data
+
+    # --------------------------------------------------------------------------------------- loop
+
+    def fit(self) -> list[dict[str, float]]:
+        t = self.cfg.trainer
+        history = []
+        with Tracker(self.out, total_steps=t.total_steps, start_step=self.step, tensorboard=t.tensorboard,
+                     wandb_project=t.wandb_project, run_config=to_plain(self.cfg)) as tracker:
+            while self.step < t.total_steps:
+                self.step += 1
+                start = time.perf_counter()
+                metrics = self.train_step()
+                if t.val_every and self.step % t.val_every == 0:
+                    metrics |= self.validate()
+                metrics["timing/step_s"] = time.perf_counter() - start
+                tracker.log(self.step, metrics)
+                history.append(metrics)
+                for cb in self.callbacks:
+                    cb.on_step_end(self.step, metrics)
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.total_steps:
+                    self.save()
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        timer = StageTimer()
+        records = self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
+        with timer("rollout"):
+            batch, metrics = self.rollout(records)
+        with timer("reward"):
+            metrics |= self.score(batch, records)
+        if self.cfg.algorithm.needs_reference:
+            with timer("reference"):
+                metrics |= self.reference_log_probs(batch)
+        if self.cfg.algorithm.needs_critic:
+            with timer("values"):
+                self.values(batch)
+        with timer("advantages"):
+            metrics |= self.advantages(batch)
+        if self.cfg.algorithm.needs_critic:
+            with timer("update_critic"):
+                metrics |= self.update_critic(batch)
+        with timer("update_policy"):
+            metrics |= self.update_policy(batch)
+        self._stage("step", batch)
+        tokens = float(batch["attention_mask"].sum())
+        metrics |= timer.metrics()
+        metrics["throughput/tokens_per_s"] = tokens / max(sum(timer.seconds.values()), 1e-9)
+        return metrics
+
+    # ------------------------------------------------------------------------------------- stages
+
+    def rollout(self, records: list[PromptRecord], *, validation: bool = False) -> tuple[Batch, dict[str, float]]:
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
+            top_p=1.0 if validation else r.top_p, top_k=0 if validation else r.top_k,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=self.workers.stop_token_ids,
+            seed=self.cfg.trainer.seed * 1_000_003 + self.step,
+        )
+        batch = self.workers.generate(_prompt_batch(records), params)
+        metrics = {k: v for k, v in batch.meta.pop("metrics").items()}
+        lengths = batch["response_lengths"].float()
+        metrics |= {"response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+                    "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
+        self._stage("rollout", batch)
+        return batch, metrics
+
+    def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward") -> dict[str, float]:
+        rows = [records[int(i)] for i in batch["prompt_uid"]]
+        responses = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+                     for ids, m in zip(batch["input_ids"], batch["response_mask"], strict=True)]
+        scores, info = score_samples(self.reward_fn, [r.text for r in rows], responses, [r.row for r in rows],
+                                     self.cfg.reward.on_error, self.cfg.reward.error_score)
+        batch.tensors["scores"] = scores
+        self._stage("reward", batch)
+        std = scores.std().item() if len(scores) > 1 else 0.0
+        return {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
+                f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(info.num_errors)}
+
+    def reference_log_probs(self, batch: Batch) -> dict[str, float]:
+        ref = self.workers.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
+        batch.tensors["ref_log_probs"] = ref["log_probs"]
+        mask = batch["response_mask"]
+        kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
+        return {"actor/kl": algos.masked_mean(kl, mask).item()}
+
+    def values(self, batch: Batch) -> None:
+        batch.tensors["values"] = self.workers.values(batch.select("input_ids", "attention_mask"))["values"]
+
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        a, mask = self.cfg.algorithm, batch["response_mask"]
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask != 0)
+        token_rewards = torch.where(last, batch["scores"].unsqueeze(-1), torch.zeros_like(mask))
+        metrics = {}
+        if self.kl_ctl is not None:
+            pen = algos.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                         self.kl_ctl.value, self.cfg.algorithm.kl_estimator)
+            token_rewards = pen.rewards
+            metrics |= {"actor/kl_coef": self.kl_ctl.value, "actor/reward_kl": pen.mean_kl.item()}
+            self.kl_ctl.update(pen.mean_kl.item(), n_steps=len(batch))
+        inputs = algos.AdvantageInputs(token_rewards, mask, values=batch["values"] if a.needs_critic else None,
+                                       group_ids=batch["prompt_uid"])
+        adv = algos.compute_advantages(a.advantage, inputs)
+        batch.tensors["advantages"], batch.tensors["returns"] = adv.advantages, adv.returns
+        self._stage("advantages", batch)
+        return {"advantages/mean": algos.masked_mean(adv.advantages, mask).item(),
+                "advantages/max": adv.advantages[mask.bool()].max().item(),
+                "advantages/min": adv.advantages[mask.bool()].min().item()}
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        fields = ("input_ids", "attention_mask", "response_mask", "returns", "values")
+        train = batch.select(*fields).update(Batch.from_dict({"old_values": batch["values"]}))
+        return _mean_metrics([self.workers.update_critic(mb) for mb in self._mini_batches(train)], "critic/")
+
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        fields = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
+        if self.cfg.algorithm.kl_loss_coef:
+            fields.append("ref_log_probs")
+        train = batch.select(*fields)
+        return _mean_metrics([self.workers.update_policy(mb) for mb in self._mini_batches(train)], "actor/")
+
+    def _mini_batches(self, batch: Batch) -> Iterator[Batch]:
+        a = self.cfg.algorithm
+        for _ in range(a.ppo_epochs):
+            yield from batch.chunk(a.mini_batches)
+
+    def validate(self) -> dict[str, float]:
+        records = self.val_data.records
+        batch, _ = self.rollout(records, validation=True)
+        return self.score(batch, records, prefix="val/reward")
+
+    def _stage(self, stage: str, batch: Batch) -> None:
+        for cb in self.callbacks:
+            cb.on_stage_end(stage, self.step, batch)
+
+    # --------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path:
+        tmp = checkpoints.begin(self.out, self.step)
+        self.workers.save(tmp, self.step)
+        state = {"step": self.step, "sampler": self.sampler.state_dict(),
+                 "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
+        final = checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
+        logger.info("checkpoint written: %s", final)
+        return final
+
+    def _restore(self, ckpt: Path) -> None:
+        state = checkpoints.read_state(ckpt)
+        self.workers.load(ckpt)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        if self.kl_ctl is not None and state["kl_coef"] is not None:
+            self.kl_ctl.value = state["kl_coef"]
+        _truncate_metrics(self.out / "metrics.jsonl", self.step)
+        logger.info("resumed from %s at step %d", ckpt, self.step)
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+
+def _prompt_batch(records: list[PromptRecord]) -> Batch:
+    width = max(len(r.input_ids) for r in records)
+    ids = torch.zeros(len(records), width, dtype=torch.long)
+    for i, r in enumerate(records):
+        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
+    return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(r.input_ids) for r in records]),
+                            "prompt_uid": torch.arange(len(records))})
+
+
+def _mean_metrics(results: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = results[0].keys()
+    return {prefix + k: sum(r[k] for r in results) / len(results) for k in keys}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint (a crashed run logged them; they are redone)."""
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def _load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.model.tokenizer or cfg.model.path)
+    if (path / mcore_io.META_FILE).is_file():
+        path = path / mcore_io.HF_SUBDIR
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:
+    trainer = Trainer(cfg, callbacks)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+

@@ -1,0 +1,120 @@
+"""The run's workers, seen from the driver: one colocated Ray pool hosting policy (with its rollout
+engine), reference and critic, behind typed methods the trainer calls.
+
+Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model (in a child process,
+so the driver never joins a torch.distributed world), and the dispatch mode of each call (data-
+parallel shards for forward passes and updates, all ranks for checkpoints).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+
+from megarl.checkpoint import mcore_io
+from megarl.controller.group import GroupOptions
+from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
+from megarl.controller.pools import Device
+from megarl.data.batch import Batch
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.config import RolloutConfig
+from megarl.trainer.config import TrainConfig
+from megarl.workers.critic import CriticConfig, CriticRole
+from megarl.workers.policy import PolicyConfig, PolicyRole, ReferenceRole
+
+logger = logging.getLogger(__name__)
+
+_QUIET_WORKERS = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning",
+                  "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Workers:
+    def __init__(self, cfg: TrainConfig, out: Path, tokenizer) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.source = initial_checkpoint(cfg, out)
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
+        c, a = cfg.cluster, cfg.algorithm
+        pool = PoolSpec(nodes=c.nodes, devices_per_node=c.devices_per_node, device=Device(c.device),
+                        cpus_per_device=c.cpus_per_device, tp=c.tp, pp=c.pp, vpp=c.vpp)
+        roles = {"policy": "actor"} | ({"reference": "actor"} if a.needs_reference else {}) | (
+            {"critic": "actor"} if a.needs_critic else {})
+        self.placement = Placement(PlacementConfig({"actor": pool}, roles),
+                                   GroupOptions(seed=cfg.trainer.seed, env=_QUIET_WORKERS))
+        try:
+            self._add_roles(cfg)
+        except BaseException:
+            self.placement.shutdown()
+            raise
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = (eos,) if cfg.rollout.stop_at_eos and eos is not None else ()
+
+    def _add_roles(self, cfg: TrainConfig) -> None:
+        r, a, src = cfg.rollout, cfg.algorithm, str(self.source)
+        rollout = RolloutConfig(backend=r.backend, tp=r.tp, dtype=r.dtype, bucket_mb=r.bucket_mb,
+                                max_batch_size=r.max_batch_size, logprob_check=True,
+                                max_logprob_abs_diff=r.max_logprob_abs_diff)
+        policy = PolicyConfig(loss=a.policy_loss, entropy_coef=a.entropy_coef, temperature=r.temperature,
+                              kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator)
+        self.policy = self.placement.add_role("policy", PolicyRole, src, cfg.policy, policy, True, rollout)
+        self.reference = (self.placement.add_role("reference", ReferenceRole, src, cfg.policy, r.temperature)
+                          if a.needs_reference else None)
+        self.critic = (self.placement.add_role("critic", CriticRole, src, cfg.critic, CriticConfig(a.value_clip))
+                       if a.needs_critic else None)
+
+    # ------------------------------------------------------------------------------------- calls
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.policy.dp(PolicyRole.generate, prompts, params)
+
+    def reference_log_probs(self, batch: Batch) -> Batch:
+        return self.reference.dp(ReferenceRole.compute_log_probs, batch)
+
+    def values(self, batch: Batch) -> Batch:
+        return self.critic.dp(CriticRole.compute_values, batch)
+
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        return self.policy.dp_split(PolicyRole.update, batch)[0]  # metrics are reduced over DP already
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.critic.dp_split(CriticRole.update, batch)[0]
+
+    def save(self, ckpt_dir: Path, step: int) -> None:
+        self.policy.all(PolicyRole.save_checkpoint, str(ckpt_dir / "policy"), step, str(self.source))
+        if self.critic is not None:
+            self.critic.all(CriticRole.save_checkpoint, str(ckpt_dir / "critic"), step, str(self.source))
+
+    def load(self, ckpt_dir: Path) -> None:
+        self.policy.all(PolicyRole.load_checkpoint, str(ckpt_dir / "policy"))
+        if self.critic is not None:
+            self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))
+
+    def shutdown(self) -> None:
+        self.placement.shutdown()
+
+
+def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:
+    """The Megatron checkpoint the run starts from: ``model.path`` itself if it is one, else a one-time
+    conversion of the HF directory into ``<output_dir>/initial_checkpoint`` (reused on resume)."""
+    path = Path(cfg.model.path)
+    if (path / mcore_io.META_FILE).is_file():
+        return path
+    target = out / "initial_checkpoint"
+    if (target / mcore_io.META_FILE).is_file():
+        return target
+    logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, cfg.cluster.tp, cfg.cluster.pp,
+                target)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_convert, str(path), str(target), cfg.cluster.tp, cfg.cluster.pp).result()
+    return target
+
+
+def _convert(src: str, dst: str, tp: int, pp: int) -> None:
+    from megarl.checkpoint.convert import convert_hf_to_megatron
+
+    convert_hf_to_megatron(src, dst, tp=tp, pp=pp)
