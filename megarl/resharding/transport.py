@@ -30,8 +30,9 @@ class TransferStats:
     bytes_kept: int = 0  # copied locally (the rank already held them)
     buckets: int = 0
 
-    def metrics(self, prefix: str = "reshard/") -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()}
+    def metrics(self) -> dict[str, float]:
+        out = {f"reshard/{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "seconds"}
+        return out | {"timing/reshard_s": self.seconds}
 
 
 def stream_weights(

@@ -1,0 +1,117 @@
+"""Trainer configuration: loading, overrides, and bad input rejected before any worker starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.errors import ConfigError, LayoutError
+from megarl.trainer.callbacks import STAGES, Callback
+from megarl.trainer.config import TrainConfig, check_config, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "grpo_addition_tiny" / "config.yaml"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from megarl.testing.addition import make_task
+
+    return make_task(tmp_path_factory.mktemp("addition"), train_rows=64, val_rows=8)
+
+
+def _overrides(task, **extra):
+    base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl"}
+    return [f"{k}={v}" for k, v in (base | extra).items()]
+
+
+def test_example_config_loads_with_overrides(task):
+    cfg = load_config(EXAMPLE, _overrides(task, **{"policy.optim.lr": "1e-4", "rollout.n": "4"}))
+    assert cfg.policy.optim.lr == 1e-4 and cfg.rollout.n == 4  # "1e-4" parsed as a float, not a string
+    assert cfg.algorithm.advantage.estimator.value == "grpo" and cfg.cluster.tp == 2
+    check_config(cfg)
+
+
+def test_resolved_config_round_trips(task, tmp_path):
+    cfg = load_config(EXAMPLE, _overrides(task))
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("override, error, match", [
+    ("policy.optim.lrr=1", ConfigError, "did you mean 'lr'"),
+    ("rollout.temprature=1", ConfigError, "did you mean 'temperature'"),
+    ("algorithm.advantage.estimator=ppo", ConfigError, "is not one of"),
+    ("cluster.tp=3", LayoutError, "not divisible by tp"),
+    ("cluster.tp=1 data.batch_size=3", ConfigError, "divisible by the data-parallel size 2"),
+    ("rollout.n=1", ConfigError, "rollout.n >= 2"),
+    ("model.path=/nonexistent/model", ConfigError, "is not a directory"),
+    ("trainer.val_every=5", None, None),  # valid: data.val is set
+    ("oops", ConfigError, "key.path=value"),
+])
+def test_bad_config_is_named(task, override, error, match):
+    overrides = [*_overrides(task), *override.split()]
+    if error is None:
+        check_config(load_config(EXAMPLE, overrides))
+        return
+    with pytest.raises(error, match=match):
+        check_config(load_config(EXAMPLE, overrides))
+
+
+@pytest.mark.slow
+def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
+    """Unknown key, invalid layout, missing dataset column, missing model dir: exit 2 with one
+    paragraph, no traceback, no Ray, no conversion output."""
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"question": "1+1=", "answer": "2"}\n')
+    cases = [
+        (["policy.optim.lrr=1"], "did you mean 'lr'"),
+        (["cluster.tp=3"], "not divisible by tp"),
+        ([f"data.train={bad_rows}"], "prompt"),
+        (["model.path=/nonexistent/model"], "is not a directory"),
+    ]
+    env = dict(os.environ, RAY_ADDRESS="")
+    for i, (extra, match) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "megarl.train", str(EXAMPLE), *_overrides(task), f"trainer.output_dir={out}",
+             *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert match in proc.stderr and "Traceback" not in proc.stderr
+        assert "Ray" not in proc.stderr  # no cluster was started
+        assert not (out / "initial_checkpoint").exists()
+        assert time.monotonic() - start < 60
+
+
+def test_callbacks_are_a_protocol():
+    class Recorder:
+        def __init__(self):
+            self.events = []
+
+        def on_stage_end(self, stage, step, batch):
+            self.events.append((stage, step))
+
+        def on_step_end(self, step, metrics):
+            self.events.append(("end", step))
+
+    class Incomplete:
+        def on_step_end(self, step, metrics):
+            pass
+
+    assert isinstance(Recorder(), Callback)
+    assert not isinstance(Incomplete(), Callback)
+    assert STAGES == ("rollout", "reward", "advantages", "step")
+
+
+def test_defaults_live_in_the_dataclasses():
+    cfg = TrainConfig()
+    plain = yaml.safe_load(yaml.safe_dump({"trainer": {"total_steps": 3}}))
+    assert load_config(None, [f"trainer.total_steps={plain['trainer']['total_steps']}"]).trainer.total_steps == 3
+    assert cfg.rollout.n == 4 and cfg.trainer.resume is True
