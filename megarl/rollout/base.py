@@ -1,0 +1,161 @@
+"""The rollout-engine contract: sampling parameters, the output batch, the engine protocol and the sampler.
+
+Owns the definitions every rollout engine (embedded HF decode loop, vLLM, ...) and the training side agree
+on: how rows are ordered (grouped by prompt), how responses are padded, when a row finishes, and what a
+per-token log-prob means (:func:`sample_next`). Pure: imports torch and megarl.errors only -- no Ray,
+no process groups, no transformers, no vLLM.
+
+Log-prob definition (the training side compares against it): the log-prob of the sampled token under
+``softmax(logits / temperature)`` computed in float32 *before* top-k / top-p truncation; greedy decoding
+(temperature 0) uses temperature 1. With a vocabulary limit, logits at ids >= the limit are -inf first
+(they get probability 0 and are never sampled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megarl.errors import ConfigError, MegarlError
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+class WeightUpdateError(MegarlError, ValueError):
+    """A weight sync that does not fit the rollout model: unknown name, wrong shape, or missing tensors."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off.
+
+    A row finishes when it emits one of ``stop_token_ids`` (the stop token is part of the response,
+    as in vLLM) or after ``max_new_tokens`` tokens. ``seed=None`` draws fresh randomness.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, "n", "an integer >= 1", self.n),
+            (self.temperature >= 0, "temperature", ">= 0 (0 = greedy)", self.temperature),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 = off)", self.top_p),
+            (self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k),
+            (self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1", self.max_new_tokens),
+        ]
+        for ok, name, expected, found in checks:
+            if not ok:
+                raise ConfigError(f"SamplingParams.{name} must be {expected}; found {found!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError(
+                f"SamplingParams.stop_token_ids must be a tuple of non-negative token ids; "
+                f"found {self.stop_token_ids!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RolloutOutput:
+    """Sampled responses, one row per sample, rows grouped by prompt (prompt 0's ``n`` samples first).
+
+    ``responses`` is right-padded with the engine's pad token to the longest response ``R``;
+    ``response_mask`` is True on real tokens; ``log_probs`` (float32) is 0 on padding.
+    """
+
+    prompt_index: torch.Tensor  # long [rows]
+    responses: torch.Tensor  # long [rows, R]
+    response_mask: torch.Tensor  # bool [rows, R]
+    log_probs: torch.Tensor  # float32 [rows, R]
+    response_lengths: torch.Tensor  # long [rows]
+    finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH per row
+
+    def __len__(self) -> int:
+        return len(self.finish_reasons)
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's response token ids, without padding."""
+        return [row[:n].tolist() for row, n in zip(self.responses, self.response_lengths.tolist(), strict=True)]
+
+    def log_prob_lists(self) -> list[list[float]]:
+        """Each row's per-token log-probs, without padding."""
+        return [row[:n].tolist() for row, n in zip(self.log_probs, self.response_lengths.tolist(), strict=True)]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from a rollout engine.
+
+    Weight sync: ``wake_up()`` (or a fresh engine), then ``update_weights`` once per bucket of full HF-named
+    tensors, then ``finish_weight_update()`` which raises if any parameter was not loaded since the sync began.
+    ``sleep()`` frees weights and caches between rollouts (e.g. while training runs on the same device).
+    """
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput: ...
+
+    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def finish_weight_update(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Reference log-prob of ``tokens`` under ``softmax(logits / T)`` in float32 (``T=0`` counts as 1).
+
+    ``logits`` is ``[..., V]`` and ``tokens`` ``[...]``; vocabulary masking, if any, is the caller's.
+    """
+    t = 1.0 if temperature == 0 else temperature
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _truncated_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keep the top-k, then the smallest top-p nucleus of it; returns (candidate logits, their ids or None)."""
+    ids = None
+    if 0 < top_k < scaled.shape[-1]:
+        scaled, ids = torch.topk(scaled, top_k, dim=-1)  # sorted descending
+    if top_p < 1.0:
+        if ids is None:
+            scaled, ids = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(scaled, dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        outside = probs.cumsum(dim=-1) - probs > top_p
+        scaled = scaled.masked_fill(outside, float("-inf"))
+    return scaled, ids
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocab_limit: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits [B, V]``; returns (tokens long [B], log-probs float32 [B])."""
+    logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, vocab_limit:] = float("-inf")
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, token_log_probs(logits, tokens, 1.0)
+    scaled = logits / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    candidates, ids = _truncated_logits(scaled, params.top_k, params.top_p)
+    choice = torch.multinomial(torch.softmax(candidates, dim=-1), 1, generator=generator).squeeze(-1)
+    tokens = choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,406 @@
+"""The embedded rollout engine: a short decode loop over a transformers causal LM in this process.
+
+Owns an HF ``*ForCausalLM`` built from a config (never from disk: weights arrive only through
+:meth:`EmbeddedEngine.update_weights`) and the decode loop: left-padded prefill of each distinct prompt
+with ``logits_to_keep=1``, expansion of its KV cache to the prompt's rows, sampling with
+:func:`megarl.rollout.base.sample_next` (so log-probs are exact and free), and dropping finished rows
+from the batch and the ``DynamicCache`` every step. At most ``max_batch_size`` rows decode at once; rows
+still waiting join a running batch once a quarter of it is free (prefilled, then their cache is
+concatenated with the batch's, the shorter one left-padded with masked columns), so a few long samples
+do not leave the rest of the work queued behind them. Joining and trimming touch the cache layers'
+``keys`` / ``values`` directly and are used only when every layer is a plain ``DynamicLayer``; other
+caches (sliding windows) take new rows only when the batch is empty.
+
+Construction places parameters on the meta device (no random init, no memory) and then gives each an
+empty storage; buffers such as the rotary ``inv_freq`` are never on meta, so they keep the values the
+model computed from its config. ``sleep()`` resizes parameter storages to 0 bytes and ``wake_up()``
+re-allocates them (contents undefined until the next full weight sync).
+
+Imports torch and (lazily) transformers; no Ray, no process groups, no vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from megarl.errors import ConfigError
+from megarl.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutOutput,
+    SamplingParams,
+    WeightUpdateError,
+    sample_next,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block moves to the meta device; buffers stay where they are.
+
+    Patches ``nn.Module.register_parameter`` for the duration (not thread-safe: build engines one at a time).
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _materialize_(model: nn.Module, device: torch.device) -> None:
+    """Give every (meta) parameter an empty storage on ``device``; tied parameters stay one object."""
+    memo: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in memo:
+                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+                memo[id(param)] = (param, nn.Parameter(fresh, requires_grad=False))
+            module._parameters[name] = memo[id(param)][1]
+    model.to(device)  # the buffers
+
+
+def _build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    _materialize_(model, device)
+    return model.eval().requires_grad_(False)
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(input_ids, attention_mask, position_ids) of a left-padded batch; positions count real tokens from 0."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _plain_dynamic_cache(config) -> bool:
+    """Whether the model's DynamicCache has only plain full-attention layers (keys/values [B, H, L, D]), whose
+    columns :class:`_Batch` may pad, trim and concatenate; sliding-window and other layers are left alone."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+@dataclass
+class _Batch:
+    """Rows decoding together. The cache holds every token fed so far, right-aligned: row ``i``'s real tokens
+    are its last ``next_pos[i]`` columns (``mask`` is 1 there), its first ones are left padding."""
+
+    rows: torch.Tensor  # long [B]: output row of each batch row
+    mask: torch.Tensor  # long [B, L]: attention mask over the cache's L columns
+    next_pos: torch.Tensor  # long [B]: position of the next token = real tokens in the cache
+    logits: torch.Tensor  # [B, V]: logits of the next token
+    cache: object  # transformers DynamicCache
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.rows, self.mask, self.next_pos, self.logits = (
+            self.rows[keep], self.mask[keep], self.next_pos[keep], self.logits[keep])
+
+    def trim_left(self) -> None:
+        """Drop leading cache columns that no row attends to (plain DynamicLayer caches only)."""
+        lead = self.mask.shape[1] - int(self.next_pos.max())
+        if lead > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+            self.mask = self.mask[:, lead:]
+
+    def merge(self, other: _Batch) -> None:
+        """Append ``other``'s rows, left-padding the shorter cache with masked zero columns (DynamicLayer only)."""
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, length, 2), _pad_left(theirs.keys, length, 2)])
+            mine.values = torch.cat([_pad_left(mine.values, length, 2), _pad_left(theirs.values, length, 2)])
+        self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(other.mask, length, 1)])
+        self.rows = torch.cat([self.rows, other.rows])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.logits = torch.cat([self.logits, other.logits])
+
+
+@dataclass
+class _Results:
+    """Every output row's tokens so far, padded to ``max_new_tokens``."""
+
+    tokens: torch.Tensor  # long [rows, max_new]
+    log_probs: torch.Tensor  # float32 [rows, max_new]
+    lengths: torch.Tensor  # long [rows]
+    stopped: torch.Tensor  # bool [rows]
+
+    @classmethod
+    def empty(cls, rows: int, max_new: int, pad: int, device: torch.device) -> _Results:
+        return cls(tokens=torch.full((rows, max_new), pad, dtype=torch.long, device=device),
+                   log_probs=torch.zeros((rows, max_new), dtype=torch.float32, device=device),
+                   lengths=torch.zeros(rows, dtype=torch.long, device=device),
+                   stopped=torch.zeros(rows, dtype=torch.bool, device=device))
+
+    def output(self, row_prompt: list[int]) -> RolloutOutput:
+        width = int(self.lengths.max()) if len(self.lengths) else 0
+        return RolloutOutput(
+            prompt_index=torch.tensor(row_prompt, dtype=torch.long, device=self.lengths.device),
+            responses=self.tokens[:, :width],
+            response_mask=torch.arange(width, device=self.lengths.device)[None, :] < self.lengths[:, None],
+            log_probs=self.log_probs[:, :width],
+            response_lengths=self.lengths,
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped.tolist()],
+        )
+
+
+class EmbeddedEngine:
+    """A :class:`megarl.rollout.base.RolloutEngine` running an HF causal LM in this process.
+
+    ``vocab_limit``: logits at ids >= the limit are -inf before sampling and log-probs (for configs whose
+    vocabulary is padded past the tokenizer's, e.g. Qwen2.5). ``max_batch_size`` bounds the rows decoded
+    at once (prefill and KV cache memory).
+    """
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        pad_token_id: int,
+        device: str | torch.device = "cpu",
+        vocab_limit: int | None = None,
+        max_batch_size: int = 64,
+    ) -> None:
+        vocab = hf_config.get_text_config().vocab_size
+        if not 0 <= pad_token_id < vocab:
+            raise ConfigError(f"pad_token_id must be a token id in [0, {vocab}); found {pad_token_id}")
+        if vocab_limit is not None and not 0 < vocab_limit <= vocab:
+            raise ConfigError(f"vocab_limit must be in [1, {vocab}] (the config's vocab_size) or None; "
+                              f"found {vocab_limit}")
+        if max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be >= 1; found {max_batch_size}")
+        self.device = torch.device(device)
+        self.pad_token_id = pad_token_id
+        self.vocab_size = vocab
+        self.vocab_limit = vocab_limit
+        self.max_batch_size = max_batch_size
+        self.model = _build_model(hf_config, dtype, self.device)
+        self._params = dict(self.model.named_parameters())
+        # names that alias a parameter listed under another name (tied lm_head.weight)
+        self._aliases = {
+            name: canonical
+            for name, param in self.model.named_parameters(remove_duplicate=False)
+            for canonical, p in self._params.items()
+            if p is param and name != canonical
+        }
+        self._loaded: set[str] = set()
+        self._awake = True
+        self._ready = False  # True after a complete weight sync
+        self._mergeable = _plain_dynamic_cache(self.model.config)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """HF names a full weight sync must load (tied aliases excluded)."""
+        return list(self._params)
+
+    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy full HF-named tensors into the model (cast to its dtype); returns the names loaded.
+
+        A tied alias (``lm_head.weight`` with tied embeddings) is shape-checked and skipped.
+        """
+        if not self._awake:
+            raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
+        self._ready = False
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in tensors:
+                target = self._param_for(name, tensor)
+                if name in self._aliases:
+                    continue
+                target.copy_(tensor)
+                loaded.add(name)
+        self._loaded |= loaded
+        return loaded
+
+    def _param_for(self, name: str, tensor: torch.Tensor) -> nn.Parameter:
+        param = self._params.get(self._aliases.get(name, name))
+        if param is None:
+            near = difflib.get_close_matches(name, list(self._params), n=1)
+            hint = f"; nearest parameter name: {near[0]!r}" if near else ""
+            raise WeightUpdateError(f"unknown parameter {name!r} for {type(self.model).__name__}{hint}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightUpdateError(
+                f"parameter {name!r}: expected shape {tuple(param.shape)}, found {tuple(tensor.shape)}"
+            )
+        return param
+
+    def finish_weight_update(self) -> None:
+        """End a weight sync; raises :class:`WeightUpdateError` naming every parameter not loaded since it began."""
+        missing = [name for name in self._params if name not in self._loaded]
+        if missing:
+            shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
+            raise WeightUpdateError(
+                f"incomplete weight update: {len(missing)} of {len(self._params)} parameters were not loaded "
+                f"since the sync began: {shown}"
+            )
+        self._loaded = set()
+        self._ready = True
+        logger.debug("weight sync complete: %d parameters", len(self._params))
+
+    def sleep(self) -> None:
+        """Free every parameter's storage (0 bytes); the KV cache only lives inside :meth:`generate`."""
+        if not self._awake:
+            return
+        for param in self._params.values():
+            param.untyped_storage().resize_(0)
+        self._awake = False
+        self._ready = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Re-allocate (uninitialised) parameter storage and begin a weight sync."""
+        if not self._awake:
+            for param in self._params.values():
+                param.untyped_storage().resize_(param.numel() * param.element_size())
+            self._awake = True
+        self._loaded = set()
+        self._ready = False
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample ``params.n`` responses per prompt; rows grouped by prompt (see :class:`RolloutOutput`).
+
+        At most ``max_batch_size`` rows decode at once. Finished rows leave the batch and the KV cache every
+        step; waiting rows join it (their prompts prefilled, the caches merged) once a quarter of the batch is
+        free -- or only when the batch is empty, for caches other than plain ``DynamicLayer`` ones.
+        """
+        self._check_generate(prompts)
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        row_prompt = [i for i in range(len(prompts)) for _ in range(params.n)]
+        start = time.perf_counter()
+        results = _Results.empty(len(row_prompt), params.max_new_tokens, self.pad_token_id, self.device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        admit_at_least = max(1, self.max_batch_size // 4)  # amortise a prefill + cache merge over many rows
+        batch, next_row, steps = None, 0, 0
+        with torch.no_grad():
+            while batch is not None or next_row < len(row_prompt):
+                free = self.max_batch_size - (0 if batch is None else len(batch.rows))
+                waiting = len(row_prompt) - next_row
+                if waiting and (batch is None or (self._mergeable and free >= min(waiting, admit_at_least))):
+                    rows = range(next_row, next_row + min(free, waiting))
+                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows)
+                    next_row = rows.stop
+                    if batch is None:
+                        batch = joining
+                    else:
+                        batch.merge(joining)
+                batch = self._step(batch, params, generator, results, stop_ids)
+                steps += 1
+        out = results.output(row_prompt)
+        logger.debug("generated %d rows, %d tokens, %d decode steps in %.3f s", len(out),
+                     int(out.response_lengths.sum()), steps, time.perf_counter() - start)
+        return out
+
+    def _check_generate(self, prompts: Sequence[Sequence[int]]) -> None:
+        if not self._ready:
+            state = "asleep" if not self._awake else "waiting for a complete weight sync"
+            raise WeightUpdateError(
+                f"cannot generate: the engine is {state}; call wake_up() if asleep, then update_weights(...) "
+                f"and finish_weight_update()"
+            )
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ConfigError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ConfigError(f"prompt {i} has token ids outside [0, {self.vocab_size}): "
+                                  f"min {min(p)}, max {max(p)}")
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range) -> _Batch:
+        """A batch for output ``rows`` (prompt ids ``row_prompts``, grouped): each distinct prompt is prefilled
+        once, then its cache rows are repeated."""
+        from transformers import DynamicCache
+
+        distinct, repeats = zip(*((i, len(list(g))) for i, g in itertools.groupby(row_prompts)), strict=True)
+        ids, mask, positions = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        expand = torch.repeat_interleave(torch.arange(len(distinct), device=self.device),
+                                         torch.tensor(repeats, device=self.device))
+        if len(expand) != len(distinct):
+            cache.batch_select_indices(expand)
+            logits, mask = logits[expand], mask[expand]
+        row_ids = torch.arange(rows.start, rows.stop, device=self.device)
+        return _Batch(rows=row_ids, mask=mask, next_pos=mask.sum(-1), logits=logits, cache=cache)
+
+    def _step(
+        self, batch: _Batch, params: SamplingParams, generator: torch.Generator, results: _Results,
+        stop_ids: torch.Tensor,
+    ) -> _Batch | None:
+        """Sample one token per row, record it, drop finished rows, feed the rest; None when all finished."""
+        tokens, log_probs = sample_next(batch.logits, params, generator, self.vocab_limit)
+        column = results.lengths[batch.rows]
+        results.tokens[batch.rows, column] = tokens
+        results.log_probs[batch.rows, column] = log_probs
+        results.lengths[batch.rows] += 1
+        hit = torch.isin(tokens, stop_ids)
+        results.stopped[batch.rows[hit]] = True
+        done = hit | (column + 1 >= params.max_new_tokens)
+        if bool(done.all()):
+            return None
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            batch.select(keep)
+            tokens = tokens[keep]
+            if self._mergeable:
+                batch.trim_left()
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        batch.logits = self._forward(tokens[:, None], batch.mask, batch.next_pos[:, None], batch.cache)
+        batch.next_pos = batch.next_pos + 1
+        return batch
