@@ -51,7 +51,8 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # the tokenizer's eos token ends a response
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end a response (e.g. Llama-3's <|eot_id|>)
     val_n: int = 1
     val_temperature: float = 0.0
     backend: RolloutBackend = RolloutBackend.EMBEDDED
@@ -60,6 +61,10 @@ class RolloutSection:
     bucket_mb: float = 64.0
     max_batch_size: int = 64
     max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more
+    offload_train_state: bool | None = None  # None: offload grads/optimizer/params around rollout on GPU only
+    gpu_memory_utilization: float = 0.5  # vLLM: share of the GPU for weights + KV cache
+    max_model_len: int | None = None  # vLLM: prompt + response tokens (None: the model config's)
+    enforce_eager: bool = False  # vLLM: no CUDA graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +208,12 @@ def check_config(cfg: TrainConfig) -> None:
     if a.advantage.estimator is AdvantageEstimator.REMAX:
         raise ConfigError("ReMax needs a greedy baseline rollout per prompt, which the trainer does not run yet; "
                           "choose grpo, rloo, reinforce_plus_plus or gae.")
+    if r.backend is RolloutBackend.EMBEDDED and r.tp != 1:
+        raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.tp must be 1, found "
+                          f"{r.tp}; use rollout.backend=vllm for tensor-parallel generation.")
+    if r.backend is RolloutBackend.VLLM and r.tp not in (1, layout.tp):
+        raise ConfigError(f"vLLM's tensor-parallel groups are consecutive ranks, so rollout.tp must be 1 or the "
+                          f"training tp ({layout.tp}); found {r.tp}.")
     if r.temperature == 0:
         raise ConfigError("rollout.temperature=0 (greedy) gives no exploration to learn from; use > 0 for training "
                           "(val_temperature may be 0).")

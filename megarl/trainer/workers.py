@@ -52,13 +52,16 @@ class Workers:
             self.placement.shutdown()
             raise
         eos = tokenizer.eos_token_id
-        self.stop_token_ids = (eos,) if cfg.rollout.stop_at_eos and eos is not None else ()
+        eos_ids = (eos,) if cfg.rollout.stop_at_eos and eos is not None else ()
+        self.stop_token_ids = tuple(dict.fromkeys(eos_ids + cfg.rollout.stop_token_ids))
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         r, a, src = cfg.rollout, cfg.algorithm, str(self.source)
-        rollout = RolloutConfig(backend=r.backend, tp=r.tp, dtype=r.dtype, bucket_mb=r.bucket_mb,
-                                max_batch_size=r.max_batch_size, logprob_check=True,
-                                max_logprob_abs_diff=r.max_logprob_abs_diff)
+        rollout = RolloutConfig(  # logprob_check: the trainer uses the training log-probs it returns
+            backend=r.backend, tp=r.tp, dtype=r.dtype, bucket_mb=r.bucket_mb, max_batch_size=r.max_batch_size,
+            logprob_check=True, max_logprob_abs_diff=r.max_logprob_abs_diff, offload_train_state=r.offload_train_state,
+            gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
+            enforce_eager=r.enforce_eager, seed=cfg.trainer.seed)
         policy = PolicyConfig(loss=a.policy_loss, entropy_coef=a.entropy_coef, temperature=r.temperature,
                               kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator)
         self.policy = self.placement.add_role("policy", PolicyRole, src, cfg.policy, policy, True, rollout)
