@@ -124,19 +124,35 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _truncated_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keep the top-k, then the smallest top-p nucleus of it; returns (candidate logits, their ids or None)."""
-    ids = None
+def _top_mass(scaled: torch.Tensor, lse: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` logits (sorted) and ids, ``k`` the smallest of 256, 1024, ... (or the vocabulary) whose
+    probability reaches ``top_p`` in every row: the nucleus without sorting the whole vocabulary."""
+    vocab = scaled.shape[-1]
+    k = min(256, vocab)
+    while True:
+        values, ids = torch.topk(scaled, k, dim=-1)
+        if k == vocab or bool((torch.exp(values - lse[:, None]).sum(-1) >= top_p).all()):
+            return values, ids
+        k = min(4 * k, vocab)
+
+
+def _candidates(
+    scaled: torch.Tensor, lse: torch.Tensor, top_k: int, top_p: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(candidate ids [B, k] or None for the whole vocabulary, unnormalised sampling weights): the top-k, then
+    the smallest nucleus of (the renormalised top-k) holding ``top_p`` of the mass; the first token always stays."""
     if 0 < top_k < scaled.shape[-1]:
-        scaled, ids = torch.topk(scaled, top_k, dim=-1)  # sorted descending
-    if top_p < 1.0:
-        if ids is None:
-            scaled, ids = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(scaled, dim=-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
-        outside = probs.cumsum(dim=-1) - probs > top_p
-        scaled = scaled.masked_fill(outside, float("-inf"))
-    return scaled, ids
+        values, ids = torch.topk(scaled, top_k, dim=-1)
+        norm = torch.logsumexp(values, dim=-1, keepdim=True)
+    elif top_p < 1.0:
+        values, ids = _top_mass(scaled, lse, top_p)
+        norm = lse[:, None]
+    else:
+        return None, torch.exp(scaled - lse[:, None])
+    probs = torch.exp(values - norm)
+    if top_p < 1.0:  # drop a token once the tokens ranked above it hold top_p of the mass
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs > top_p, 0.0)
+    return ids, probs
 
 
 def sample_next(
@@ -150,12 +166,12 @@ def sample_next(
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = logits.clone()
         logits[:, vocab_limit:] = float("-inf")
+    scaled = logits if params.greedy or params.temperature == 1.0 else logits / params.temperature
+    lse = torch.logsumexp(scaled, dim=-1)
     if params.greedy:
-        tokens = logits.argmax(dim=-1)
-        return tokens, token_log_probs(logits, tokens, 1.0)
-    scaled = logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    candidates, ids = _truncated_logits(scaled, params.top_k, params.top_p)
-    choice = torch.multinomial(torch.softmax(candidates, dim=-1), 1, generator=generator).squeeze(-1)
-    tokens = choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        tokens = scaled.argmax(dim=-1)
+    else:
+        ids, weights = _candidates(scaled, lse, params.top_k, params.top_p)
+        choice = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+        tokens = choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse

@@ -12,6 +12,7 @@ from megarl.rollout import (
     RolloutEngine,
     SamplingParams,
     WeightUpdateError,
+    sample_next,
 )
 from megarl.testing.tiny import randomize_, tiny_config
 
@@ -110,6 +111,62 @@ def test_built_without_meta_tensors_and_with_the_reference_buffers(rope_scaling)
     for name, buf in engine_buffers.items():
         assert torch.equal(buf, ref_buffers[name]), name
     assert sorted(engine.parameter_names) == sorted(n for n, _ in model.named_parameters())
+
+
+# ---- the sampler -------------------------------------------------------------------------------
+
+
+def sampler_logits(vocab: int = 600) -> torch.Tensor:
+    """Rows from peaked to nearly flat (a flat row's 0.9-nucleus spans most of the vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([6.0, 3.0, 1.0, 0.3, 0.01])[:, None]
+    return torch.randn(len(scales), vocab, generator=gen) * scales
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (50, 1.0), (50, 0.8), (1, 1.0), (0, 1.0)])
+def test_sampler_support_matches_transformers_warpers(top_k, top_p):
+    """The tokens the sampler can draw are exactly those transformers' warpers leave finite."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from megarl.rollout.base import _candidates
+
+    logits, temperature = sampler_logits(), 0.7
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    scaled = logits / temperature
+    ids, weights = _candidates(scaled, torch.logsumexp(scaled, -1), top_k, top_p)
+    ids = torch.arange(logits.shape[1]).expand_as(logits) if ids is None else ids
+    for row in range(len(logits)):
+        ours = set(ids[row][weights[row] > 0].tolist())
+        assert ours == set(torch.isfinite(scores[row]).nonzero().squeeze(1).tolist()), row
+    if top_p < 1 and not top_k:  # the flat row's nucleus needs more than the first 256 candidates
+        assert (weights[-1] > 0).sum() > 256
+
+
+def test_sampler_frequencies_and_log_probs():
+    """4000 draws of each row: frequencies follow the renormalised nucleus (float64 reference), log-probs
+    are the untruncated tempered log-softmax, and the same seed repeats the draws."""
+    logits, temperature, top_p, draws = sampler_logits()[:3], 0.7, 0.9, 4000
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=0)
+    batch = logits.repeat_interleave(draws, 0)
+    tokens, log_probs = sample_next(batch, params, torch.Generator().manual_seed(0))
+    again, _ = sample_next(batch, params, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+    ref_logp = torch.log_softmax(batch.double() / temperature, -1)
+    torch.testing.assert_close(log_probs.double(), ref_logp.gather(1, tokens[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    for row in range(len(logits)):
+        probs = torch.softmax(logits[row].double() / temperature, -1)
+        order = probs.argsort(descending=True)
+        keep = order[(probs[order].cumsum(0) - probs[order]) <= top_p]
+        expected = torch.zeros_like(probs)
+        expected[keep] = probs[keep] / probs[keep].sum()
+        seen = torch.bincount(tokens[row * draws : (row + 1) * draws], minlength=len(probs)).double() / draws
+        assert seen[expected == 0].sum() == 0
+        noise = 0.5 * (2 * expected * (1 - expected) / (torch.pi * draws)).sqrt().sum()  # E[total variation]
+        assert 0.5 * (seen - expected).abs().sum() < 2 * noise + 0.01, row
 
 
 # ---- generation vs transformers ----------------------------------------------------------------
