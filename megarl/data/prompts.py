@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -82,9 +82,28 @@ class PromptDataset:
         return [self.records[i] for i in indices]
 
 
-def load_prompts(cfg: PromptDataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptDataset:
-    """Read ``cfg.path``, validate and tokenize every row, drop (and count) over-long prompts."""
+@runtime_checkable
+class RowAdapter(Protocol):
+    """Maps a raw dataset row to megarl's form (a prompt column + extra columns for the reward), e.g.
+    GSM8K's ``{"question", "answer"}`` -> ``{"prompt": [...messages...], "answer": ...}``. Given in a
+    config as ``data.row_adapter: path/to/file.py:function``."""
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def load_row_adapter(spec: str) -> RowAdapter:
+    from megarl.config.user_code import load_function
+
+    return load_function(spec, "row adapter", ({},), "(row: dict) -> dict")
+
+
+def load_prompts(cfg: PromptDataConfig, tokenizer: PreTrainedTokenizerBase,
+                 adapter: RowAdapter | None = None) -> PromptDataset:
+    """Read ``cfg.path`` (each row through ``adapter`` first, when given), validate and tokenize every
+    row, drop (and count) over-long prompts."""
     rows = read_rows(cfg.path)
+    if adapter is not None:
+        rows = [(where, _adapt(adapter, row, where)) for where, row in rows]
     use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if cfg.apply_chat_template and not use_template:
         logger.info("tokenizer has no chat template: text prompts from %s are encoded plainly", cfg.path)
@@ -110,6 +129,21 @@ def load_prompts(cfg: PromptDataConfig, tokenizer: PreTrainedTokenizerBase) -> P
                         f"max_prompt_length={cfg.max_prompt_length} tokens; raise it or shorten the prompts")
     logger.info("loaded %d prompts from %s", len(records), cfg.path)
     return PromptDataset(records, num_filtered, cfg.path)
+
+
+def _adapt(adapter: RowAdapter, row: dict[str, Any], where: str) -> dict[str, Any]:
+    try:
+        out = adapter(dict(row))
+    except Exception as e:
+        raise DataError(f"{where}: the row adapter raised {type(e).__name__}: {e} (row: {_short(row)})") from e
+    if not isinstance(out, dict):
+        raise DataError(f"{where}: the row adapter returned a {type(out).__name__}, expected a dict of columns")
+    return out
+
+
+def _short(row: dict[str, Any], limit: int = 200) -> str:
+    text = json.dumps(row, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def encode_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase, use_template: bool) -> list[int]:

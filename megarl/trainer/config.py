@@ -38,6 +38,7 @@ class DataConfig:
     train: str = ""  # .jsonl or .parquet with a prompt column
     val: str | None = None
     prompt_key: str = "prompt"
+    row_adapter: str | None = None  # "path/to/file.py:function" mapping each raw row to {prompt, ...}
     max_prompt_length: int = 512  # tokens; longer prompts are dropped (and counted)
     apply_chat_template: bool = True
     batch_size: int = 8  # prompts per step

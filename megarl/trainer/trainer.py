@@ -22,7 +22,7 @@ import torch
 from megarl import algos
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
-from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts
+from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts, load_row_adapter
 from megarl.metrics.tracking import Tracker
 from megarl.rewards.base import score_samples
 from megarl.rewards.user import resolve_reward_function
@@ -74,7 +74,8 @@ class Trainer:
         d = self.cfg.data
         cfg = PromptDataConfig(path=path, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                                apply_chat_template=d.apply_chat_template, shuffle=d.shuffle, seed=self.cfg.trainer.seed)
-        data = load_prompts(cfg, self.tokenizer)
+        adapter = load_row_adapter(d.row_adapter) if d.row_adapter else None
+        data = load_prompts(cfg, self.tokenizer, adapter)
         if data.num_filtered:
             logger.warning("%s: %d prompts longer than %d tokens were dropped", path, data.num_filtered,
                            d.max_prompt_length)
@@ -124,7 +125,7 @@ class Trainer:
             metrics |= self.update_policy(batch)
         self._stage("step", batch)
         tokens = float(batch["attention_mask"].sum())
-        metrics |= timer.metrics()
+        metrics |= timer.metrics() | self.workers.memory_peaks()
         metrics["throughput/tokens_per_s"] = tokens / max(sum(timer.seconds.values()), 1e-9)
         return metrics
 

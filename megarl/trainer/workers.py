@@ -87,6 +87,11 @@ class Workers:
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self.critic.dp_split(CriticRole.update, batch)[0]
 
+    def memory_peaks(self) -> dict[str, float]:
+        """Peak memory of the busiest worker process since the previous call."""
+        per_rank = self.policy.all(PolicyRole.memory_peaks)
+        return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+
     def save(self, ckpt_dir: Path, step: int) -> None:
         self.policy.all(PolicyRole.save_checkpoint, str(ckpt_dir / "policy"), step, str(self.source))
         if self.critic is not None:

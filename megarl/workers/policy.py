@@ -24,6 +24,7 @@ from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
+from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.rollout.base import SamplingParams
 from megarl.workers.hybrid import HybridRollout, RolloutConfig, RolloutMismatchError, logprob_abs_diff, rollout_batch
@@ -121,6 +122,13 @@ class PolicyRole(Role):
 
         return self.engine.train_step(batch, loss_fn)
 
+
+    def memory_peaks(self) -> dict[str, float]:
+        """This process's peak host (and device) memory since the last call, then a new phase starts
+        (the process hosts every colocated role, so this covers them all)."""
+        out = peaks().metrics()
+        reset_peaks()
+        return out
 
     def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
         """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic)."""

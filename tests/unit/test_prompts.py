@@ -214,3 +214,35 @@ def test_sampler_errors():
         PromptSampler(5, seed=1).load_state_dict({"epoch": 0})
     with pytest.raises(ConfigError, match="outside a dataset of 5 prompts"):
         PromptSampler(5, seed=1).load_state_dict(state | {"offset": 9})
+
+
+# ---- row adapters (extension point) ---------------------------------------------------------------
+
+
+def test_row_adapter_contract(tmp_path):
+    from megarl.data.prompts import RowAdapter, load_row_adapter
+
+    (tmp_path / "adapt.py").write_text(
+        "def gsm8k(row):\n"
+        "    return {'prompt': [{'role': 'user', 'content': row['question']}], 'answer': row['answer'], 'src': 'g'}\n"
+        "def broken(row):\n    return row['missing']\n"
+        "def not_a_dict(row):\n    return [row]\n"
+    )
+    data = tmp_path / "raw.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n')
+    tok = make_tokenizer()
+    adapter = load_row_adapter(f"{tmp_path / 'adapt.py'}:gsm8k")
+    assert isinstance(adapter, RowAdapter)
+    ds = load_prompts(PromptDataConfig(path=str(data)), tok, adapter)
+    assert [r.text for r in ds.records] == ["1+1?", "2+2?"]
+    assert ds.records[1].row == {"answer": "#### 4", "src": "g"}
+    expected = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert ds.records[1].input_ids == tok.encode(expected)
+    with pytest.raises(DataError, match=r"raw.jsonl:1: the row adapter raised KeyError"):
+        load_prompts(PromptDataConfig(path=str(data)), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:broken"))
+    with pytest.raises(DataError, match="returned a list, expected a dict"):
+        load_prompts(PromptDataConfig(path=str(data)), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:not_a_dict"))
+    with pytest.raises(ConfigError, match="cannot be called as"):
+        (tmp_path / "two.py").write_text("def f(a, b):\n    return a\n")
+        load_row_adapter(f"{tmp_path / 'two.py'}:f")

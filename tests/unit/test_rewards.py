@@ -176,7 +176,7 @@ def test_user_function_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"signature \(prompt, response\).*\(prompt, response, row\)"):
         load_reward_function(f"{path}:two_args")
     broken = _write(tmp_path, "broken.py", "import not_a_real_module_xyz\n")
-    with pytest.raises(ConfigError, match="importing reward file .*broken.py.* ModuleNotFoundError"):
+    with pytest.raises(ConfigError, match="importing reward function file .*broken.py.* ModuleNotFoundError"):
         load_reward_function(f"{broken}:good")
     with pytest.raises(ConfigError, match="takes no options"):
         resolve_reward_function(f"{path}:good", answer_key="x")
