@@ -30,6 +30,7 @@ from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError, MegarlError
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
+from megarl.parallel import cpu_compat
 from megarl.resharding.plan import ReshardPlan, make_plan
 from megarl.resharding.transport import TransferStats, stream_weights
 from megarl.rollout.base import RolloutOutput, SamplingParams
@@ -95,7 +96,8 @@ class HybridRollout:
         start = time.perf_counter()
         mine = None
         if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
-            out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
+            with cpu_compat.suspended():  # the rollout model never calls megatron-core
+                out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
             if self.place.tp_rank == 0:
                 mine = out
                 mine.prompt_index += lo

@@ -38,3 +38,12 @@ def test_tensor_type_reports_cuda_names_for_megatron_optimizer_checks():
     assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
     assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversions untouched
+
+
+def test_suspended_removes_the_mode_and_restores_it():
+    cpu_compat.enable()
+    assert torch.zeros(1, device="cuda").device.type == "cpu"  # redirected
+    # without the mode, a CPU-only torch cannot allocate on CUDA
+    with cpu_compat.suspended(), pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
