@@ -1,0 +1,216 @@
+"""Per-device memory arithmetic for one role of one layout: training state, activations, rollout
+weights, KV cache and the resharding transient. Bytes, per rank, as pure functions.
+
+Pure module: no torch.distributed, no megatron-core, no Ray. Parameter counts come from the same
+name/shape rules the engine and the converters use (:mod:`megarl.models.mapping`), so padding of
+the vocabulary, replicated norms, the tied output-layer copy and the scalar head are counted the
+way Megatron allocates them. Ranks of one pipeline stage are identical (TP shards are equal; the
+distributed optimizer's DP shards differ by padding only), so everything is given per stage.
+
+Training state per parameter a rank holds (megarl's engine: ``grad_reduce_in_fp32=True``):
+
+* bf16: weights 2 B, gradient buffer 4 B, optimizer 4 B fp32 master + 4 B x Adam moments
+  (= 12 B), divided by DP with the distributed optimizer (RESHARDING.md 3(d)).
+* fp32: weights 4 B, gradients 4 B, optimizer 4 B x moments (the fp32 weights are the master copy).
+
+Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv 2205.05198), section 4, re-derived for the Llama-style block (GQA, SwiGLU, RMSNorm,
+no dropout) with tensor parallelism t and no sequence parallelism. Per token and layer, in units of
+the activation itemsize (2 B in bf16):
+
+    replicated over TP:  4h          two norm inputs, the qkv input, the fc1 input
+    split over TP:      (2*n_h*d + 2*n_g*d + 4F) / t   q and the o_proj input, k and v, [gate; up],
+                                                       silu(gate) and the fc2 input
+    attention scores:    n_h * s / t  the softmax output (2 B each), kept only without recompute
+
+With GPT's block (MHA, 4h GeLU MLP, dropout masks) the same bookkeeping gives the paper's
+``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes (Eq. 2). ``SELECTIVE`` recomputes the attention core
+(or runs flash attention): no ``s^2`` term (Eq. 6). ``FULL`` keeps each layer's input (``h``
+values per token) and rebuilds one layer at a time. The 1F1B schedule holds ``pp - stage``
+micro-batches on a stage; the interleaved schedule (VPP v) holds Megatron's warm-up count
+``2*(pp - stage - 1) + (v - 1)*pp + 1`` chunks of ``L/(pp*v)`` layers (the paper's
+``1 + (p-1)/(p*v)`` factor on the first stage). The last stage of an LM head also keeps fp32
+logits and their softmax (8 B x tokens x V/t).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+
+from megarl.engine.config import Precision
+from megarl.errors import ConfigError
+from megarl.models.mapping import mcore_shape, tensor_maps
+from megarl.models.spec import Head, ModelSpec
+from megarl.parallel.layout import ParallelLayout
+from megarl.resharding.plan import dest_range, hf_tensors
+
+GB = 1e9  # decimal gigabytes, as RESHARDING.md counts them (M = 141.1 GB for 70.55 B bf16 parameters)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Recompute(enum.Enum):
+    NONE = "none"  # every activation kept (unfused attention: the s^2 scores too)
+    SELECTIVE = "selective"  # attention core recomputed, or flash attention: no s^2 term
+    FULL = "full"  # only each layer's input kept; one layer rebuilt at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Training state of one rank: weights, gradient buffer, optimizer (master copy + moments)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def param_bytes(precision: Precision) -> int:
+    return 2 if precision is Precision.BF16 else 4
+
+
+def itemsize(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}.")
+    return DTYPE_BYTES[dtype]
+
+
+# -------------------------------------------------------------------------------------- parameters
+
+
+def stage_of_layers(spec: ModelSpec, layout: ParallelLayout) -> dict[int, int]:
+    """Global layer index -> pipeline rank holding it (all virtual stages)."""
+    out = {}
+    for pp in range(layout.pp):
+        for vp in range(layout.vpp_size):
+            out.update(dict.fromkeys(layout.layers_of_stage(spec.num_layers, pp, vp), pp))
+    return out
+
+
+@functools.lru_cache(maxsize=256)  # plain ints of frozen (spec, layout) pairs: propose() asks many times
+def stage_parameter_shards(spec: ModelSpec, layout: ParallelLayout) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline stage: the element count of every Megatron parameter one of its ranks holds
+    (TP shards of split tensors, whole replicated ones; Megatron's padded vocabulary)."""
+    vp = spec.padded_vocab_size(layout.tp)
+    stage_of = stage_of_layers(spec, layout)
+    shards: list[list[int]] = [[] for _ in range(layout.pp)]
+    for m in tensor_maps(spec):
+        last = 0 if m.mcore.startswith("embedding") else layout.pp - 1  # embedding first, norm and head last
+        stage = stage_of[m.layer] if m.layer is not None else last
+        n = math.prod(mcore_shape(m, spec, vp))
+        shards[stage].append(n // layout.tp if m.tp_dim is not None else n)
+    if spec.tie_word_embeddings and spec.head is Head.LM and layout.pp > 1:
+        shards[-1].append(vp // layout.tp * spec.hidden_size)  # the last stage's copy of the tied output layer
+    return tuple(tuple(s) for s in shards)
+
+
+def stage_parameters(spec: ModelSpec, layout: ParallelLayout) -> list[int]:
+    """Parameters held by one rank of each pipeline stage."""
+    return [sum(s) for s in stage_parameter_shards(spec, layout)]
+
+
+def training_state_bytes(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    precision: Precision,
+    distributed_optimizer: bool,
+    *,
+    optimizer_states: int = 2,
+) -> list[StateBytes]:
+    """Weights, gradient buffer and optimizer bytes of one rank of each pipeline stage.
+
+    ``optimizer_states``: fp32 tensors per parameter besides the master copy (Adam: 2; SGD with
+    momentum: 1; 0 gives what exists before the first step, when Adam's moments are not yet made).
+    """
+    p = param_bytes(precision)
+    master = 4 if precision is Precision.BF16 else 0
+    out = []
+    for n in stage_parameters(spec, layout):
+        shard = math.ceil(n / layout.dp) if distributed_optimizer else n
+        out.append(StateBytes(params=n * p, grads=n * 4, optimizer=shard * (master + 4 * optimizer_states)))
+    return out
+
+
+# ------------------------------------------------------------------------------------- activations
+
+
+def micro_batch_shape(micro_batch_tokens: int, seq_len: int) -> tuple[int, int]:
+    """(sequences, sequence length) of a full micro-batch: the engine packs rows while
+    ``rows * longest <= max_tokens``, and a longer sequence travels alone."""
+    if micro_batch_tokens < 1 or seq_len < 1:
+        raise ValueError(f"micro-batch tokens and sequence length must be >= 1, found {micro_batch_tokens}, {seq_len}")
+    return max(1, micro_batch_tokens // seq_len), seq_len
+
+
+def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, seq_len: int, recompute: Recompute,
+                           act_bytes: int) -> int:
+    """Activations one layer keeps for one micro-batch of ``tokens`` tokens (sequences of ``seq_len``)."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    if recompute is Recompute.FULL:
+        return tokens * h * act_bytes
+    per_token = 4 * h + (2 * spec.num_attention_heads * d + 2 * spec.num_query_groups * d + 4 * f) / tp
+    if recompute is Recompute.NONE:
+        per_token += spec.num_attention_heads * seq_len / tp
+    return int(tokens * per_token * act_bytes)
+
+
+def in_flight_layers(spec: ModelSpec, layout: ParallelLayout, stage: int) -> int:
+    """Layer-micro-batches whose activations a stage holds at its peak (1F1B or interleaved warm-up)."""
+    p, v = layout.pp, layout.vpp_size
+    chunk = spec.num_layers // (p * v)
+    chunks = p - stage if v == 1 else 2 * (p - stage - 1) + (v - 1) * p + 1
+    return chunks * chunk
+
+
+def activation_bytes(spec: ModelSpec, layout: ParallelLayout, stage: int, *, micro_batch_tokens: int, seq_len: int,
+                     recompute: Recompute, act_bytes: int = 2) -> int:
+    """Peak activation bytes of one rank of ``stage`` while training (see the module docstring)."""
+    b, s = micro_batch_shape(micro_batch_tokens, seq_len)
+    tokens = b * s
+    kept = in_flight_layers(spec, layout, stage) * layer_activation_bytes(spec, layout.tp, tokens, s, recompute,
+                                                                          act_bytes)
+    if recompute is Recompute.FULL:  # the one layer being rebuilt for its backward pass
+        kept += layer_activation_bytes(spec, layout.tp, tokens, s, Recompute.SELECTIVE, act_bytes)
+    if stage == layout.pp - 1 and spec.head is Head.LM:
+        kept += 8 * tokens * spec.padded_vocab_size(layout.tp) // layout.tp
+    return kept
+
+
+# ------------------------------------------------------------------------------ rollout and resharding
+
+
+def rollout_weight_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int) -> int:
+    """Rollout weights on the fullest rollout TP rank (vLLM's layout: vocabulary rows padded to 64 and
+    split evenly, KV heads replicated when rollout tp exceeds the KV groups), from the resharding
+    plan's own range rules."""
+    tensors = hf_tensors(spec, ParallelLayout())
+    return max(
+        sum((hi - lo) * t.row_elems for t in tensors for lo, hi in [dest_range(t, spec, rollout_tp, g)]) * dtype_bytes
+        for g in range(rollout_tp)
+    )
+
+
+def kv_cache_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int, tokens: int) -> int:
+    """KV cache on one GPU for ``tokens`` cached tokens of its rollout replica:
+    ``2 * layers * kv_heads/TP_g * head_dim * bytes * tokens`` (at least one KV head per GPU)."""
+    heads = max(1, spec.num_query_groups // rollout_tp)
+    return 2 * spec.num_layers * heads * spec.head_dim * dtype_bytes * tokens
+
+
+def reshard_transient_bytes(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, *, param_dtype_bytes: int,
+                            rollout_dtype_bytes: int, bucket_bytes: int) -> int:
+    """Extra memory of one weight sync (megarl.resharding.transport): the bucket cap, or the rollout shard
+    of the largest single tensor when that exceeds the cap (it travels alone), plus the pieces of the
+    largest Megatron parameter shard being split on the sending side."""
+    tensors = hf_tensors(spec, layout)
+    largest_dest = max((hi - lo) * t.row_elems for t in tensors
+                       for lo, hi in [dest_range(t, spec, rollout_tp, 0)]) * rollout_dtype_bytes
+    largest_shard = max(max(s) for s in stage_parameter_shards(spec, layout)) * param_dtype_bytes
+    return max(bucket_bytes, largest_dest) + largest_shard
+

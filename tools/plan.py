@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Plan a layout: memory per GPU in every hybrid-engine phase, resharding traffic, config overrides.
+
+    python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 [--tp 8 --pp 4 --rollout-tp 8]
+    python tools/plan.py --hf-config /models/Qwen2.5-7B --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80
+
+With --tp/--pp the given layout is reported (NOT FITTING with the reason when it does not fit);
+without, the fitting layouts are listed cheapest first and the best one is reported. Exit status
+0 either way; 2 for bad input (unknown preset, a layout that does not divide the model or cluster).
+"""
+
+import argparse
+
+from megarl.cli.common import run_cli
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", help="published model config: llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b")
+    model.add_argument("--hf-config", help="an HF config.json, or the model directory holding it")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU, decimal GB")
+    p.add_argument("--intra-node-gbps", type=float, default=300.0, help="NVLink GB/s per GPU")
+    p.add_argument("--inter-node-gbps", type=float, default=40.0, help="InfiniBand GB/s per GPU")
+    p.add_argument("--reserved-gb", type=float, default=4.0, help="CUDA context, NCCL buffers, fragmentation")
+    p.add_argument("--tp", type=int, help="training tensor-parallel size (with --pp: plan this layout)")
+    p.add_argument("--pp", type=int, help="training pipeline-parallel size")
+    p.add_argument("--vpp", type=int, help="virtual pipeline stages per rank")
+    p.add_argument("--rollout-tp", type=int, help="rollout tensor-parallel size, 1 or tp (default: tp)")
+    p.add_argument("--roles", default="policy,reference,critic", help="comma-separated: policy, reference, critic")
+    p.add_argument("--precision", default="bfloat16", help="bfloat16 or float32")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="policy/critic micro_batch.max_tokens")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--response-tokens", type=int, default=512)
+    p.add_argument("--recompute", default="selective", help="none, selective (or flash attention) or full")
+    p.add_argument("--concurrent-seqs", type=int, default=256, help="sequences each rollout replica decodes at once")
+    p.add_argument("--rollout-dtype", default="bfloat16")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.bucket_mb")
+    p.add_argument("--top", type=int, default=5, help="proposed layouts to list")
+    args = p.parse_args()
+
+    from megarl.engine.config import Precision
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner import Cluster, Recompute, Role, Workload, closest, load_model, plan_layout, propose
+    from megarl.planner.layouts import proposals_table, render
+
+    spec, name = load_model(args.preset, args.hf_config)
+    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.intra_node_gbps, args.inter_node_gbps,
+                      args.reserved_gb)
+    workload = Workload(
+        roles=tuple(_choice(Role, r.strip(), "--roles") for r in args.roles.split(",") if r.strip()),
+        precision=_choice(Precision, args.precision, "--precision"),
+        distributed_optimizer=not args.no_distributed_optimizer, micro_batch_tokens=args.micro_batch_tokens,
+        prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
+        recompute=_choice(Recompute, args.recompute, "--recompute"), rollout_dtype=args.rollout_dtype,
+        concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb,
+    )
+    if args.tp is not None or args.pp is not None:
+        layout = ParallelLayout.for_world(cluster.world_size, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp)
+        rollout_tp = args.rollout_tp if args.rollout_tp is not None else layout.tp
+        print(render(plan_layout(spec, cluster, workload, layout, rollout_tp, name)))
+        return 0
+    plans = propose(spec, cluster, workload, vpp=args.vpp, model_name=name)
+    if not plans:
+        near = closest(spec, cluster, workload, vpp=args.vpp, model_name=name)
+        print("no layout fits this cluster; the closest one:\n" if near else "no layout divides this model and cluster")
+        if near:
+            print(render(near, with_reshard=False))
+        return 0
+    print(proposals_table(plans, args.top))
+    print("\nbest:\n" + render(plans[0]))
+    return 0
+
+
+def _choice(enum_cls, value, flag):
+    from megarl.errors import ConfigError
+
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise ConfigError(f"{flag}: unknown value {value!r}; choose from {[e.value for e in enum_cls]}.") from None
+
+
+if __name__ == "__main__":
+    run_cli(main)
