@@ -1,0 +1,244 @@
+"""Benchmark rollout generation: EmbeddedEngine.generate vs transformers' model.generate on the same prompts.
+
+    .venv/bin/python benchmarks/generate.py [--repeats 5] [--cases tiny-early-stop,mid-25M-no-stop]
+        [--wait-load 1.5] [--max-wait 300] [--threads N] [--results FILE]
+
+128 samples = 16 prompts (random ids, 8-40 tokens) x n=8, max_new_tokens=64, do_sample with temperature 0.8,
+top_p 0.95, top_k off, on random Llama models built from configs (no hub):
+
+- ``tiny-early-stop``: hidden 64, 4 layers, vocab 300, biased towards its stop token (id 1) so most samples
+  stop early: embedding column 0 is a constant 3.0 for every token (a direction the residual stream keeps)
+  and the LM-head row of token 1 reads only that column (weight 3.5), so token 1 gets a high logit at
+  every position (~90% of samples stop, median length ~12 of 64);
+- ``mid-25M-no-stop``: hidden 512, 6 layers, vocab 8000 (~25.6M parameters), no stop tokens: every sample
+  runs the full 64 tokens.
+
+Variants, run alternately (one of each per round, rotating the order) after one warm-up round:
+``engine`` (EmbeddedEngine, default max_batch_size=64: 64 rows decode at once, the other 64 join as rows
+finish), ``engine-bs128`` (all 128 rows at once),
+``hf`` (model.generate on the left-padded 16-prompt batch, num_return_sequences=8: 128 rows; returns no
+log-probs) and ``hf+logprob`` (hf plus the extra teacher-forced forward TRL runs to get log-probs).
+Each run records wall and CPU seconds and the process's involuntary context switches ("preempted": on a
+machine shared with other work, OpenMP threads that lose their core spin and stall, inflating both times).
+Before each round the script waits (up to ``--max-wait`` s) for the 1-min load average to drop below
+``--wait-load`` and the CPU pressure (PSI avg10: share of time a runnable task waited for a core) below 20%;
+each run records the pressure right after it.
+Prints and writes a Markdown table to benchmarks/results/generate-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("bench.generate")
+N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 64
+SAMPLING = dict(temperature=0.8, top_p=0.95)
+CASES = {
+    "tiny-early-stop": dict(shape=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
+                                       num_heads=4, num_kv_heads=2), stop=(1,), eos_bias=(3.0, 3.5)),
+    "mid-25M-no-stop": dict(shape=dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6,
+                                       num_heads=8, num_kv_heads=4), stop=(), eos_bias=None),
+}
+PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each round
+TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
+
+
+def build_case(name: str):
+    """(config, model, prompts, stop ids) of a benchmark case; random weights, fixed seeds."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.testing.tiny import randomize_, tiny_config
+
+    case = CASES[name]
+    config = tiny_config("llama", **case["shape"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    randomize_(model, seed=0)
+    if case["eos_bias"] is not None:
+        const, weight = case["eos_bias"]
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = const
+            model.lm_head.weight[case["stop"][0]] = 0.0
+            model.lm_head.weight[case["stop"][0], 0] = weight
+    gen = torch.Generator().manual_seed(1)
+    vocab = config.vocab_size
+    prompts = [torch.randint(5, vocab, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(N_PROMPTS)]
+    return config, model, prompts, case["stop"]
+
+
+def engine_variant(config, model, prompts, stop, max_batch_size: int) -> Callable[[], dict]:
+    from megarl.rollout import EmbeddedEngine, SamplingParams
+
+    engine = EmbeddedEngine(config, pad_token_id=0, max_batch_size=max_batch_size)
+    engine.update_weights(model.state_dict().items())
+    engine.finish_weight_update()
+    seed = iter(range(10**6))
+
+    def run() -> dict:
+        params = SamplingParams(n=N_SAMPLES, max_new_tokens=MAX_NEW, stop_token_ids=stop, seed=next(seed), **SAMPLING)
+        out = engine.generate(prompts, params)
+        return dict(tokens=int(out.response_lengths.sum()), stopped=out.finish_reasons.count("stop"))
+
+    return run
+
+
+def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf_variant(model, prompts, stop, with_log_probs: bool) -> Callable[[], dict]:
+    ids, mask = _left_padded(prompts)
+    model.generation_config.eos_token_id = None  # only the case's stop ids end a sample
+
+    def run() -> dict:
+        with torch.no_grad():
+            seqs = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=MAX_NEW,
+                                  num_return_sequences=N_SAMPLES, eos_token_id=list(stop) or None, pad_token_id=0,
+                                  **SAMPLING)
+            response = seqs[:, ids.shape[1]:]
+            is_stop = torch.isin(response, torch.tensor(stop, dtype=torch.long))
+            first = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, response.shape[1])
+            if with_log_probs:  # what TRL does: one more forward over prompt + response
+                resp_mask = torch.arange(response.shape[1])[None] < first[:, None]
+                full_mask = torch.cat([mask.repeat_interleave(N_SAMPLES, 0), resp_mask.long()], 1)
+                positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+                logits = model(seqs, attention_mask=full_mask, position_ids=positions,
+                               logits_to_keep=response.shape[1] + 1).logits[:, :-1].float()
+                torch.log_softmax(logits / SAMPLING["temperature"], -1).gather(-1, response[..., None])
+        return dict(tokens=int(first.sum()), stopped=int(is_stop.any(1).sum()))
+
+    return run
+
+
+def timed(fn: Callable[[], dict]) -> dict:
+    """Result plus wall and CPU seconds and involuntary context switches (a sign of other load on the cores)."""
+    before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    result = fn()
+    wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return dict(result, wall=wall, cpu=cpu, preempted=after.ru_nivcsw - before.ru_nivcsw, pressure=cpu_pressure())
+
+
+def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> dict:
+    config, model, prompts, stop = build_case(name)
+    variants = {
+        "engine": engine_variant(config, model, prompts, stop, max_batch_size=64),
+        "engine-bs128": engine_variant(config, model, prompts, stop, max_batch_size=128),
+        "hf": hf_variant(model, prompts, stop, with_log_probs=False),
+        "hf+logprob": hf_variant(model, prompts, stop, with_log_probs=True),
+    }
+    names = list(variants)
+    runs: dict[str, list[dict]] = {v: [] for v in names}
+    load0 = os.getloadavg()
+    for rnd in range(repeats + 1):  # round 0 warms up
+        wait_for_quiet(load_limit, PRESSURE_LIMIT, max_wait)
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for v in order:
+            result = timed(variants[v])
+            if rnd:
+                runs[v].append(result)
+        logger.info("%s round %d/%d done (load %.2f)", name, rnd, repeats, os.getloadavg()[0])
+    params = sum(p.numel() for p in model.parameters())
+    keys = ("wall", "cpu", "tokens", "stopped", "preempted", "pressure")
+    med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in names}
+    return dict(name=name, params=params, prompt_lens=[len(p) for p in prompts], med=med, runs=runs,
+                load0=load0, load1=os.getloadavg())
+
+
+def verdict(case: dict) -> str:
+    speedup = case["med"]["hf"]["wall"] / case["med"]["engine"]["wall"]
+    if case["name"] == "tiny-early-stop":
+        ok = speedup >= TARGET_EARLY_STOP
+        return f"target >= {TARGET_EARLY_STOP}x faster than hf: {'MET' if ok else 'MISSED'} ({speedup:.2f}x)"
+    return f"target never slower than hf: {'MET' if speedup >= 1.0 else 'MISSED'} ({speedup:.2f}x)"
+
+
+def render(info: dict, cases: list[dict]) -> str:
+    lines = [f"# Generation benchmark, {info['date']}", "",
+             f"- megarl commit {info['commit']}; {os.cpu_count()} CPU cores, no GPU; {platform.platform()}",
+             f"- Python {platform.python_version()}, torch {torch.__version__}, transformers {info['transformers']}; "
+             f"torch.set_num_threads({torch.get_num_threads()})",
+             f"- {N_PROMPTS} prompts x n={N_SAMPLES} = {N_PROMPTS * N_SAMPLES} samples, max_new_tokens={MAX_NEW}, "
+             f"do_sample temperature={SAMPLING['temperature']} top_p={SAMPLING['top_p']} top_k off; fp32; "
+             f"medians of {info['repeats']} rounds after 1 warm-up round, variants alternating", ""]
+    for c in cases:
+        lines += [f"## {c['name']} ({c['params'] / 1e6:.2f} M parameters, prompt lengths "
+                  f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])})", "",
+                  f"load average (1/5/15 min): {' / '.join(f'{x:.2f}' for x in c['load0'])} at start, "
+                  f"{' / '.join(f'{x:.2f}' for x in c['load1'])} at end", "",
+                  "| variant | median wall s | min-max wall s | median CPU s | median preempted | median CPU pressure "
+                  "| tokens | stopped | hf wall / variant wall | log-probs |", "|" + "---|" * 10]
+        hf = c["med"]["hf"]["wall"]
+        for v, m in c["med"].items():
+            walls = [r["wall"] for r in c["runs"][v]]
+            lp = "yes (from the sampling softmax)" if v.startswith("engine") else (
+                "yes (extra forward)" if v == "hf+logprob" else "no (none without output_scores)")
+            lines.append(f"| {v} | {m['wall']:.3f} | {min(walls):.3f}-{max(walls):.3f} | {m['cpu']:.3f} | "
+                         f"{m['preempted']:.0f} | {m['pressure']:.0f}% | "
+                         f"{m['tokens']:.0f} | {m['stopped']:.0f} | {hf / m['wall']:.2f}x | {lp} |")
+        lines += ["", f"**{verdict(c)}** (default engine, wall-clock medians)", ""]
+    return "\n".join(lines)
+
+
+def cpu_pressure() -> float:
+    """Percent of the last 10 s in which a runnable task waited for a CPU (Linux PSI); 0 where unavailable."""
+    try:
+        return float(Path("/proc/pressure/cpu").read_text().split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def wait_for_quiet(load_limit: float, pressure_limit: float, max_wait: float) -> None:
+    """Sleep until the 1-min load average and the CPU pressure are below the limits (at most ``max_wait`` s)."""
+    start = time.monotonic()
+    while (os.getloadavg()[0] > load_limit or cpu_pressure() > pressure_limit) and time.monotonic() - start < max_wait:
+        logger.info("load %.2f, CPU pressure %.0f%%: waiting", os.getloadavg()[0], cpu_pressure())
+        time.sleep(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--wait-load", type=float, default=1.5,
+                        help="before each round, wait for the 1-min load average to fall below this")
+    parser.add_argument("--max-wait", type=float, default=300, help="longest wait for a quiet machine per round (s)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument("--results", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    root = Path(__file__).resolve().parents[1]
+    date = datetime.date.today().isoformat()
+    info = dict(date=date, repeats=args.repeats, transformers=transformers.__version__,
+                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                      text=True).stdout.strip())
+    cases = []
+    for name in args.cases.split(","):
+        cases.append(bench_case(name, args.repeats, args.wait_load, args.max_wait))
+    text = render(info, cases)
+    print(text)
+    out = args.results or root / "benchmarks" / "results" / f"generate-{date}.md"
+    out.write_text(text + "\n")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
