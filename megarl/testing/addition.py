@@ -34,8 +34,9 @@ def make_tokenizer(out_dir: str | Path | None = None):
 
 
 def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-               intermediate_size: int | None = None) -> Path:
-    """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it."""
+               intermediate_size: int | None = None, max_position_embeddings: int = 64) -> Path:
+    """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it.
+    ``max_position_embeddings`` must cover prompt + response (the benchmark's 64-token responses need 128)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     out_dir = Path(out_dir)
@@ -43,8 +44,8 @@ def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
-        bos_token_id=1, architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=1, bos_token_id=1, architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out_dir))
