@@ -1,9 +1,11 @@
 """Per-token log-probs and entropy from vocabulary-parallel logits, without gathering the vocabulary.
 
 Each tensor-parallel rank holds logits for its slice of the (padded) vocabulary. One fused autograd
-function computes, per token, ``log p(target)`` and the entropy of the softmax at a temperature, with
-exactly two all-reduces over the TP group per call (the max; then sum-exp, sum of p*logit and the
-target logit together; none at TP1), and differentiates both exactly.
+function computes, per token, ``log p(target)`` and the entropy of the softmax at a temperature, and
+differentiates both exactly. Forward reads each rank's logits once, chunk by chunk (row max, then sum e^z
+and sum e^z z relative to it while the chunk is in cache), then makes exactly two all-reduces over the
+TP group per call, whatever the number of chunks (the max; then the sums, rescaled to the global max,
+with the target logit; none at TP1).
 
 Invariants:
 
@@ -38,24 +40,29 @@ def chunk_tokens(local_vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * max(1, local_vocab)))
 
 
-def _sum_stats(x: torch.Tensor, m: torch.Tensor, temperature: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``x`` [n, v]: (sum exp(z), sum exp(z) * z) with z = x / temperature - m, chunk by chunk."""
+def _shift(x: torch.Tensor, mx: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = (x - mx) / temperature in float32 (a bf16 ``x`` is promoted by the float32 ``mx``)."""
+    torch.sub(x, mx, out=out)
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+def _local_stats(x: torch.Tensor, temperature: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` [n, v], chunk by chunk, each chunk read from memory once: the row max ``mx`` and
+    [sum e^z, sum e^z z] with z = (x - mx) / temperature. Rows of an empty ``x``: -inf and zeros."""
     n, v = x.shape
-    sum_exp, sum_exp_z = m.new_zeros(n), m.new_zeros(n)
+    mx, stats = torch.full((n,), float("-inf"), device=x.device), torch.zeros(3, n, device=x.device)
     if v == 0:
-        return sum_exp, sum_exp_z
-    zbuf, ebuf = m.new_empty(min(rows, n), v), m.new_empty(min(rows, n), v)
+        return mx, stats
+    zbuf, ebuf = mx.new_empty(min(rows, n), v), mx.new_empty(min(rows, n), v)
     for i in range(0, n, rows):
         j = min(i + rows, n)
-        z, e = zbuf[: j - i], ebuf[: j - i]
-        z.copy_(x[i:j])
-        if temperature != 1.0:
-            z.div_(temperature)
-        z.sub_(m[i:j, None])
-        torch.exp(z, out=e)
-        torch.sum(e, dim=-1, out=sum_exp[i:j])
-        torch.sum(z.mul_(e), dim=-1, out=sum_exp_z[i:j])
-    return sum_exp, sum_exp_z
+        xc = x[i:j]
+        mx[i:j] = xc.amax(dim=-1)
+        z = _shift(xc, mx[i:j, None], temperature, zbuf[: j - i])
+        e = torch.exp(z, out=ebuf[: j - i])
+        torch.sum(e, dim=-1, out=stats[0, i:j])
+        torch.sum(z.mul_(e), dim=-1, out=stats[1, i:j])
+    return mx, stats
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -64,30 +71,30 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         x = logits.reshape(-1, logits.shape[-1])  # a view for contiguous logits
         n_valid = min(max(vocab_size - vocab_start, 0), x.shape[1])  # the padding is a suffix
-        xv = x[:, :n_valid]
         local_t = target.reshape(-1) - vocab_start
         in_shard = (local_t >= 0) & (local_t < n_valid)
         idx = local_t.clamp(0, max(n_valid - 1, 0))
-        reduce = group is not None and dist.get_world_size(group) > 1
 
-        # max(x / T) == max(x) / T for T > 0 (division is monotone), so no scaled copy is needed
-        if n_valid:
-            m = xv.amax(dim=-1).float().div_(temperature)
-        else:
-            m = torch.full(x.shape[:1], float("-inf"), device=x.device)
-        if reduce:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        stats = torch.empty(3, x.shape[0], device=x.device)
-        stats[0], stats[1] = _sum_stats(xv, m, temperature, rows)
-        t_z = x.gather(-1, idx[:, None]).squeeze(-1).float().div_(temperature).sub_(m)  # same ops as in chunks
-        stats[2] = torch.where(in_shard, t_z, 0.0)
-        if reduce:
+        mx, stats = _local_stats(x[:, :n_valid], temperature, rows)  # stats[0:2] relative to the local max
+        if group is not None and dist.get_world_size(group) > 1:
+            local_mx = mx.clone()
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+            # to the global max, with d = (mx - local_mx) / T >= 0:
+            # sum e^(z-d) = e^-d sum e^z ;  sum e^(z-d) (z-d) = e^-d (sum e^z z - d sum e^z)
+            d = (mx - local_mx) / temperature  # inf on a padding-only shard, whose sums are 0
+            scale = torch.exp(-d)
+            stats[1] = torch.where(stats[0] > 0, (stats[1] - d * stats[0]) * scale, 0.0)
+            stats[0] *= scale
+            t_z = _shift(x.gather(-1, idx[:, None]).squeeze(-1), mx, temperature, torch.empty_like(mx))
+            stats[2] = torch.where(in_shard, t_z, 0.0)
             dist.all_reduce(stats, group=group)
-        sum_exp, sum_exp_z, t_shifted = stats
+        else:
+            stats[2] = _shift(x.gather(-1, idx[:, None]).squeeze(-1), mx, temperature, torch.empty_like(mx))
+        sum_exp, sum_exp_z, t_z = stats
         lse = sum_exp.log()  # of the shifted logits
-        log_prob = t_shifted - lse
+        log_prob = t_z - lse
         entropy = lse - sum_exp_z / sum_exp
-        ctx.save_for_backward(logits, idx, in_shard, m, lse, entropy)
+        ctx.save_for_backward(logits, idx, in_shard, mx, sum_exp, lse, entropy)
         ctx.n_valid, ctx.temperature, ctx.rows = n_valid, temperature, rows
         shape = logits.shape[:-1]
         return log_prob.view(shape), entropy.view(shape)
@@ -97,37 +104,35 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         nones = (None,) * 6
         if grad_log_prob is None and grad_entropy is None:
             return (None, *nones)
-        logits, idx, in_shard, m, lse, entropy = ctx.saved_tensors
+        logits, idx, in_shard, mx, sum_exp, lse, entropy = ctx.saved_tensors
         n_valid, temperature, rows = ctx.n_valid, ctx.temperature, ctx.rows
         x = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
         grad[:, n_valid:].zero_()
-        # d log p_t / dz_j = 1[j=t] - p_j ;  dH/dz_j = -p_j (log p_j + H) ;  z = x / T.
-        # The signs and 1/T are folded into the per-token grads: grad_j = p_j * (a + b (log p_j + H)) + [j=t] g_lp / T
+        # With z = (x - mx) / T, p_j = e^z_j / S, d log p_t / dz_j = [j=t] - p_j, dH/dz_j = -p_j (log p_j + H):
+        # grad_j = (p_j (a + b (log p_j + H)) + [j=t] g_lp / T  with a = -g_lp / T, b = -g_H / T
+        #        = e^z_j (c + b' z_j) + [j=t] g_lp / T  with c = (a + b (H - lse)) / S, b' = b / S,
+        # so each chunk takes one shift, one exp and one or two fused multiply-adds (the unused term is skipped).
         a = None if grad_log_prob is None else grad_log_prob.reshape(-1).float() / -temperature
         b = None if grad_entropy is None else grad_entropy.reshape(-1).float() / -temperature
+        inv_s = sum_exp.reciprocal()
+        c = ((0.0 if a is None else a) + (0.0 if b is None else b * (entropy - lse))) * inv_s
+        c, b = c[:, None], (None if b is None else (b * inv_s)[:, None])
+        t_grad = None if a is None else torch.where(in_shard, -a, 0.0)[:, None]
         direct = grad.dtype == torch.float32  # compute in place in the gradient; else via a float32 buffer
         k = min(rows, x.shape[0])
         zbuf = None if direct else x.new_empty(k, n_valid, dtype=torch.float32)
-        pbuf = None if b is None else x.new_empty(k, n_valid, dtype=torch.float32)
-        t_grad = None if a is None else torch.where(in_shard, -a, 0.0)[:, None]  # the 1[j=t] g_lp / T term
+        ebuf = None if b is None else x.new_empty(k, n_valid, dtype=torch.float32)
         for i in range(0, x.shape[0] if n_valid else 0, rows):
             j = min(i + rows, x.shape[0])
             out = grad[i:j, :n_valid]
-            z = out if direct else zbuf[: j - i]
-            z.copy_(x[i:j, :n_valid])
-            if temperature != 1.0:
-                z.div_(temperature)
-            z.sub_(m[i:j, None]).sub_(lse[i:j, None])  # log p (m + lse rounded first: 2x the error)
+            z = _shift(x[i:j, :n_valid], mx[i:j, None], temperature, out if direct else zbuf[: j - i])
             if b is None:
-                z.exp_().mul_(a[i:j, None])
+                z.exp_().mul_(c[i:j])
             else:
-                p = torch.exp(z, out=pbuf[: j - i])
-                z.add_(entropy[i:j, None]).mul_(b[i:j, None])
-                if a is not None:
-                    z.add_(a[i:j, None])
-                z.mul_(p)
-            if a is not None:
+                e = torch.exp(z, out=ebuf[: j - i])
+                torch.addcmul(c[i:j], z, b[i:j], out=z).mul_(e)
+            if t_grad is not None:
                 z.scatter_add_(-1, idx[i:j, None], t_grad[i:j])
             if not direct:
                 out.copy_(z)

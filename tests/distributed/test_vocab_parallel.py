@@ -2,9 +2,9 @@
 
 One spawned world of 2 processes runs TP=1 (two groups of one) and TP=2, each over several cases:
 several token chunks with a ragged last one, temperature, a padded vocabulary (true vocab 300 inside
-a padded 384, and 100 inside 256, where the second TP2 shard is padding only), bf16 logits, and the
-gradient of the log-prob only / entropy only / both. It also counts the all-reduces: two per forward
-at TP2 whatever the number of chunks, none in backward.
+a padded 384, and 100 inside 256, where the second TP2 shard is padding only), bf16 logits, shards whose
+maxima lie far apart, and the gradient of the log-prob only / entropy only / both. It also counts the
+all-reduces: two per forward at TP2 whatever the number of chunks, none in backward.
 """
 
 from __future__ import annotations
@@ -16,18 +16,22 @@ from megarl.testing.dist import run_world
 
 pytestmark = pytest.mark.dist
 
-CASES = {  # name: (vocab, padded vocab, temperature, dtype, chunk tokens, differentiated outputs)
-    "chunks, temperature": (300, 384, 0.7, "float32", 4, "both"),  # 21 tokens: 5 chunks of 4, one of 1
-    "log-prob grad only": (300, 384, 1.0, "float32", 5, "lp"),
-    "entropy grad only": (300, 384, 0.7, "float32", 5, "ent"),
-    "bf16": (300, 384, 0.7, "bfloat16", 4, "both"),
-    "padding-only shard": (100, 256, 1.3, "float32", None, "both"),
+CASES = {  # name: (vocab, padded vocab, temperature, dtype, chunk tokens, differentiated outputs, offset)
+    "chunks, temperature": (300, 384, 0.7, "float32", 4, "both", 0.0),  # 21 tokens: 5 chunks of 4, one of 1
+    "log-prob grad only": (300, 384, 1.0, "float32", 5, "lp", 0.0),
+    "entropy grad only": (300, 384, 0.7, "float32", 5, "ent", 0.0),
+    "bf16": (300, 384, 0.7, "bfloat16", 4, "both", 0.0),
+    "padding-only shard": (100, 256, 1.3, "float32", None, "both", 0.0),
+    # the upper half of the vocabulary 30 below the lower half: the TP2 shards' maxima differ widely
+    "distant shard maxima": (300, 384, 0.7, "float32", 4, "both", -30.0),
 }
 
 
-def _inputs(vocab: int, padded: int, dtype: str):
+def _inputs(vocab: int, padded: int, dtype: str, offset: float):
     g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(3, 7, padded, generator=g, dtype=torch.float64) * 3).to(getattr(torch, dtype))
+    logits = torch.randn(3, 7, padded, generator=g, dtype=torch.float64) * 3
+    logits[..., padded // 2:] += offset
+    logits = logits.to(getattr(torch, dtype))
     target = torch.randint(0, vocab, (3, 7), generator=g)
     return logits, target, torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
 
@@ -37,8 +41,8 @@ def _grads(which: str, g_lp, g_ent):
 
 
 def _reference(case: str):
-    vocab, padded, temperature, dtype, _, which = CASES[case]
-    logits, target, g_lp, g_ent = _inputs(vocab, padded, dtype)
+    vocab, padded, temperature, dtype, _, which, offset = CASES[case]
+    logits, target, g_lp, g_ent = _inputs(vocab, padded, dtype, offset)
     x = logits.double().requires_grad_(True)
     logp = torch.log_softmax(x[..., :vocab] / temperature, dim=-1)
     lp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -68,8 +72,8 @@ def _world(rank, world_size):
     for tp in (1, 2):
         init_distributed(ParallelLayout.for_world(world_size, tp=tp))
         t = ps.get_tensor_model_parallel_rank()
-        for case, (vocab, padded, temperature, dtype, chunk, which) in CASES.items():
-            logits, target, g_lp, g_ent = _inputs(vocab, padded, dtype)
+        for case, (vocab, padded, temperature, dtype, chunk, which, offset) in CASES.items():
+            logits, target, g_lp, g_ent = _inputs(vocab, padded, dtype, offset)
             shard = logits.chunk(tp, dim=-1)[t].clone().requires_grad_(True)
             calls["n"] = 0
             lp, ent = vocab_parallel_log_prob_entropy(shard, target, vocab_size=vocab, temperature=temperature,
@@ -92,7 +96,7 @@ def results():
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("case", CASES)
 def test_values_and_gradients_match_float64(results, tp, case):
-    vocab, padded, _, dtype, _, _ = CASES[case]
+    vocab, padded, _, dtype, _, _, _ = CASES[case]
     ref_lp, ref_ent, ref_grad = _reference(case)
     rel = 2.0**-8 if dtype == "bfloat16" else 0.0  # bf16 gradients: float32 results rounded to 8 significant bits
     for r in results:
