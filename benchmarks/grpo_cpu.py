@@ -79,7 +79,7 @@ class Case:
 CASES = {
     "tiny": Case({}, 1, True, warmup=3, steps=20),
     "30m": Case(dict(hidden_size=512, num_layers=8, intermediate_size=2048, max_position_embeddings=128), 64, False,
-                warmup=1, steps=4),
+                warmup=1, steps=3),
 }
 PROMPT_TOKENS = 4  # "a+b=" with single digits, one token per character
 TARGETS = {"tiny": 1.0, "30m": 0.8}  # megarl / TRL step time (goal); memory target 1.0 on both
@@ -91,8 +91,11 @@ TARGETS = {"tiny": 1.0, "30m": 0.8}  # megarl / TRL step time (goal); memory tar
 class TreeSampler(threading.Thread):
     """Per-process RSS and its shared (file-backed + shmem) part, every ``interval`` s, of this run.
 
-    A process belongs to the run when its environment holds ``MARKER=token``; each pid is inspected
-    once, when first seen (pid reuse within a run is ignored)."""
+    A process belongs to the run when it is ``root`` (the launched command) or its environment holds
+    ``MARKER=token``. A new pid that does not (yet) is re-read for ``PENDING_S``: between fork and exec
+    a child still shows its parent's environment. Pid reuse within a run is ignored."""
+
+    PENDING_S = 5.0
 
     def __init__(self, token: str, interval: float = 0.05) -> None:
         super().__init__(daemon=True)
@@ -102,6 +105,8 @@ class TreeSampler(threading.Thread):
         self._stop_event = threading.Event()
         self._other: set[int] = self._pids()  # everything alive before the run is not ours
         self._members: dict[int, object] = {}
+        self._pending: dict[int, float] = {}  # pid -> first seen (not ours so far)
+        self.root: int | None = None
         self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []  # (time, {pid: (RSS, shared) bytes})
         self.labels: dict[int, str] = {}
         self.omp_threads: dict[int, str] = {}  # pid -> OMP_NUM_THREADS in its environment ("-": unset)
@@ -111,18 +116,25 @@ class TreeSampler(threading.Thread):
     def _pids() -> set[int]:
         return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
-    def _admit(self, pid: int) -> None:
+    def _admit(self, pid: int, now: float) -> None:
         try:
             proc = self._psutil.Process(pid)
             env = proc.environ()
-            if env.get(MARKER) == self.token:
+            if env.get(MARKER) == self.token or pid == self.root:
                 self._members[pid] = proc
+                self._pending.pop(pid, None)
                 self.omp_threads[pid] = env.get("OMP_NUM_THREADS", "-")
                 self._label(pid, proc)
                 return
+        except self._psutil.NoSuchProcess:
+            self._pending.pop(pid, None)
+            self._other.add(pid)
+            return
         except (self._psutil.Error, OSError):
             pass
-        self._other.add(pid)
+        if now - self._pending.setdefault(pid, now) > self.PENDING_S:
+            del self._pending[pid]
+            self._other.add(pid)
 
     def _label(self, pid: int, proc) -> None:
         """What the process is (re-read every second: forked children exec, Ray workers retitle themselves)."""
@@ -149,8 +161,9 @@ class TreeSampler(threading.Thread):
         return sum(c >= 0.15 * cpu[0] for c in cpu) if cpu[0] > 1.0 else 0
 
     def sample(self, relabel: bool) -> None:
+        now = time.time()
         for pid in self._pids() - self._other - self._members.keys():
-            self._admit(pid)
+            self._admit(pid, now)
         mem = {}
         for pid, proc in list(self._members.items()):
             try:
@@ -320,7 +333,14 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
     load0, start, cpu0 = os.getloadavg()[0], time.time(), sum(os.times()[:2])
     sampler.start()
     with (out / "log.txt").open("w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler.root = proc.pid
+        try:
+            proc.wait()
+        except BaseException:
+            proc.terminate()  # megarl's driver then shuts its Ray cluster down
+            proc.wait(60)
+            raise
     sampler.stop()
     wall, load1 = time.time() - start, os.getloadavg()[0]
     sampler_cpu = (sum(os.times()[:2]) - cpu0) / wall
