@@ -79,7 +79,7 @@ class Case:
 CASES = {
     "tiny": Case({}, 1, True, warmup=3, steps=20),
     "30m": Case(dict(hidden_size=512, num_layers=8, intermediate_size=2048, max_position_embeddings=128), 64, False,
-                warmup=1, steps=3),
+                warmup=1, steps=2),
 }
 PROMPT_TOKENS = 4  # "a+b=" with single digits, one token per character
 TARGETS = {"tiny": 1.0, "30m": 0.8}  # megarl / TRL step time (goal); memory target 1.0 on both
@@ -481,6 +481,8 @@ def _stages(side: str, stages: dict[str, float]) -> str:
 
 
 def report(results: list[RunResult], meta: dict) -> str:
+    done = {(r.case, r.side) for r in results}
+    meta = meta | {"cases": {n: v for n, v in meta["cases"].items() if (n, "megarl") in done and (n, "trl") in done}}
     lines = [f"# GRPO on CPU: megarl vs TRL GRPOTrainer, {meta['date']}", "",
              f"- megarl commit {meta['commit']}; {meta['machine']}",
              "- " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
@@ -564,7 +566,7 @@ def report(results: list[RunResult], meta: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="tiny,30m")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", default="tiny=3,30m=2", help="runs per side: N, or CASE=N,CASE=N")
     parser.add_argument("--wait-load", type=float, default=1.5)
     parser.add_argument("--max-wait", type=float, default=900.0)
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
@@ -604,12 +606,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     load_start, waited, reached = wait_for_load(args.wait_load, args.max_wait)
     results = []
-    plan = [(n, r, s) for n in names for r in range(args.repeats) for s in ("megarl", "trl")]
-    for name, repeat, side in tqdm(plan, desc="runs", unit="run"):
-        res = run_side(side, name, repeat, work / name / "task", work / name, cfgs[name], args.trl_python)
-        logger.info("%s %s #%d: step %.3f s, peak RSS %s GB, load %.2f/%.2f", name, side, repeat,
-                    _med(res.step_s), _gb(res.peak_rss), *res.load)
-        results.append(res)
+    repeats = {n: int(args.repeats) for n in names} if args.repeats.isdigit() else {
+        k: int(v) for k, v in (item.split("=") for item in args.repeats.split(","))}
+    plan = [(n, r, s) for n in names for r in range(repeats[n]) for s in ("megarl", "trl")]
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     meta = dict(date=date, commit=commit.strip(), cases=cases, versions=_versions(args.trl_python),
@@ -618,11 +617,20 @@ def main() -> None:
                 load_before_wait=load_before, load_start=load_start, waited_s=waited, reached=reached,
                 wait_load=args.wait_load, megarl_cmd=".venv/bin/python -m megarl.cli.main train",
                 command=f".venv/bin/python benchmarks/grpo_cpu.py --cases {args.cases} --repeats {args.repeats}")
-    text = report(results, meta)
     path = Path(args.results or ROOT / "benchmarks" / "results" / f"grpo_cpu-{date}.md")
-    path.write_text(text)
-    (work / f"results-{date}.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
-    print(text)
+    for name, repeat, side in tqdm(plan, desc="runs", unit="run"):
+        res = run_side(side, name, repeat, work / name / "task", work / name, cfgs[name], args.trl_python)
+        logger.info("%s %s #%d: step %.3f s, peak RSS %s GB, load %.2f/%.2f", name, side, repeat,
+                    _med(res.step_s), _gb(res.peak_rss), *res.load)
+        results.append(res)
+        if side == "trl":  # a complete pair: rewrite the report with what has run so far
+            _write(results, meta, path, work)
+    print(path.read_text())
+
+
+def _write(results: list[RunResult], meta: dict, path: Path, work: Path) -> None:
+    path.write_text(report(results, meta))
+    (work / f"results-{meta['date']}.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
 
 
 def _mem_gib() -> float:
