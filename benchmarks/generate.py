@@ -20,9 +20,10 @@ finish), ``engine-bs128`` (all 128 rows at once),
 log-probs) and ``hf+logprob`` (hf plus the extra teacher-forced forward TRL runs to get log-probs).
 Each run records wall and CPU seconds and the process's involuntary context switches ("preempted": on a
 machine shared with other work, OpenMP threads that lose their core spin and stall, inflating both times).
-Before each round the script waits (up to ``--max-wait`` s) for the 1-min load average to drop below
+Before each run the script waits (up to ``--max-wait`` s) for the 1-min load average to drop below
 ``--wait-load`` and the CPU pressure (PSI avg10: share of time a runnable task waited for a core) below 20%;
-each run records the pressure right after it.
+a run that ends with the pressure above 20% is discarded and run again in a later round (at most 3x repeats
+rounds).
 Prints and writes a Markdown table to benchmarks/results/generate-<date>.md.
 """
 
@@ -144,20 +145,27 @@ def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> d
     }
     names = list(variants)
     runs: dict[str, list[dict]] = {v: [] for v in names}
-    load0 = os.getloadavg()
-    for rnd in range(repeats + 1):  # round 0 warms up
-        wait_for_quiet(load_limit, PRESSURE_LIMIT, max_wait)
-        order = names[rnd % len(names):] + names[: rnd % len(names)]
+    loads, discarded, attempt = [], 0, 0
+    while min(map(len, runs.values())) < repeats and attempt < 3 * repeats + 1:
+        order = names[attempt % len(names):] + names[: attempt % len(names)]
         for v in order:
+            if len(runs[v]) >= repeats:
+                continue
+            wait_for_quiet(load_limit, PRESSURE_LIMIT, max_wait)
+            loads.append(os.getloadavg()[0])
             result = timed(variants[v])
-            if rnd:
+            contended = result["pressure"] > PRESSURE_LIMIT
+            if attempt and not contended:  # attempt 0 warms up
                 runs[v].append(result)
-        logger.info("%s round %d/%d done (load %.2f)", name, rnd, repeats, os.getloadavg()[0])
+            discarded += bool(attempt and contended)
+            logger.info("%s round %d %s: %.3f s, %s", name, attempt, v, result["wall"],
+                        "discarded (CPU pressure above the limit)" if contended else "kept")
+        attempt += 1
     params = sum(p.numel() for p in model.parameters())
     keys = ("wall", "cpu", "tokens", "stopped", "preempted", "pressure")
     med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in names}
     return dict(name=name, params=params, prompt_lens=[len(p) for p in prompts], med=med, runs=runs,
-                load0=load0, load1=os.getloadavg())
+                loads=loads, discarded=discarded)
 
 
 def verdict(case: dict) -> str:
@@ -175,12 +183,12 @@ def render(info: dict, cases: list[dict]) -> str:
              f"torch.set_num_threads({torch.get_num_threads()})",
              f"- {N_PROMPTS} prompts x n={N_SAMPLES} = {N_PROMPTS * N_SAMPLES} samples, max_new_tokens={MAX_NEW}, "
              f"do_sample temperature={SAMPLING['temperature']} top_p={SAMPLING['top_p']} top_k off; fp32; "
-             f"medians of {info['repeats']} rounds after 1 warm-up round, variants alternating", ""]
+             f"medians of {info['repeats']} kept runs per variant after 1 warm-up round, variants alternating", ""]
     for c in cases:
         lines += [f"## {c['name']} ({c['params'] / 1e6:.2f} M parameters, prompt lengths "
                   f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])})", "",
-                  f"load average (1/5/15 min): {' / '.join(f'{x:.2f}' for x in c['load0'])} at start, "
-                  f"{' / '.join(f'{x:.2f}' for x in c['load1'])} at end", "",
+                  f"1-min load average before each run: {min(c['loads']):.2f}-{max(c['loads']):.2f}; "
+                  f"{c['discarded']} runs discarded (CPU pressure > {PRESSURE_LIMIT:.0f}% right after them)", "",
                   "| variant | median wall s | min-max wall s | median CPU s | median preempted | median CPU pressure "
                   "| tokens | stopped | hf wall / variant wall | log-probs |", "|" + "---|" * 10]
         hf = c["med"]["hf"]["wall"]
@@ -230,13 +238,12 @@ def main() -> None:
     info = dict(date=date, repeats=args.repeats, transformers=transformers.__version__,
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                       text=True).stdout.strip())
+    out = args.results or root / "benchmarks" / "results" / f"generate-{date}.md"
     cases = []
     for name in args.cases.split(","):
         cases.append(bench_case(name, args.repeats, args.wait_load, args.max_wait))
-    text = render(info, cases)
-    print(text)
-    out = args.results or root / "benchmarks" / "results" / f"generate-{date}.md"
-    out.write_text(text + "\n")
+        out.write_text(render(info, cases) + "\n")  # after every case: a late interruption keeps the rest
+    print(render(info, cases))
     print(f"written to {out}")
 
 

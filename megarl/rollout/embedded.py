@@ -179,9 +179,9 @@ class _Results:
         width = int(self.lengths.max()) if len(self.lengths) else 0
         return RolloutOutput(
             prompt_index=torch.tensor(row_prompt, dtype=torch.long, device=self.lengths.device),
-            responses=self.tokens[:, :width],
+            responses=self.tokens[:, :width].contiguous(),
             response_mask=torch.arange(width, device=self.lengths.device)[None, :] < self.lengths[:, None],
-            log_probs=self.log_probs[:, :width],
+            log_probs=self.log_probs[:, :width].contiguous(),
             response_lengths=self.lengths,
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped.tolist()],
         )
