@@ -413,7 +413,7 @@ def trl_worker(spec_path: str) -> None:
             self.record = {"start": time.time()}
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.record |= {"end": time.time(), "step": state.global_step, **timers}
+            self.record |= {"end": time.time(), "step": state.global_step, "load": os.getloadavg()[0], **timers}
             timers.update(dict.fromkeys(timers, 0.0))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
