@@ -126,9 +126,9 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
 
 def _top_mass(scaled: torch.Tensor, lse: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``k`` logits (sorted) and ids, ``k`` the smallest of 256, 1024, ... (or the vocabulary) whose
-    probability reaches ``top_p`` in every row: the nucleus without sorting the whole vocabulary."""
+    probability reaches ``top_p`` in every row: the nucleus without sorting a large vocabulary."""
     vocab = scaled.shape[-1]
-    k = min(256, vocab)
+    k = 256 if vocab > 1024 else vocab  # a small vocabulary is sorted at once
     while True:
         values, ids = torch.topk(scaled, k, dim=-1)
         if k == vocab or bool((torch.exp(values - lse[:, None]).sum(-1) >= top_p).all()):
