@@ -1,6 +1,6 @@
 """GRPO on CPU: megarl against HuggingFace TRL's ``GRPOTrainer`` on the same model, prompts and settings (#6).
 
-    .venv/bin/python benchmarks/grpo_cpu.py [--cases tiny,30m] [--repeats 3] [--wait-load 1.5]
+    .venv/bin/python benchmarks/grpo_cpu.py [--cases tiny,30m] [--repeats tiny=3,30m=2] [--wait-load 1.5]
         [--trl-python .venv-trl/bin/python] [--results FILE]
 
 The TRL side runs in its own virtualenv (benchmarks/requirements-trl.txt says how to make it); this file
