@@ -156,6 +156,17 @@ class WorkerGroup:
                 ) from e
         return results
 
+    def set_tracing(self, on: bool) -> None:
+        """Turn span recording on or off in every rank (:mod:`megarl.metrics.trace`)."""
+        self._gather("trace", {r: a.set_tracing.remote(on) for r, a in enumerate(self.actors)},
+                     self.options.call_timeout_s)
+
+    def drain_trace(self) -> list[list[dict[str, Any]]]:
+        """Every rank's recorded spans since the last drain, by rank."""
+        res = self._gather("trace", {r: a.drain_trace.remote() for r, a in enumerate(self.actors)},
+                           self.options.call_timeout_s)
+        return [res[r] for r in sorted(res)]
+
     def shutdown(self, kill: bool = False) -> None:
         """Stop every actor (``kill=True``: without waiting for them, e.g. when a peer is stuck)."""
         if not self.alive:

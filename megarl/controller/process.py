@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from megarl.controller.role import Role, WorkerContext
+from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -73,7 +74,15 @@ class WorkerProcess:
 
     def call(self, role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Apply ``method`` (a function of the role's class) to the hosted role instance."""
-        return method(self.roles[role], *args, **kwargs)
+        with trace.span(f"{role}.{method.__name__}", cat="call"):
+            return method(self.roles[role], *args, **kwargs)
+
+    def set_tracing(self, on: bool) -> None:
+        trace.enable(on)
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """This process's trace spans since the last drain (see :mod:`megarl.metrics.trace`)."""
+        return trace.drain()
 
     def shutdown(self) -> None:
         from megarl.parallel.init import destroy_distributed

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from megarl.metrics import trace
 from megarl.models.spec import ModelSpec
 from megarl.resharding.buckets import Bucket, LocalPieces, dest_view, empty_dest, make_buckets
 from megarl.resharding.plan import ReshardPlan
@@ -57,12 +58,14 @@ def stream_weights(
     itemsize = torch.empty((), dtype=dtype).element_size()
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize):
-        start = time.perf_counter()
+        start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
         for t in bucket.tensors:
             if t.name not in dests and any(s.dst == rank for s in bucket.slabs if s.tensor == t.name):
                 dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype)
         _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group)
         stats.seconds += time.perf_counter() - start
+        trace.record(f"reshard bucket {stats.buckets}", start_ns, time.time_ns(), cat="reshard",
+                     bytes_moved=stats.bytes_sent + stats.bytes_received - moved, tensors=len(bucket.tensors))
         stats.buckets += 1
         if bucket.final:
             out = [(t.name, dests.pop(t.name)) for t in bucket.tensors if t.name in dests]

@@ -23,6 +23,7 @@ from megarl import algos
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts, load_row_adapter
+from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.rewards.base import score_samples
 from megarl.rewards.user import resolve_reward_function
@@ -35,13 +36,16 @@ logger = logging.getLogger(__name__)
 
 
 class StageTimer:
+    """Seconds per named stage of one step (``timing/<stage>_s``); each stage is also a trace span."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
         start = time.perf_counter()
-        yield
+        with trace.span(stage, cat="stage"):
+            yield
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
@@ -91,9 +95,13 @@ class Trainer:
             while self.step < t.total_steps:
                 self.step += 1
                 start = time.perf_counter()
-                metrics = self.train_step()
-                if t.val_every and self.step % t.val_every == 0:
-                    metrics |= self.validate()
+                with trace.span(f"step {self.step}", cat="step"):
+                    metrics = self.train_step()
+                    if t.val_every and self.step % t.val_every == 0:
+                        timer = StageTimer()
+                        with timer("validation"):
+                            metrics |= self.validate()
+                        metrics |= timer.metrics()
                 metrics["timing/step_s"] = time.perf_counter() - start
                 tracker.log(self.step, metrics)
                 history.append(metrics)
@@ -123,9 +131,11 @@ class Trainer:
                 metrics |= self.update_critic(batch)
         with timer("update_policy"):
             metrics |= self.update_policy(batch)
-        self._stage("step", batch)
+        with timer("bookkeeping"):  # callbacks and the workers' memory peaks: part of the step's time
+            self._stage("step", batch)
+            metrics |= self.workers.memory_peaks()
         tokens = float(batch["attention_mask"].sum())
-        metrics |= timer.metrics() | self.workers.memory_peaks()
+        metrics |= timer.metrics() | {"batch/tokens": tokens, "batch/num_sequences": float(len(batch))}
         metrics["throughput/tokens_per_s"] = tokens / max(sum(timer.seconds.values()), 1e-9)
         return metrics
 

@@ -28,6 +28,7 @@ from megarl.controller.role import WorkerContext
 from megarl.data.batch import Batch
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError, MegarlError
+from megarl.metrics import trace
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
@@ -55,6 +56,7 @@ class HybridRollout:
 
     # ------------------------------------------------------------------------------- transitions
 
+    @trace.spanned("to_rollout", cat="weight_sync")
     def to_rollout(self) -> dict[str, float]:
         """Train -> rollout: offload training state (GPU), stream weights into the woken rollout engine."""
         start = time.perf_counter()
@@ -73,6 +75,7 @@ class HybridRollout:
             self.engine.offload(params=True, grads=False, optimizer=False)
         return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start}
 
+    @trace.spanned("to_train", cat="weight_sync")
     def to_train(self) -> dict[str, float]:
         start = time.perf_counter()
         self.rollout.sleep()
@@ -96,7 +99,7 @@ class HybridRollout:
         start = time.perf_counter()
         mine = None
         if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
-            with cpu_compat.suspended():  # the rollout model never calls megatron-core
+            with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
                 out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
             if self.place.tp_rank == 0:
                 mine = out

@@ -24,6 +24,7 @@ from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
+from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.rollout.base import SamplingParams
@@ -78,7 +79,8 @@ class PolicyRole(Role):
         metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
         if cfg.logprob_check:
             start = time.perf_counter()
-            lp = self.compute_log_probs(batch)
+            with trace.span("old_log_probs", cat="log_probs"):
+                lp = self.compute_log_probs(batch)
             metrics["timing/old_log_probs_s"] = time.perf_counter() - start
             if lp is not None:
                 batch = batch.update(Batch.from_dict({"old_log_probs": lp["log_probs"]}))
