@@ -168,6 +168,25 @@ class MegatronEngine:
         for offloader in self._offloaders.values():
             offloader.reload()
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now for ``params`` (its model chunks), ``grads`` (the DDP gradient
+        buffers, bucket padding included) and ``optimizer`` (moments, step counters and master copies
+        that do not alias a parameter or gradient buffer; Adam's moments exist after the first step)."""
+        params = self._params()
+        buffers = [b for m in self.model  # a frozen engine's model chunks have no DDP buffers
+                   for b in (*getattr(m, "buffers", ()), *getattr(m, "expert_parallel_buffers", ()))]
+        taken = storage_ptrs(params) | {b.grad_data.untyped_storage().data_ptr() for b in buffers}
+        optimizer = 0
+        if self.trainable:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = opt.optimizer
+                optimizer += sum(t.nbytes for state in inner.state.values() for t in state.values()
+                                 if isinstance(t, torch.Tensor))
+                optimizer += sum(p.nbytes for g in inner.param_groups for p in g["params"]
+                                 if p.untyped_storage().data_ptr() not in taken)
+        return {"params": sum(p.nbytes for p in params), "grads": sum(b.grad_data.nbytes for b in buffers),
+                "optimizer": optimizer}
+
     def _params(self) -> list[torch.Tensor]:
         return [p for c in self.chunks for p in c.parameters()]
 

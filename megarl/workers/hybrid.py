@@ -53,6 +53,7 @@ class HybridRollout:
         self.place = self.plan.places[ctx.rank]
         self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan)
         self.rollout.sleep()
+        self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
 
     # ------------------------------------------------------------------------------- transitions
 
@@ -73,6 +74,7 @@ class HybridRollout:
         self.rollout.finish_weight_update()
         if offload:
             self.engine.offload(params=True, grads=False, optimizer=False)
+        self.last_transfer = stats
         return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start}
 
     @trace.spanned("to_train", cat="weight_sync")

@@ -40,6 +40,20 @@ class PolicyConfig:
     kl_estimator: algos.KLEstimator = algos.KLEstimator.K3
 
 
+@dataclasses.dataclass(frozen=True)
+class RankResources:
+    """One policy rank's measured state (bytes): for the benchmark's per-rank table and the planner check."""
+
+    rank: int
+    coords: dict[str, int]
+    params: int
+    grads: int
+    optimizer: int
+    reshard_bytes_sent: int
+    reshard_bytes_received: int
+    host_rss: int
+
+
 class PolicyRole(Role):
     def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, policy: PolicyConfig,
                  trainable: bool = True, rollout: RolloutConfig | None = None) -> None:
@@ -131,6 +145,14 @@ class PolicyRole(Role):
         out = peaks().metrics()
         reset_peaks()
         return out
+
+    def resources(self) -> RankResources:
+        """What this rank holds and moved: training-state bytes and the latest weight sync's traffic."""
+        sync = self.rollout.last_transfer if self.rollout is not None else None
+        return RankResources(rank=self.ctx.rank, coords=self.ctx.coords._asdict(), **self.engine.state_bytes(),
+                             reshard_bytes_sent=sync.bytes_sent if sync else 0,
+                             reshard_bytes_received=sync.bytes_received if sync else 0,
+                             host_rss=peaks().host_rss)
 
     def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
         """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic)."""

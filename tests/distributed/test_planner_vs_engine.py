@@ -1,14 +1,8 @@
 """The planner's training-state bytes per rank against a live MegatronEngine's tensors (2 gloo ranks).
 
-What is counted on every rank after one optimizer step (Adam's moments exist only after the first):
-
-* params: ``p.nbytes`` of every parameter of the rank's model chunks;
-* grads: the DDP gradient buffers' ``grad_data.nbytes`` (the allocation every ``p.main_grad`` views,
-  bucket padding included);
-* optimizer: every tensor in the inner optimizers' ``state`` (Adam ``exp_avg``, ``exp_avg_sq``,
-  ``step``) plus the parameters of their ``param_groups`` (the fp32 master shards) that do not share
-  storage with a model parameter or a gradient buffer (fp32 training has no separate master copy:
-  the distributed optimizer's fp32 shards are views of the parameter buffer).
+What is counted on every rank after one optimizer step (Adam's moments exist only after the first)
+is :meth:`MegatronEngine.state_bytes`: the tensors the rank really holds (parameters, DDP gradient
+buffers, optimizer moments and non-aliasing master copies), which the planner never sees.
 
 The planner must be within 25 % of each (issue #7: "planned parameter / gradient / optimizer memory
 per process ... match what the benchmark measures"); fp32 (CPU's precision) and bf16 (fp32 master +
@@ -26,21 +20,6 @@ pytestmark = pytest.mark.dist
 
 LAYOUTS = {"tp2": (2, 1), "tp1dp2": (1, 1)}
 PRECISIONS = ("float32", "bfloat16")
-
-
-def _count(engine) -> dict[str, int]:
-    params = [p for c in engine.chunks for p in c.parameters()]
-    buffers = [b for m in engine.model for b in (*m.buffers, *m.expert_parallel_buffers)]
-    taken = {t.untyped_storage().data_ptr() for t in params}
-    taken |= {b.grad_data.untyped_storage().data_ptr() for b in buffers}
-    optimizer = 0
-    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        inner = opt.optimizer
-        optimizer += sum(t.nbytes for state in inner.state.values() for t in state.values() if hasattr(t, "nbytes"))
-        optimizer += sum(p.nbytes for g in inner.param_groups for p in g["params"]
-                         if p.untyped_storage().data_ptr() not in taken)
-    return {"params": sum(p.nbytes for p in params), "grads": sum(b.grad_data.nbytes for b in buffers),
-            "optimizer": optimizer}
 
 
 def _world(rank, world_size, ckpt):
@@ -68,7 +47,7 @@ def _world(rank, world_size, ckpt):
             config = EngineConfig(precision=Precision(precision), optim=OptimConfig(use_distributed_optimizer=True))
             engine = MegatronEngine(spec, layout, config, checkpoint_dir=ckpt, trainable=True)
             engine.train_step(batch, loss_fn)
-            out[f"{name}/{precision}"] = {"stage": layout.coords(rank).pp, **_count(engine)}
+            out[f"{name}/{precision}"] = {"stage": layout.coords(rank).pp, **engine.state_bytes()}
             del engine
     return out
 
