@@ -1,0 +1,169 @@
+"""Benchmark reports: the measured steps of a run -> the HybridFlow / NeMo-RL style table.
+
+Pure (no Ray, no torch.distributed): input is the trainer's per-step metrics (``timing/<stage>_s``
+and friends, see :mod:`megarl.trainer.trainer`), the policy ranks' measured resources and the run's
+setup; output is a JSON-able dict and markdown. The step time is split into the columns those
+papers use; which trainer timer feeds which column:
+
+* generation  -- ``timing/generate_s`` (the rollout engine's decode, measured on the worker)
+* weight sync -- ``timing/to_rollout_s + timing/to_train_s`` (resharding into the rollout engine,
+  offload/reload around it)
+* log-probs   -- ``timing/old_log_probs_s`` (the training model's old log-probs, when recomputed)
+* reference, values, reward -- their driver stages
+* training    -- ``timing/update_policy_s + timing/update_critic_s``
+* other       -- advantages, bookkeeping (callbacks, memory peaks), validation and the rest of the
+  rollout stage (Ray dispatch, gathering the replicas' outputs, building the batch)
+
+``coverage`` is the sum of the driver's stage timers over the measured step time: the timers must
+cover the whole step (within 5 %), or the split above hides time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+DRIVER_STAGES = ("rollout", "reward", "reference", "values", "advantages", "update_critic", "update_policy",
+                 "bookkeeping", "validation")
+COLUMNS = ("generation", "weight_sync", "log_probs", "reference", "values", "reward", "training", "other")
+
+# dense bf16 tensor-core peak per GPU (vendor datasheets), matched against torch.cuda.get_device_name()
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                   "A10": 125.0, "L4": 121.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What was run, for the report's header and the FLOP estimate."""
+
+    config: str
+    overrides: tuple[str, ...]
+    workload: str | None
+    devices: int
+    device_kind: str  # "cpu" or the GPU's name
+    train_layout: str  # e.g. "TP2 x PP1 x DP1"
+    rollout_layout: str  # e.g. "embedded, TP1 x 2 replicas"
+    parameters: int  # policy parameters
+    num_layers: int
+    attention_width: int  # heads * head_dim
+    ppo_epochs: int
+    has_critic: bool
+    warmup: int
+    iterations: int
+    peak_flops: float | None  # per device; None: no MFU
+    peak_flops_source: str
+
+
+def _t(m: Mapping[str, float], stage: str) -> float:
+    return m.get(f"timing/{stage}_s", 0.0)  # an absent stage did not run this step
+
+
+def breakdown(m: Mapping[str, float]) -> dict[str, float]:
+    """One step's seconds per report column (see the module docstring)."""
+    gen, sync = _t(m, "generate"), _t(m, "to_rollout") + _t(m, "to_train")
+    log_probs = _t(m, "old_log_probs")
+    rollout_rest = max(_t(m, "rollout") - gen - sync - log_probs, 0.0)
+    return {
+        "generation": gen, "weight_sync": sync, "log_probs": log_probs, "reference": _t(m, "reference"),
+        "values": _t(m, "values"), "reward": _t(m, "reward"),
+        "training": _t(m, "update_policy") + _t(m, "update_critic"),
+        "other": _t(m, "advantages") + _t(m, "bookkeeping") + _t(m, "validation") + rollout_rest,
+    }
+
+
+def coverage(m: Mapping[str, float]) -> float:
+    """Sum of the driver's stage timers / the step's wall time."""
+    return sum(_t(m, s) for s in DRIVER_STAGES) / m["timing/step_s"]
+
+
+def step_flops(m: Mapping[str, float], s: Setup) -> float:
+    """Model FLOPs of one step (an estimate, Megatron/PaLM style): per token, a forward costs
+    ``2N + 2 L d s`` (weights, plus causal attention over a mean context of half the mean sequence
+    length s, d = heads x head_dim, L layers); a backward twice that. Generated tokens count one
+    forward each; every forward pass over the batch (old log-probs, reference, values) one per
+    token; each optimizer epoch three (policy, and critic when present)."""
+    tokens, seqs = m["batch/tokens"], max(m["batch/num_sequences"], 1.0)
+    per_token = 2 * s.parameters + 2 * s.num_layers * s.attention_width * tokens / seqs
+    passes = sum(1 for stage in ("old_log_probs", "reference", "values") if f"timing/{stage}_s" in m)
+    passes += 3 * s.ppo_epochs * (2 if s.has_critic else 1)
+    return per_token * (m.get("rollout/num_tokens", 0.0) + passes * tokens)
+
+
+def summarize(steps: Sequence[Mapping[str, float]], setup: Setup,
+              ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The report: per-column means over the measured steps, throughput, memory, resharding, MFU."""
+    if not steps:
+        raise ValueError("no measured steps: run at least one iteration after the warm-up")
+    mean = statistics.fmean
+    step_s = mean(m["timing/step_s"] for m in steps)
+    cols = {c: mean(breakdown(m)[c] for m in steps) for c in COLUMNS}
+    tokens = mean(m["batch/tokens"] for m in steps)
+    flops = mean(step_flops(m, setup) for m in steps)
+    out = {
+        "setup": dataclasses.asdict(setup),
+        "step_s": step_s,
+        "step_s_min": min(m["timing/step_s"] for m in steps),
+        "step_s_max": max(m["timing/step_s"] for m in steps),
+        "stages_s": cols,
+        "coverage": mean(coverage(m) for m in steps),
+        "coverage_min": min(coverage(m) for m in steps),
+        "tokens_per_step": tokens,
+        "response_tokens_per_step": mean(m.get("rollout/num_tokens", 0.0) for m in steps),
+        "tokens_per_s_per_device": tokens / step_s / setup.devices,
+        "peak_host_gb_per_device": max(m.get("memory/host_peak_gb", 0.0) for m in steps),
+        "peak_device_gb_per_device": max(m.get("memory/device_peak_gb", 0.0) for m in steps),
+        "reshard_bytes_received_max": max((r["reshard_bytes_received"] for r in ranks), default=0),
+        "reshard_bytes_sent_max": max((r["reshard_bytes_sent"] for r in ranks), default=0),
+        "model_tflops_per_step": flops / 1e12,
+        "mfu": flops / step_s / setup.devices / setup.peak_flops if setup.peak_flops else None,
+        "ranks": [dict(r) for r in ranks],
+        "steps": [dict(m) for m in steps],
+    }
+    return out
+
+
+def _mb(n: float) -> str:
+    mib = n / 2**20
+    return f"{mib:.1f}" if mib >= 10 or mib == 0 else f"{mib:.3g}"
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    s, c = report["setup"], report["stages_s"]
+    mfu = f"{100 * report['mfu']:.1f}%" if report["mfu"] is not None else "n/a"
+    peak = report["peak_device_gb_per_device"] or report["peak_host_gb_per_device"]
+    lines = [
+        f"# megarl benchmark: {s['config']}",
+        "",
+        f"- overrides: {' '.join(s['overrides']) or '(none)'}; workload preset: {s['workload'] or '(config)'}",
+        f"- {s['iterations']} measured iterations after {s['warmup']} warm-up; policy {s['parameters'] / 1e6:.1f} M "
+        f"parameters; {report['tokens_per_step']:.0f} tokens per step ({report['response_tokens_per_step']:.0f} "
+        "generated)",
+        f"- MFU peak: {s['peak_flops_source']}",
+        "",
+        "| devices | training layout | rollout layout | tokens/s/device | step s | generation | weight sync "
+        "| log-probs | reference | values | reward | training | other | peak GB/device | reshard MiB/rank | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {s['devices']} x {s['device_kind']} | {s['train_layout']} | {s['rollout_layout']} "
+        f"| {report['tokens_per_s_per_device']:.1f} | {report['step_s']:.3f} | "
+        + " | ".join(f"{c[k]:.3f}" for k in COLUMNS)
+        + f" | {peak:.2f} | {_mb(report['reshard_bytes_received_max'])} | {mfu} |",
+        "",
+        f"Step time {report['step_s_min']:.3f}-{report['step_s_max']:.3f} s over the measured iterations; the "
+        f"stage timers cover {100 * report['coverage']:.1f}% of it (lowest step {100 * report['coverage_min']:.1f}%). "
+        "Stage columns are seconds per step; reshard MiB/rank is the most any rank received in one weight sync.",
+    ]
+    if report["ranks"]:
+        lines += ["", "| rank | coords | params MiB | grads MiB | optimizer MiB | reshard sent MiB "
+                  "| reshard received MiB | planned params / grads / optimizer MiB | planned received MiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in report["ranks"]:
+            coords = " ".join(f"{k}{v}" for k, v in r["coords"].items() if k in ("tp", "pp", "dp"))
+            plan = r.get("planned")
+            planned = (f"{_mb(plan['params'])} / {_mb(plan['grads'])} / {_mb(plan['optimizer'])}", _mb(plan["received"])
+                       ) if plan else ("n/a", "n/a")
+            lines.append(f"| {r['rank']} | {coords} | {_mb(r['params'])} | {_mb(r['grads'])} | {_mb(r['optimizer'])} "
+                         f"| {_mb(r['reshard_bytes_sent'])} | {_mb(r['reshard_bytes_received'])} | {planned[0]} "
+                         f"| {planned[1]} |")
+    return "\n".join(lines) + "\n"
