@@ -30,6 +30,7 @@ from megarl.data.batch import Batch
 from megarl.engine import micro_batches
 from megarl.engine.config import EngineConfig, LRDecay, Precision
 from megarl.engine.offload import StorageOffloader, storage_ptrs
+from megarl.engine.output_layer import make_logits_batch_major
 from megarl.errors import MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
@@ -61,6 +62,8 @@ class MegatronEngine:
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))
+        for c in self.chunks:  # saves a full copy of the logits each way (see output_layer.py)
+            make_logits_batch_major(c)
         if checkpoint_dir is not None:  # before DDP copies params into its buffers
             mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
         self.stats = StepStats()
