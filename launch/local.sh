@@ -18,6 +18,8 @@
 #   RAY_START_ARGS    extra `ray start` flags, e.g. "--object-store-memory=1000000000"
 #   RAY_TMPDIR        Ray's temp/session dir (default: a fresh /tmp/megarl_ray_XXXXXX); Ray's logs
 #   VENV, PYTHON      a virtualenv put first on PATH; the interpreter (default python3)
+#   MEGARL_DRIVER     what runs with CONFIG and the arguments (default "-m megarl.train");
+#                     "tools/benchmark.py" benchmarks the config instead (its flags go after CONFIG)
 # Ray 2.60 enables token authentication by default (token in ~/.ray/auth_token, shared by the head
 # and the driver here); RAY_AUTH_MODE=disabled turns it off, e.g. for tests on a private machine.
 
@@ -96,11 +98,13 @@ RAY_ADDRESS="$(cat "$ADDRESS_FILE")"
 export RAY_ADDRESS
 
 # In the background and waited for, so that Ctrl-C / SIGTERM reach the trap at once.
-log "running: megarl train $CONFIG $* (Ray at $RAY_ADDRESS)"
-"$PYTHON" -m megarl.train "$CONFIG" "$@" &
+DRIVER="${MEGARL_DRIVER:--m megarl.train}"
+log "running: $PYTHON $DRIVER $CONFIG $* (Ray at $RAY_ADDRESS)"
+# shellcheck disable=SC2086  # DRIVER is "-m module" or a script path: split on purpose
+"$PYTHON" $DRIVER "$CONFIG" "$@" &
 DRIVER_PID=$!
 rc=0
 wait "$DRIVER_PID" || rc=$?
 DRIVER_PID=""
-log "megarl train exited with status $rc"
+log "the driver exited with status $rc"
 exit "$rc"

@@ -35,7 +35,7 @@ def main() -> int:
                    "datasheet bf16 value; on CPU one core's measured fp32 matmul rate)")
     p.add_argument("--prepare-addition-task", action="store_true",
                    help="first build the tiny addition task under outputs/grpo_addition_tiny/task")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # overrides may come after the flags (the launch scripts pass them so)
 
     from megarl.bench.report import markdown
     from megarl.bench.runner import BenchmarkOptions, run_benchmark
