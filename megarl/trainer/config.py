@@ -79,10 +79,32 @@ class AlgorithmConfig:
     value_clip: float | None = 0.2  # critic (GAE only)
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
+    # A training-model forward after each rollout for the PPO ratio's old log-probs (and the rollout
+    # check). None = auto: only where something needs them; with one optimizer step per batch
+    # (ppo_epochs = mini_batches = 1) and no kl_penalty, the update's own forward is at the same
+    # weights and stands in (ratio 1, as TRL and verl do), measuring rollout/logprob_abs_diff and
+    # applying rollout.max_logprob_abs_diff there. true: always; false where they are needed: ConfigError.
+    recompute_old_log_probs: bool | None = None
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_penalty is not None or self.kl_loss_coef > 0
+
+    def old_log_probs_needed_because(self) -> str | None:
+        """Why old log-probs must come from a forward of their own; None when the update's can stand in."""
+        if self.ppo_epochs != 1 or self.mini_batches != 1:
+            return (f"ppo_epochs={self.ppo_epochs} x mini_batches={self.mini_batches} optimizer steps per batch: "
+                    "after the first, the policy is no longer the one that sampled")
+        if self.kl_penalty is not None:
+            return "kl_penalty subtracts KL(old policy || reference) from the rewards before the update"
+        return None
+
+    @property
+    def recomputes_old_log_probs(self) -> bool:
+        """``recompute_old_log_probs`` with auto (None) resolved."""
+        if self.recompute_old_log_probs is None:
+            return self.old_log_probs_needed_because() is not None
+        return self.recompute_old_log_probs
 
     @property
     def needs_critic(self) -> bool:
@@ -226,3 +248,7 @@ def check_config(cfg: TrainConfig) -> None:
                           "set val_every=0.")
     if a.ppo_epochs < 1 or a.mini_batches < 1:
         raise ConfigError("algorithm.ppo_epochs and mini_batches must be >= 1.")
+    if a.recompute_old_log_probs is False and (why := a.old_log_probs_needed_because()):
+        raise ConfigError(f"algorithm.recompute_old_log_probs=false, but the old log-probs are needed apart from the "
+                          f"update's own forward ({why}). Set algorithm.recompute_old_log_probs=true or leave it "
+                          "unset (auto), or take one optimizer step per batch without kl_penalty.")

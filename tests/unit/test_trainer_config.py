@@ -55,6 +55,11 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("rollout.backend=vllm cluster.tp=2 rollout.tp=4", ConfigError, "1 or the training tp"),
     ("model.path=/nonexistent/model", ConfigError, "is not a directory"),
     ("trainer.val_every=5", None, None),  # valid: data.val is set
+    # the example takes 2 mini-batches per batch: no update's forward can stand in for the old log-probs
+    ("algorithm.recompute_old_log_probs=false", ConfigError, "mini_batches=2 optimizer steps per batch"),
+    ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1 algorithm.kl_penalty.coef=0.1",
+     ConfigError, "kl_penalty subtracts"),
+    ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1", None, None),
     ("oops", ConfigError, "key.path=value"),
 ])
 def test_bad_config_is_named(task, override, error, match):
@@ -117,3 +122,17 @@ def test_defaults_live_in_the_dataclasses():
     plain = yaml.safe_load(yaml.safe_dump({"trainer": {"total_steps": 3}}))
     assert load_config(None, [f"trainer.total_steps={plain['trainer']['total_steps']}"]).trainer.total_steps == 3
     assert cfg.rollout.n == 4 and cfg.trainer.resume is True
+
+
+@pytest.mark.parametrize("extra, recomputes", [
+    ({}, True),  # the example: 2 mini-batches
+    ({"algorithm.mini_batches": 1}, False),  # one optimizer step per batch, KL only as a loss term
+    ({"algorithm.mini_batches": 1, "algorithm.ppo_epochs": 2}, True),
+    ({"algorithm.mini_batches": 1, "algorithm.kl_penalty.coef": 0.1}, True),  # KL in the reward
+    ({"algorithm.mini_batches": 1, "algorithm.recompute_old_log_probs": "true"}, True),  # asked for
+])
+def test_old_log_probs_recomputed_only_where_needed(task, extra, recomputes):
+    cfg = load_config(EXAMPLE, _overrides(task, **extra))
+    check_config(cfg)
+    assert cfg.algorithm.recompute_old_log_probs in (None, True)  # auto stays auto: validation rewrites nothing
+    assert cfg.algorithm.recomputes_old_log_probs is recomputes
