@@ -1,10 +1,14 @@
-"""The RL fit loop: rollout -> rewards -> reference/old log-probs -> values -> advantages -> updates.
+"""The RL fit loop: rollout (+ old log-probs) -> rewards -> reference -> values -> advantages -> updates.
 
 The driver holds the algorithm; workers (one colocated Ray pool: policy with its rollout engine,
 reference, critic) do the model work. Each stage is a named method run inside a named timer, and
 :meth:`Trainer.train_step` reads as the recipe. Everything checkable is checked before a worker
 starts (:func:`megarl.trainer.config.check_config`, the dataset, the reward function). Checkpoints
 every ``save_every`` steps; a new run in the same output directory resumes from the latest one.
+
+Old log-probs (the PPO ratio's denominator) come from a training-model forward after generation only
+where ``algorithm.recomputes_old_log_probs``; otherwise the one policy update per batch stands in for
+them and reports ``rollout/logprob_abs_diff`` and ``actor/kl`` from its own forward at the same weights.
 """
 
 from __future__ import annotations
@@ -172,6 +176,8 @@ class Trainer:
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.workers.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
         batch.tensors["ref_log_probs"] = ref["log_probs"]
+        if not self.cfg.algorithm.recomputes_old_log_probs:
+            return {}  # no old log-probs: the update reports actor/kl from its forward at the same weights
         mask = batch["response_mask"]
         kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
         return {"actor/kl": algos.masked_mean(kl, mask).item()}
@@ -205,8 +211,10 @@ class Trainer:
         return _mean_metrics([self.workers.update_critic(mb) for mb in self._mini_batches(train)], "critic/")
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        fields = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
-        if self.cfg.algorithm.kl_loss_coef:
+        a = self.cfg.algorithm
+        old = "old_log_probs" if a.recomputes_old_log_probs else "rollout_log_probs"  # the latter: for the check
+        fields = ["input_ids", "attention_mask", "response_mask", old, "advantages"]
+        if a.kl_loss_coef:
             fields.append("ref_log_probs")
         train = batch.select(*fields)
         return _mean_metrics([self.workers.update_policy(mb) for mb in self._mini_batches(train)], "actor/")
@@ -260,8 +268,10 @@ def _prompt_batch(records: list[PromptRecord]) -> Batch:
 
 
 def _mean_metrics(results: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Means over the updates, keys under ``prefix`` unless a worker named the namespace itself
+    (e.g. ``rollout/logprob_abs_diff`` measured by the policy update)."""
     keys = results[0].keys()
-    return {prefix + k: sum(r[k] for r in results) / len(results) for k in keys}
+    return {(k if "/" in k else prefix + k): sum(r[k] for r in results) / len(results) for k in keys}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

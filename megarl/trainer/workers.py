@@ -57,13 +57,14 @@ class Workers:
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         r, a, src = cfg.rollout, cfg.algorithm, str(self.source)
-        rollout = RolloutConfig(  # logprob_check: the trainer uses the training log-probs it returns
+        rollout = RolloutConfig(  # logprob_check: rollout vs training log-probs, after generation or in the update
             backend=r.backend, tp=r.tp, dtype=r.dtype, bucket_mb=r.bucket_mb, max_batch_size=r.max_batch_size,
             logprob_check=True, max_logprob_abs_diff=r.max_logprob_abs_diff, offload_train_state=r.offload_train_state,
             gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
             enforce_eager=r.enforce_eager, seed=cfg.trainer.seed)
         policy = PolicyConfig(loss=a.policy_loss, entropy_coef=a.entropy_coef, temperature=r.temperature,
-                              kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator)
+                              kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,
+                              recompute_old_log_probs=a.recomputes_old_log_probs)
         self.policy = self.placement.add_role("policy", PolicyRole, src, cfg.policy, policy, True, rollout)
         self.reference = (self.placement.add_role("reference", ReferenceRole, src, cfg.policy, r.temperature)
                           if a.needs_reference else None)

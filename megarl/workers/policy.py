@@ -2,8 +2,9 @@
 
 Batch fields (right-padded rows, [B, S]): ``input_ids``, ``attention_mask`` (1 on prompt+response
 tokens), ``response_mask`` (1 on response tokens that count); for :meth:`update` also
-``old_log_probs`` and ``advantages`` (token-aligned: entry i belongs to token i). Results come back
-only from each DP rank's owner (last PP stage, TP rank 0); other ranks return None.
+``advantages`` and ``old_log_probs`` (token-aligned: entry i belongs to token i), or, without
+``PolicyConfig.recompute_old_log_probs``, ``rollout_log_probs`` instead. Results come back only from
+each DP rank's owner (last PP stage, TP rank 0); other ranks return None.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class PolicyConfig:
     temperature: float = 1.0  # must equal the rollout temperature
     kl_loss_coef: float = 0.0  # > 0: add coef * KL(policy || reference) to the loss (needs ``ref_log_probs``)
     kl_estimator: algos.KLEstimator = algos.KLEstimator.K3
+    # True: generate() forwards the training model for ``old_log_probs``. False: it does not, and update()
+    # uses its own forward's detached log-probs as old (exact only when it is the sole optimizer step on
+    # a rollout batch: ratio 1) and compares them to ``rollout_log_probs`` there (rollout.logprob_check).
+    recompute_old_log_probs: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +77,9 @@ class PolicyRole(Role):
 
         ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share).
         Returns training rows (see :func:`megarl.workers.hybrid.rollout_batch`) grouped by prompt, plus
-        ``old_log_probs`` from the training model when ``rollout.logprob_check`` is on (the PPO ratio's
-        denominator, so the trainer need not recompute it); metrics in ``meta["metrics"]``.
+        ``old_log_probs`` from the training model when ``rollout.logprob_check`` and
+        ``policy.recompute_old_log_probs`` are on (the PPO ratio's denominator, so the trainer need not
+        recompute it; otherwise :meth:`update` does the check); metrics in ``meta["metrics"]``.
         """
         if self.rollout is None:
             raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
@@ -91,7 +97,7 @@ class PolicyRole(Role):
         if per_prompt:  # e.g. a global prompt id: copied to each of the prompt's responses
             batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
         metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
-        if cfg.logprob_check:
+        if cfg.logprob_check and self.policy.recompute_old_log_probs:
             start = time.perf_counter()
             with trace.span("old_log_probs", cat="log_probs"):
                 lp = self.compute_log_probs(batch)
@@ -101,11 +107,7 @@ class PolicyRole(Role):
                 diff = logprob_abs_diff(lp["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
                 metrics["rollout/logprob_abs_diff"] = diff
                 if cfg.max_logprob_abs_diff is not None and diff > cfg.max_logprob_abs_diff:
-                    raise RolloutMismatchError(
-                        f"rollout log-probs differ from the training model's by {diff:.3g} on average (limit "
-                        f"{cfg.max_logprob_abs_diff}); the weight sync or the name mapping is broken, or the "
-                        "rollout dtype is too coarse for this limit."
-                    )
+                    raise _mismatch(diff, cfg.max_logprob_abs_diff)
         if not self.ctx.is_collect_rank:
             return None
         batch.meta["metrics"] = metrics
@@ -116,14 +118,26 @@ class PolicyRole(Role):
         return _log_probs(self.engine, self.ctx, batch, self.policy.temperature)
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together)."""
+        """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together).
+
+        Without ``policy.recompute_old_log_probs`` this is the only step on the rollout batch, at the
+        weights that sampled it: this forward's detached log-probs are the old ones (ratio 1). With
+        ``rollout.logprob_check`` it then also reports ``rollout/logprob_abs_diff`` (global token mean)
+        and raises :class:`RolloutMismatchError` over ``max_logprob_abs_diff`` before the optimizer
+        step; with ``kl_loss_coef``, ``kl``: the token-mean KL(policy || reference) of these log-probs
+        (what the trainer otherwise reports from the old log-probs as ``actor/kl``).
+        """
         cfg, vocab = self.policy, self.spec.vocab_size
         normalizer = global_normalizer(batch["response_mask"])
+        check = self.rollout.config if self.rollout is not None and self.rollout.config.logprob_check else None
+        gap = (None if cfg.recompute_old_log_probs or check is None
+               else _RolloutGap(batch["response_mask"], normalizer, check.max_logprob_abs_diff))
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
             lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=cfg.temperature)
             mask = mb["response_mask"].to(lp.dtype)
-            out = algos.compute_policy_loss(cfg.loss, lp, mb["old_log_probs"], mb["advantages"], mask, normalizer)
+            old = mb["old_log_probs"] if cfg.recompute_old_log_probs else lp.detach()
+            out = algos.compute_policy_loss(cfg.loss, lp, old, mb["advantages"], mask, normalizer)
             entropy = algos.aggregate_entropy(ent, mask, cfg.loss.aggregation, normalizer, cfg.loss.norm_constant)
             loss = out.loss - cfg.entropy_coef * entropy if cfg.entropy_coef else out.loss
             # token-mean metrics of this micro-batch, weighted so that they add up to global means
@@ -134,6 +148,11 @@ class PolicyRole(Role):
                                    cfg.loss.norm_constant)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
+                if not cfg.recompute_old_log_probs:
+                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], cfg.kl_estimator)
+                    metrics["kl"] = algos.masked_mean(per_token, mask) * weight
+            if gap is not None:
+                metrics["rollout/logprob_abs_diff"] = gap.add(lp, mb["rollout_log_probs"], mask)
             return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
 
         return self.engine.train_step(batch, loss_fn)
@@ -187,6 +206,38 @@ def _log_probs(engine: MegatronEngine, ctx: WorkerContext, batch: Batch, tempera
 
     out = engine.forward(batch, per_token)
     return Batch.from_dict(out) if out is not None and ctx.is_collect_rank else None
+
+
+class _RolloutGap:
+    """|training - rollout| log-probs over response tokens, accumulated over one update's micro-batches.
+
+    :meth:`add` returns a micro-batch's share of the global token mean (summed over micro-batches and
+    DP ranks by the engine) and, once this rank's last token is seen, checks its shard's mean against
+    ``limit`` (as the check after generation does) - in the loss function, so before the optimizer step.
+    """
+
+    def __init__(self, response_mask: torch.Tensor, normalizer: algos.LossNormalizer, limit: float | None) -> None:
+        self.shard_tokens = float(response_mask.sum())
+        self.total_tokens = normalizer.token_count
+        self.limit = limit
+        self.abs_sum = self.tokens = 0.0
+
+    def add(self, log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        diff = ((log_probs.detach().double() - rollout_log_probs.double()).abs() * mask.double()).sum()
+        self.abs_sum += diff.item()
+        self.tokens += float(mask.sum())
+        if self.limit is not None and self.tokens >= self.shard_tokens > 0:
+            mean = self.abs_sum / self.tokens
+            if mean > self.limit:
+                raise _mismatch(mean, self.limit)
+        return diff / self.total_tokens
+
+
+def _mismatch(diff: float, limit: float) -> RolloutMismatchError:
+    return RolloutMismatchError(
+        f"rollout log-probs differ from the training model's by {diff:.3g} on average (limit {limit}); the "
+        "weight sync or the name mapping is broken, or the rollout dtype is too coarse for this limit."
+    )
 
 
 def global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:
