@@ -20,8 +20,9 @@ entropy bonus 0.01, clip 0.2, token-mean loss, **one optimizer step per generati
 (megarl ``algorithm.mini_batches=1``; TRL ``num_iterations=1``, ``steps_per_generation`` =
 ``gradient_accumulation_steps``), the same micro-batches of 64 rows, fp32, no recomputation.
 
-Same 2 cores for both: megarl runs its example layout (policy TP2 + colocated reference in 2 Ray
-worker processes, 1 torch thread each as Ray sets ``OMP_NUM_THREADS`` for 1-CPU actors, plus the
+Same 2 cores for both: megarl runs 2 Ray worker processes (policy + colocated reference; TP2 for
+``30m``, TP1 x DP2 for ``tiny``, where TP's per-layer all-reduces cost more than the model), 1 torch
+thread each as Ray sets ``OMP_NUM_THREADS`` for 1-CPU actors, plus the
 driver); TRL runs one process with 2 torch threads. Runs alternate (megarl, TRL, megarl, TRL, ...),
 each a fresh subprocess. Measured per run, after ``warmup`` steps (start-up excluded):
 
@@ -74,10 +75,12 @@ class Case:
     stop_at_eos: bool
     warmup: int  # steps excluded from the timing (first-call costs)
     steps: int  # measured steps
+    tp: int = 2  # megarl's policy/reference TP over the 2 worker processes (the rest is DP)
 
 
 CASES = {
-    "tiny": Case({}, 1, True, warmup=3, steps=20),
+    # tiny: TP2's 28 gloo all-reduces per forward cost more than the model (0.53 -> 0.26 s per step at TP1 x DP2)
+    "tiny": Case({}, 1, True, warmup=3, steps=20, tp=1),
     "30m": Case(dict(hidden_size=512, num_layers=8, intermediate_size=2048, max_position_embeddings=128), 64, False,
                 warmup=1, steps=2),
 }
@@ -243,7 +246,7 @@ class RunResult:
 def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
     return [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", f"data.val={task / 'val.jsonl'}",
             f"trainer.output_dir={out}", f"trainer.total_steps={case.warmup + case.steps}", "trainer.save_every=0",
-            "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1",
+            "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1", f"cluster.tp={case.tp}",
             f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}"]
 
 
@@ -489,15 +492,16 @@ def report(results: list[RunResult], meta: dict) -> str:
              f"- 1-min load average before the first run: {meta['load_before_wait']:.2f}; waited "
              f"{meta['waited_s']:.0f} s for < {meta['wait_load']} ({'reached' if meta['reached'] else 'NOT reached'}); "
              f"load (1/5/15 min) at start {' / '.join(f'{x:.2f}' for x in meta['load_start'])}",
-             "- cores: 2 for both. megarl: driver + 2 Ray worker processes (policy TP2 + colocated reference), 1 "
+             "- cores: 2 for both. megarl: driver + 2 Ray worker processes (policy + colocated reference; TP per case "
+             "below), 1 "
              "torch thread per worker; TRL: 1 process, 2 torch threads", "",
              "## Cases", "", "| case | parameters | rows/step (prompts x n) | response tokens | warm-up + measured "
-             "steps | micro-batches |", "|---|---|---|---|---|---|"]
+             "steps | micro-batches | megarl layout |", "|---|---|---|---|---|---|---|"]
     for name, info in meta["cases"].items():
         c = CASES[name]
         lines.append(f"| {name} | {info['params'] / 1e6:.2f} M | {info['rows']} | {c.max_new_tokens}"
                      f"{' (stop at eos)' if c.stop_at_eos else ' (no stop)'} | {c.warmup} + {c.steps} | "
-                     f"{info['micro']} |")
+                     f"{info['micro']} | TP{c.tp} x DP{2 // c.tp} |")
     lines += ["", "## Results", "", "Medians over runs of each run's median measured step (min-max over runs in "
               "brackets). Memory: sums over the run's processes, GB (*private*: anonymous RSS summed + the largest "
               "shared RSS); *peak* = start-up and all steps (megarl's end-of-run checkpoint save excluded, TRL saves "
