@@ -61,9 +61,8 @@ def test_trace_records_only_while_enabled_and_lays_out_tracks():
         pass
     trace.enable(True)
     try:
-        with trace.span("outer", cat="stage", n=3):
-            with trace.span("inner"):
-                pass
+        with trace.span("outer", cat="stage", n=3), trace.span("inner"):
+            pass
         events = trace.drain()
     finally:
         trace.enable(False)
