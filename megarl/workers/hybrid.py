@@ -7,7 +7,8 @@ world (all ranks must call it together):
    the Megatron shards into it bucket by bucket along a :mod:`megarl.resharding` plan (no full model
    copy is ever assembled besides the rollout engine's own weights); (GPU) offload the training params.
 2. each rollout replica generates its contiguous share of this data-parallel rank's prompts
-   (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index);
+   (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index), once per
+   set of sampling parameters asked for (:meth:`HybridRollout.generate_many`: e.g. a greedy baseline);
 3. rollout -> train: the rollout engine sleeps (weights and cache freed); training state reloads;
    the replicas' outputs are gathered over the model-parallel group in replica order.
 
@@ -93,26 +94,36 @@ class HybridRollout:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RolloutOutput], dict]:
         """All replicas' outputs of this DP rank's prompts (same on every rank of the group), and metrics."""
+        outputs, metrics = self.generate_many(prompts, [params])
+        return outputs[0], metrics
+
+    def generate_many(self, prompts: list[list[int]],
+                      runs: list[SamplingParams]) -> tuple[list[list[RolloutOutput]], dict]:
+        """:meth:`generate` for each of ``runs`` in turn (e.g. sampled responses, then a greedy baseline),
+        all within one weight sync: one list of outputs per run."""
         metrics = self.to_rollout()
         per_group = self.plan.num_replicas // self.ctx.layout.dp
         local = self.place.replica % per_group
         lo, hi = _share(len(prompts), per_group, local)
-        seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
         start = time.perf_counter()
         mine = None
         if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
-            with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
-                out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
+            outs = []
+            for params in runs:
+                seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
+                with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
+                    outs.append(self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed)))
             if self.place.tp_rank == 0:
-                mine = out
-                mine.prompt_index += lo
+                mine = outs
+                for out in mine:
+                    out.prompt_index += lo
         metrics["timing/generate_s"] = time.perf_counter() - start
         metrics |= self.to_train()
         group = parallel_state.get_model_parallel_group()
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (local, mine), group=group)
-        outputs = [out for _, out in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
-        return outputs, metrics
+        ordered = [outs for _, outs in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
+        return [[outs[k] for outs in ordered] for k in range(len(runs))], metrics
 
 
 def _share(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -182,6 +193,20 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
          "response_lengths": torch.tensor([len(r[1]) for r in rows])},
         non_tensors={"finish_reasons": [r[3] for r in rows]},
     )
+
+
+def baseline_fields(prompts: list[list[int]], outputs: list[RolloutOutput], prompt_index: torch.Tensor,
+                    pad_token_id: int) -> Batch:
+    """Each training row's baseline sequence (``outputs``: one response per prompt, e.g. greedy), as
+    ``baseline_input_ids``, ``baseline_attention_mask`` and ``baseline_response_mask`` (layout of
+    :func:`rollout_batch`, own width): the row's prompt's baseline, by ``prompt_index``."""
+    rows = rollout_batch(prompts, outputs, pad_token_id)
+    if len(rows) != len(prompts):
+        raise ValueError(f"a baseline needs one response per prompt: {len(rows)} for {len(prompts)} prompts")
+    row_of_prompt = torch.empty(len(prompts), dtype=torch.long)
+    row_of_prompt[rows["prompt_index"]] = torch.arange(len(rows))
+    pick = row_of_prompt[prompt_index]
+    return Batch.from_dict({f"baseline_{k}": rows[k][pick] for k in ("input_ids", "attention_mask", "response_mask")})
 
 
 def logprob_abs_diff(training: torch.Tensor, rollout: torch.Tensor, response_mask: torch.Tensor) -> float:

@@ -29,7 +29,14 @@ from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.rollout.base import SamplingParams
-from megarl.workers.hybrid import HybridRollout, RolloutConfig, RolloutMismatchError, logprob_abs_diff, rollout_batch
+from megarl.workers.hybrid import (
+    HybridRollout,
+    RolloutConfig,
+    RolloutMismatchError,
+    baseline_fields,
+    logprob_abs_diff,
+    rollout_batch,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +79,7 @@ class PolicyRole(Role):
             pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
             self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad)
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+    def generate(self, prompts: Batch, params: SamplingParams, baseline: SamplingParams | None = None) -> Batch | None:
         """Sample ``params.n`` responses per prompt with the colocated rollout engine (current weights).
 
         ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share).
@@ -80,6 +87,10 @@ class PolicyRole(Role):
         ``old_log_probs`` from the training model when ``rollout.logprob_check`` and
         ``policy.recompute_old_log_probs`` are on (the PPO ratio's denominator, so the trainer need not
         recompute it; otherwise :meth:`update` does the check); metrics in ``meta["metrics"]``.
+
+        ``baseline`` (one response per prompt, e.g. greedy for ReMax) is sampled after them in the same
+        weight sync; each row then carries its prompt's baseline sequence (``baseline_input_ids``, ...:
+        :func:`megarl.workers.hybrid.baseline_fields`). Baseline responses get no log-probs and no check.
         """
         if self.rollout is None:
             raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
@@ -90,9 +101,13 @@ class PolicyRole(Role):
                 f"{self.policy.temperature}: training log-probs would be of another distribution. Set them equal."
             )
         ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
-        outputs, metrics = self.rollout.generate(ids, params)
+        if baseline is not None and baseline.n != 1:
+            raise ConfigError(f"a baseline is one response per prompt; found baseline n={baseline.n}.")
+        runs, metrics = self.rollout.generate_many(ids, [params] if baseline is None else [params, baseline])
         pad = self.rollout.rollout.pad_token_id
-        batch = rollout_batch(ids, outputs, pad)
+        batch = rollout_batch(ids, runs[0], pad)
+        if baseline is not None:
+            batch = batch.update(baseline_fields(ids, runs[1], batch["prompt_index"], pad))
         per_prompt = [k for k in prompts.tensors.keys() if k not in ("prompt_ids", "prompt_lengths")]  # noqa: SIM118
         if per_prompt:  # e.g. a global prompt id: copied to each of the prompt's responses
             batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
@@ -100,7 +115,7 @@ class PolicyRole(Role):
         if cfg.logprob_check and self.policy.recompute_old_log_probs:
             start = time.perf_counter()
             with trace.span("old_log_probs", cat="log_probs"):
-                lp = self.compute_log_probs(batch)
+                lp = self.compute_log_probs(batch.select("input_ids", "attention_mask"))
             metrics["timing/old_log_probs_s"] = time.perf_counter() - start
             if lp is not None:
                 batch = batch.update(Batch.from_dict({"old_log_probs": lp["log_probs"]}))
