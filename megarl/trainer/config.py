@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
 from megarl.algos.kl import KLControllerConfig, KLEstimator
 from megarl.algos.losses import PolicyLossConfig
 from megarl.config.loader import from_dict
-from megarl.engine.config import EngineConfig
+from megarl.engine.config import EngineConfig, MicroBatchConfig, Precision
 from megarl.errors import ConfigError
 from megarl.parallel.layout import ParallelLayout
 from megarl.rewards.base import OnError
@@ -113,10 +114,30 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    function: str = "integer_answer"  # a built-in key or "path/to/file.py:function"
+    """A response's reward: ``function_weight * function score + reward_model.weight * model score``
+    over the sources that are set (at least one)."""
+
+    function: str | None = "integer_answer"  # a built-in key or "path/to/file.py:function"; null: none
+    function_weight: float = 1.0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
-    on_error: OnError = OnError.RAISE
+    on_error: OnError = OnError.RAISE  # failures of the function (not of the reward model)
     error_score: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A reward model worker (HF ``*ForSequenceClassification``, one label, or its megarl checkpoint)
+    scoring each sequence at its last token. It runs on the policy's pool and layout, frozen, and reads
+    the policy's token ids as they are: its tokenizer must be the policy's (no re-tokenization)."""
+
+    path: str = ""  # HF directory (converted once to <output_dir>/reward_model_checkpoint) or megarl checkpoint
+    weight: float = 1.0  # its score's weight in the reward
+    tokenizer: str | None = None  # default: the model directory (its hf/ subdir for a megarl checkpoint)
+    micro_batch: MicroBatchConfig = MicroBatchConfig()
+    precision: Precision = Precision.FP32
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(micro_batch=self.micro_batch, precision=self.precision)  # frozen: the optimizer is unused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +155,7 @@ class TrainerSection:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """One colocated pool for policy, reference and critic; dp fills nodes * devices_per_node."""
+    """One colocated pool for policy, reference, critic and reward model; dp fills nodes * devices_per_node."""
 
     nodes: int = 1
     devices_per_node: int = 1
@@ -158,6 +179,7 @@ class TrainConfig:
     critic: EngineConfig = EngineConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
+    reward_model: RewardModelSection | None = None  # e.g. reward_model.path=... adds one
     trainer: TrainerSection = TrainerSection()
 
 
@@ -252,3 +274,21 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"algorithm.recompute_old_log_probs=false, but the old log-probs are needed apart from the "
                           f"update's own forward ({why}). Set algorithm.recompute_old_log_probs=true or leave it "
                           "unset (auto), or take one optimizer step per batch without kl_penalty.")
+    _check_reward(cfg)
+
+
+def _check_reward(cfg: TrainConfig) -> None:
+    """At least one reward source, finite weights, an existing reward-model directory. (That it is a
+    reward model sharing the policy's tokenizer is checked once the tokenizers load, before any worker
+    starts: :func:`megarl.trainer.trainer.check_reward_model`.)"""
+    rw, rm = cfg.reward, cfg.reward_model
+    if rw.function is None and rm is None:
+        raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function') and/or "
+                          "reward_model.path (a sequence-classification reward model).")
+    for name, weight in (("reward.function_weight", rw.function_weight),
+                         ("reward_model.weight", rm.weight if rm is not None else 0.0)):
+        if not math.isfinite(weight):
+            raise ConfigError(f"{name} must be a finite number, found {weight}.")
+    if rm is not None and (not rm.path or not Path(rm.path).is_dir()):
+        raise ConfigError(f"reward_model.path {rm.path!r} is not a directory; give an HF *ForSequenceClassification "
+                          "directory (num_labels=1) or a megarl checkpoint of one.")

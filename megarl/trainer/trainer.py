@@ -1,14 +1,18 @@
 """The RL fit loop: rollout (+ old log-probs) -> rewards -> reference -> values -> advantages -> updates.
 
 The driver holds the algorithm; workers (one colocated Ray pool: policy with its rollout engine,
-reference, critic) do the model work. Each stage is a named method run inside a named timer, and
-:meth:`Trainer.train_step` reads as the recipe. Everything checkable is checked before a worker
-starts (:func:`megarl.trainer.config.check_config`, the dataset, the reward function). Checkpoints
-every ``save_every`` steps; a new run in the same output directory resumes from the latest one.
+reference, critic, reward model) do the model work. Each stage is a named method run inside a named
+timer, and :meth:`Trainer.train_step` reads as the recipe. Everything checkable is checked before a
+worker starts (:func:`megarl.trainer.config.check_config`, the dataset, the reward function, the reward
+model's tokens: :func:`check_reward_model`). Checkpoints every ``save_every`` steps; a new run in the
+same output directory resumes from the latest one.
 
 Old log-probs (the PPO ratio's denominator) come from a training-model forward after generation only
 where ``algorithm.recomputes_old_log_probs``; otherwise the one policy update per batch stands in for
 them and reports ``rollout/logprob_abs_diff`` and ``actor/kl`` from its own forward at the same weights.
+
+A response's reward is ``reward.function_weight * function + reward_model.weight * reward model`` over
+the sources configured.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from megarl import algos
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts, load_row_adapter
+from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
+from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 from megarl.rewards.base import score_samples
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.base import SamplingParams
@@ -62,9 +68,11 @@ class Trainer:
         self.cfg, self.callbacks = cfg, callbacks
         self.out = Path(cfg.trainer.output_dir)
         self.tokenizer = _load_tokenizer(cfg)
+        check_reward_model(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
-        self.reward_fn = resolve_reward_function(cfg.reward.function, **cfg.reward.options)
+        self.reward_fn = (resolve_reward_function(cfg.reward.function, **cfg.reward.options)
+                          if cfg.reward.function is not None else None)
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         a = cfg.algorithm
         self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
@@ -162,16 +170,38 @@ class Trainer:
         return batch, metrics
 
     def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward") -> dict[str, float]:
-        rows = [records[int(i)] for i in batch["prompt_uid"]]
-        responses = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-                     for ids, m in zip(batch["input_ids"], batch["response_mask"], strict=True)]
-        scores, info = score_samples(self.reward_fn, [r.text for r in rows], responses, [r.row for r in rows],
-                                     self.cfg.reward.on_error, self.cfg.reward.error_score)
+        """``scores``: each row's reward, the weighted sum of its sources' scores (kept as ``function_scores``
+        and ``model_scores``)."""
+        scores, parts, num_errors = self._rewards(batch, records)
         batch.tensors["scores"] = scores
-        self._stage("reward", batch)
+        for source, values in parts.items():
+            batch.tensors[f"{source}_scores"] = values
         std = scores.std().item() if len(scores) > 1 else 0.0
-        return {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
-                f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(info.num_errors)}
+        metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
+                   f"{prefix}/max": scores.max().item()}
+        if "model" in parts:  # the sources apart (unweighted)
+            metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
+            metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
+        metrics[f"{prefix}/num_errors"] = float(num_errors)
+        self._stage("reward", batch)
+        return metrics
+
+    def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Each row's weighted reward, each source's own scores, and how many rows the function failed on."""
+        parts: dict[str, torch.Tensor] = {}
+        total, num_errors = torch.zeros(len(batch)), 0
+        if self.reward_fn is not None:
+            rows = [records[int(i)] for i in batch["prompt_uid"]]
+            responses = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+                         for ids, m in zip(batch["input_ids"], batch["response_mask"], strict=True)]
+            parts["function"], info = score_samples(self.reward_fn, [r.text for r in rows], responses,
+                                                    [r.row for r in rows], self.cfg.reward.on_error,
+                                                    self.cfg.reward.error_score)
+            total, num_errors = total + self.cfg.reward.function_weight * parts["function"], info.num_errors
+        if self.cfg.reward_model is not None:
+            parts["model"] = self.workers.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
+            total = total + self.cfg.reward_model.weight * parts["model"]
+        return total, parts, num_errors
 
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.workers.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
@@ -281,13 +311,48 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in keep))
 
 
+def _hf_files(path: str) -> Path:
+    """Where a model directory's HF files (config.json, tokenizer) are: itself, or a megarl checkpoint's hf/."""
+    return Path(path) / mcore_io.HF_SUBDIR if (Path(path) / mcore_io.META_FILE).is_file() else Path(path)
+
+
 def _load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
-    path = Path(cfg.model.tokenizer or cfg.model.path)
-    if (path / mcore_io.META_FILE).is_file():
-        path = path / mcore_io.HF_SUBDIR
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(_hf_files(cfg.model.tokenizer or cfg.model.path)))
+
+
+def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
+    """Before any worker starts: ``reward_model.path`` holds a reward model (one scalar output) that reads
+    the policy's token ids as they are - its tokenizer maps every string to the same id as the policy's
+    ``tokenizer`` and it embeds every id the policy can emit. Re-tokenization is not supported."""
+    from transformers import AutoTokenizer
+
+    rm = cfg.reward_model
+    if rm is None:
+        return
+    rm_config = load_hf_config(_hf_files(rm.path))
+    if spec_from_hf_config(rm_config).head is not Head.SCALAR:
+        raise ConfigError(f"reward_model.path {rm.path} holds a {rm_config.get('architectures')} model, not a reward "
+                          "model: give an HF *ForSequenceClassification checkpoint with num_labels=1.")
+    policy_ids, rm_ids = int(load_hf_config(_hf_files(cfg.model.path))["vocab_size"]), int(rm_config["vocab_size"])
+    if rm_ids < policy_ids:
+        raise ConfigError(f"the reward model embeds {rm_ids} token ids, the policy ({cfg.model.path}) emits up to "
+                          f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for a reward "
+                          "model is not supported).")
+    source = _hf_files(rm.tokenizer or rm.path)
+    try:
+        rm_vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"no tokenizer could be loaded from {source} ({e}), so it cannot be checked that the reward "
+                          "model shares the policy's; set reward_model.tokenizer to its tokenizer directory.") from e
+    policy_vocab = tokenizer.get_vocab()
+    if rm_vocab != policy_vocab:
+        differ = sorted(t for t in rm_vocab.keys() | policy_vocab.keys() if rm_vocab.get(t) != policy_vocab.get(t))
+        raise ConfigError(f"the reward model's tokenizer ({source}: {len(rm_vocab)} tokens) is not the policy's "
+                          f"({len(policy_vocab)} tokens; {len(differ)} differ, e.g. {differ[:3]}): re-tokenizing "
+                          "responses for a reward model is not supported. Use a reward model trained with the "
+                          "policy's tokenizer.")
 
 
 def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:

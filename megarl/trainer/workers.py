@@ -1,9 +1,9 @@
 """The run's workers, seen from the driver: one colocated Ray pool hosting policy (with its rollout
-engine), reference and critic, behind typed methods the trainer calls.
+engine), reference, critic and reward model, behind typed methods the trainer calls.
 
-Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model (in a child process,
-so the driver never joins a torch.distributed world), and the dispatch mode of each call (data-
-parallel shards for forward passes and updates, all ranks for checkpoints).
+Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model and of the reward
+model (in a child process, so the driver never joins a torch.distributed world), and the dispatch
+mode of each call (data-parallel shards for forward passes and updates, all ranks for checkpoints).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.config import TrainConfig
-from megarl.workers.critic import CriticConfig, CriticRole
+from megarl.workers.critic import CriticConfig, CriticRole, RewardModelRole
 from megarl.workers.policy import PolicyConfig, PolicyRole, ReferenceRole
 
 logger = logging.getLogger(__name__)
@@ -37,13 +37,17 @@ class Workers:
 
         self.cfg = cfg
         self.source = initial_checkpoint(cfg, out)
+        rm = cfg.reward_model
+        self.reward_source = (megatron_checkpoint(Path(rm.path), out / "reward_model_checkpoint", cfg)
+                              if rm is not None else None)
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
         c, a = cfg.cluster, cfg.algorithm
         pool = PoolSpec(nodes=c.nodes, devices_per_node=c.devices_per_node, device=Device(c.device),
                         cpus_per_device=c.cpus_per_device, tp=c.tp, pp=c.pp, vpp=c.vpp)
         roles = {"policy": "actor"} | ({"reference": "actor"} if a.needs_reference else {}) | (
-            {"critic": "actor"} if a.needs_critic else {})
+            {"critic": "actor"} if a.needs_critic else {}) | (
+            {"reward_model": "actor"} if cfg.reward_model is not None else {})
         self.placement = Placement(PlacementConfig({"actor": pool}, roles),
                                    GroupOptions(seed=cfg.trainer.seed, env=_QUIET_WORKERS))
         try:
@@ -70,11 +74,18 @@ class Workers:
                           if a.needs_reference else None)
         self.critic = (self.placement.add_role("critic", CriticRole, src, cfg.critic, CriticConfig(a.value_clip))
                        if a.needs_critic else None)
+        self.reward_model = (self.placement.add_role("reward_model", RewardModelRole, str(self.reward_source),
+                                                     cfg.reward_model.engine())
+                             if cfg.reward_model is not None else None)
 
     # ------------------------------------------------------------------------------------- calls
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         return self.policy.dp(PolicyRole.generate, prompts, params)
+
+    def reward_scores(self, batch: Batch) -> Batch:
+        """``scores`` [B] of the reward model (``input_ids``, right-padded ``attention_mask``)."""
+        return self.reward_model.dp(RewardModelRole.compute_scores, batch)
 
     def reference_log_probs(self, batch: Batch) -> Batch:
         return self.reference.dp(ReferenceRole.compute_log_probs, batch)
@@ -110,10 +121,14 @@ class Workers:
 def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:
     """The Megatron checkpoint the run starts from: ``model.path`` itself if it is one, else a one-time
     conversion of the HF directory into ``<output_dir>/initial_checkpoint`` (reused on resume)."""
-    path = Path(cfg.model.path)
+    return megatron_checkpoint(Path(cfg.model.path), out / "initial_checkpoint", cfg)
+
+
+def megatron_checkpoint(path: Path, target: Path, cfg: TrainConfig) -> Path:
+    """``path`` itself if it is a megarl checkpoint, else a one-time conversion of the HF directory into
+    ``target`` at the cluster's layout (reused when ``target`` is complete)."""
     if (path / mcore_io.META_FILE).is_file():
         return path
-    target = out / "initial_checkpoint"
     if (target / mcore_io.META_FILE).is_file():
         return target
     logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, cfg.cluster.tp, cfg.cluster.pp,

@@ -136,3 +136,64 @@ def test_old_log_probs_recomputed_only_where_needed(task, extra, recomputes):
     check_config(cfg)
     assert cfg.algorithm.recompute_old_log_probs in (None, True)  # auto stays auto: validation rewrites nothing
     assert cfg.algorithm.recomputes_old_log_probs is recomputes
+
+
+# ------------------------------------------------------------------------------------- reward sources
+
+
+def _reward_model_dir(out, *, vocab_size=None, tokenizer="addition", architecture="Qwen2ForSequenceClassification"):
+    """A reward model's config.json and tokenizer (no weights: nothing here loads them)."""
+    from transformers import Qwen2Config
+
+    from megarl.testing import addition, tiny
+
+    tok = addition.make_tokenizer(out) if tokenizer == "addition" else tiny.make_tokenizer(out)
+    Qwen2Config(vocab_size=vocab_size or len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0,
+                architectures=[architecture]).save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("override, match", [
+    ("reward_model.path=/nonexistent/rm", "reward_model.path '/nonexistent/rm' is not a directory"),
+    ("reward.function=null", "no reward source"),
+    ("reward.function_weight=.nan", "reward.function_weight must be a finite number"),
+])
+def test_bad_reward_config_is_named(task, override, match):
+    with pytest.raises(ConfigError, match=match):
+        check_config(load_config(EXAMPLE, [*_overrides(task), override]))
+
+
+def test_reward_model_alone_is_a_reward_source(task, tmp_path):
+    rm = _reward_model_dir(tmp_path / "rm")
+    cfg = load_config(EXAMPLE, [*_overrides(task), "reward.function=null", f"reward_model.path={rm}",
+                                "reward_model.weight=0.5", "reward_model.micro_batch.max_tokens=256"])
+    check_config(cfg)
+    assert cfg.reward.function is None and cfg.reward_model.weight == 0.5
+    assert cfg.reward_model.engine().micro_batch.max_tokens == 256
+    assert TrainConfig().reward_model is None and TrainConfig().reward.function_weight == 1.0
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("other_tokenizer", "re-tokenizing responses for a reward model is not supported"),
+    ("fewer_ids", "the reward model embeds 10 token ids, the policy .* emits up to 15"),
+    ("causal_lm", r"holds a \['Qwen2ForCausalLM'\] model, not a reward model"),
+])
+def test_reward_model_must_share_the_policys_tokens(task, tmp_path, kind, match):
+    """Refused by the trainer after loading the tokenizers, before any output, conversion or worker."""
+    from megarl.trainer.trainer import Trainer
+
+    rm = tmp_path / "rm"
+    if kind == "other_tokenizer":  # a byte-level BPE vocabulary: same size class, other ids
+        _reward_model_dir(rm, tokenizer="bpe", vocab_size=300)
+    elif kind == "fewer_ids":
+        _reward_model_dir(rm, vocab_size=10)
+    else:
+        _reward_model_dir(rm, architecture="Qwen2ForCausalLM")
+    out = tmp_path / "out"
+    cfg = load_config(EXAMPLE, [*_overrides(task), f"reward_model.path={rm}", f"trainer.output_dir={out}"])
+    check_config(cfg)  # the paths are fine; the tokens are not
+    with pytest.raises(ConfigError, match=match):
+        Trainer(cfg)
+    assert not out.exists()
+
