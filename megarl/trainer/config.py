@@ -111,6 +111,11 @@ class AlgorithmConfig:
     def needs_critic(self) -> bool:
         return self.advantage.estimator is AdvantageEstimator.GAE
 
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """ReMax: each step also samples one greedy response per prompt; its reward is the baseline."""
+        return self.advantage.estimator is AdvantageEstimator.REMAX
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
@@ -250,9 +255,6 @@ def check_config(cfg: TrainConfig) -> None:
                           f"{a.mini_batches} x dp={layout.dp} equal parts.")
     if a.advantage.estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and r.n < 2:
         raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set rollout.n >= 2.")
-    if a.advantage.estimator is AdvantageEstimator.REMAX:
-        raise ConfigError("ReMax needs a greedy baseline rollout per prompt, which the trainer does not run yet; "
-                          "choose grpo, rloo, reinforce_plus_plus or gae.")
     if r.backend is RolloutBackend.EMBEDDED and r.tp != 1:
         raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.tp must be 1, found "
                           f"{r.tp}; use rollout.backend=vllm for tensor-parallel generation.")

@@ -12,7 +12,8 @@ where ``algorithm.recomputes_old_log_probs``; otherwise the one policy update pe
 them and reports ``rollout/logprob_abs_diff`` and ``actor/kl`` from its own forward at the same weights.
 
 A response's reward is ``reward.function_weight * function + reward_model.weight * reward model`` over
-the sources configured.
+the sources configured. ReMax samples one greedy response per prompt in the same weight sync as the
+sampled ones; its reward (same sources) is the prompt's baseline.
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ class Trainer:
             max_new_tokens=r.max_new_tokens, stop_token_ids=self.workers.stop_token_ids,
             seed=self.cfg.trainer.seed * 1_000_003 + self.step,
         )
-        batch = self.workers.generate(_prompt_batch(records), params)
+        baseline = (SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens,
+                                   stop_token_ids=self.workers.stop_token_ids)
+                    if self.cfg.algorithm.needs_greedy_baseline and not validation else None)  # ReMax
+        batch = self.workers.generate(_prompt_batch(records), params, baseline)
         metrics = {k: v for k, v in batch.meta.pop("metrics").items()}
         lengths = batch["response_lengths"].float()
         metrics |= {"response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
@@ -171,7 +175,8 @@ class Trainer:
 
     def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward") -> dict[str, float]:
         """``scores``: each row's reward, the weighted sum of its sources' scores (kept as ``function_scores``
-        and ``model_scores``)."""
+        and ``model_scores``); with baseline sequences in the batch (ReMax), ``baseline_scores``: the
+        reward of the row's prompt's baseline response, from the same sources."""
         scores, parts, num_errors = self._rewards(batch, records)
         batch.tensors["scores"] = scores
         for source, values in parts.items():
@@ -182,6 +187,12 @@ class Trainer:
         if "model" in parts:  # the sources apart (unweighted)
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
             metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
+        if "baseline_input_ids" in batch.tensors.keys():  # noqa: SIM118 (TensorDict); ReMax training batches
+            greedy, prompt_row = _baseline_batch(batch)
+            baseline, _, baseline_errors = self._rewards(greedy, records)
+            batch.tensors["baseline_scores"] = baseline[prompt_row]
+            metrics[f"{prefix}/baseline_mean"] = baseline.mean().item()  # over prompts
+            num_errors += baseline_errors
         metrics[f"{prefix}/num_errors"] = float(num_errors)
         self._stage("reward", batch)
         return metrics
@@ -227,7 +238,8 @@ class Trainer:
             metrics |= {"actor/kl_coef": self.kl_ctl.value, "actor/reward_kl": pen.mean_kl.item()}
             self.kl_ctl.update(pen.mean_kl.item(), n_steps=len(batch))
         inputs = algos.AdvantageInputs(token_rewards, mask, values=batch["values"] if a.needs_critic else None,
-                                       group_ids=batch["prompt_uid"])
+                                       group_ids=batch["prompt_uid"],
+                                       baseline_rewards=batch["baseline_scores"] if a.needs_greedy_baseline else None)
         adv = algos.compute_advantages(a.advantage, inputs)
         batch.tensors["advantages"], batch.tensors["returns"] = adv.advantages, adv.returns
         self._stage("advantages", batch)
@@ -295,6 +307,16 @@ def _prompt_batch(records: list[PromptRecord]) -> Batch:
         ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
     return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(r.input_ids) for r in records]),
                             "prompt_uid": torch.arange(len(records))})
+
+
+def _baseline_batch(batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """The baseline sequences once per prompt (``input_ids``, ``attention_mask``, ``response_mask``,
+    ``prompt_uid``), and for each row of ``batch`` the index of its prompt's baseline in it."""
+    uid = batch["prompt_uid"]
+    prompts, prompt_row = torch.unique(uid, return_inverse=True)
+    first = torch.full((len(prompts),), len(uid)).scatter_reduce(0, prompt_row, torch.arange(len(uid)), "amin")
+    fields = {k: batch[f"baseline_{k}"][first] for k in ("input_ids", "attention_mask", "response_mask")}
+    return Batch.from_dict(fields | {"prompt_uid": uid[first]}), prompt_row
 
 
 def _mean_metrics(results: list[dict[str, float]], prefix: str) -> dict[str, float]:

@@ -80,8 +80,8 @@ class Workers:
 
     # ------------------------------------------------------------------------------------- calls
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        return self.policy.dp(PolicyRole.generate, prompts, params)
+    def generate(self, prompts: Batch, params: SamplingParams, baseline: SamplingParams | None = None) -> Batch:
+        return self.policy.dp(PolicyRole.generate, prompts, params, baseline)
 
     def reward_scores(self, batch: Batch) -> Batch:
         """``scores`` [B] of the reward model (``input_ids``, right-padded ``attention_mask``)."""

@@ -197,3 +197,9 @@ def test_reward_model_must_share_the_policys_tokens(task, tmp_path, kind, match)
         Trainer(cfg)
     assert not out.exists()
 
+
+@pytest.mark.parametrize("estimator", ["remax", "grpo"])
+def test_remax_runs_a_greedy_baseline(task, estimator):
+    cfg = load_config(EXAMPLE, [*_overrides(task), f"algorithm.advantage.estimator={estimator}"])
+    check_config(cfg)  # ReMax is accepted now
+    assert cfg.algorithm.needs_greedy_baseline is (estimator == "remax")
