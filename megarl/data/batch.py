@@ -106,12 +106,20 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
+        """Rows of all batches in order. Token fields (2-d and up) of different widths, e.g. each data-
+        parallel rank's rows cut to its own longest sequence, are right-padded with 0 to the widest:
+        rows are right-padded and masked by their own ``attention_mask``/``response_mask`` anyway."""
         if not batches:
             raise ValueError("cannot concatenate an empty list of batches")
         keys = [b.keys() for b in batches]
         if any(k != keys[0] for k in keys):
             raise ValueError(f"batches with different fields cannot be concatenated: {keys}")
-        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        parts = [b.tensors for b in batches]
+        token_keys = [k for k in parts[0].keys() if parts[0][k].dim() >= 2]  # noqa: SIM118 (TensorDict)
+        widths = {k: max(p[k].shape[1] for p in parts) for k in token_keys}
+        if any(p[k].shape[1] != w for p in parts for k, w in widths.items()):
+            parts = [_right_pad(p, widths) for p in parts]
+        tensors = torch.cat(parts, dim=0)
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in batches[0].non_tensors}
         return Batch(tensors, non_tensors, dict(batches[0].meta))
 
@@ -167,3 +175,13 @@ def _unpack(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor
 def _unpickle_batch(tensors: dict, size: int, non_tensors: dict, meta: dict) -> Batch:
     td = TensorDict({k: _unpack(*v) for k, v in tensors.items()}, batch_size=[size])
     return Batch(td, non_tensors, meta)
+
+
+def _right_pad(tensors: TensorDict, widths: Mapping[str, int]) -> TensorDict:
+    out = tensors.clone(recurse=False)
+    for key, width in widths.items():
+        t = tensors[key]
+        if t.shape[1] < width:
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+            out[key] = torch.nn.functional.pad(t, pad)
+    return out

@@ -33,6 +33,21 @@ def test_batch_pad_chunk_concat_unpad():
     assert b.nbytes() == 10 * 8
 
 
+def test_concat_right_pads_token_fields_of_different_widths():
+    # two data-parallel ranks' rollouts, each cut to its own longest row (widths 3 and 5)
+    a = Batch.from_dict({"input_ids": torch.tensor([[7, 8, 9]]), "mask": torch.tensor([[1.0, 1.0, 0.0]]),
+                         "uid": torch.tensor([0]), "cube": torch.ones(1, 3, 2)}, {"text": ["a"]})
+    b = Batch.from_dict({"input_ids": torch.tensor([[1, 2, 3, 4, 5], [6, 6, 0, 0, 0]]),
+                         "mask": torch.ones(2, 5), "uid": torch.tensor([1, 2]), "cube": torch.full((2, 5, 2), 2.0)},
+                        {"text": ["b", "c"]})
+    out = Batch.concat([a, b])
+    assert out["input_ids"].tolist() == [[7, 8, 9, 0, 0], [1, 2, 3, 4, 5], [6, 6, 0, 0, 0]]
+    assert out["mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert out["uid"].tolist() == [0, 1, 2] and out["text"] == ["a", "b", "c"]
+    assert out["cube"].shape == (3, 5, 2) and out["cube"][0, 3:].abs().sum() == 0 and out["cube"][0, :3].sum() == 6
+    assert a["input_ids"].shape == (1, 3)  # the inputs are not modified
+
+
 def test_batch_errors():
     with pytest.raises(ValueError, match="disagree on the batch size"):
         Batch.from_dict({"x": torch.zeros(3)}, {"s": ["a"]})
