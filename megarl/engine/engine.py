@@ -112,7 +112,7 @@ class MegatronEngine:
         if not parallel_state.is_pipeline_last_stage():
             return None
         b, s = batch["input_ids"].shape
-        return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s) for k in outputs[0]}
+        return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s).cpu() for k in outputs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
@@ -216,11 +216,12 @@ class MegatronEngine:
         mb_cfg = self.config.micro_batch
         plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
         tensors = dict(batch.tensors.items())
+        device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
         mbs = []
         for rows in plan:
             length = max(lengths[i] for i in rows)
-            mb = micro_batches.cut(tensors, rows, length)
-            mb["position_ids"] = torch.arange(length).expand(len(rows), length)
+            mb = {k: v.to(device, non_blocking=True) for k, v in micro_batches.cut(tensors, rows, length).items()}
+            mb["position_ids"] = torch.arange(length, device=device).expand(len(rows), length)
             mbs.append(mb)
         return plan, mbs
 

@@ -37,5 +37,5 @@ def restore(parts: list[torch.Tensor], plan_rows: list[list[int]], batch_size: i
     first = parts[0]
     out = first.new_zeros((batch_size, seq_len, *first.shape[2:]))
     for part, rows in zip(parts, plan_rows, strict=True):
-        out[torch.tensor(rows, dtype=torch.long), : part.shape[1]] = part
+        out[torch.tensor(rows, dtype=torch.long, device=out.device), : part.shape[1]] = part
     return out

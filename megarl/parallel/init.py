@@ -25,6 +25,13 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def comm_device() -> torch.device:
+    """Where tensors for this world's collectives must live: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minutes: int = 30) -> None:
     """Join (or create) the torch.distributed world and initialise megatron-core for ``layout``.
 

@@ -154,12 +154,13 @@ class LocalPieces:
 # ---------------------------------------------------------------------------------- receiving side
 
 
-def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor for the range ``rng`` of ``t`` (the rollout shard)."""
+def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype, device: torch.device | None = None
+               ) -> torch.Tensor:
+    """An uninitialised tensor for the range ``rng`` of ``t`` (the rollout shard), on ``device``."""
     shape = list(t.shape)
     if t.dim is not None:
         shape[t.dim] = rng[1] - rng[0]
-    return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def dest_view(dest: torch.Tensor, t: HFTensor, lo: int, s: Slab) -> torch.Tensor:

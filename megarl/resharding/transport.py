@@ -56,12 +56,13 @@ def stream_weights(
     stats = stats if stats is not None else TransferStats()
     pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    device = next(iter(params.values())).device  # rollout shards live where the training shards do
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize):
         start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
         for t in bucket.tensors:
             if t.name not in dests and any(s.dst == rank for s in bucket.slabs if s.tensor == t.name):
-                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype)
+                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device)
         _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group)
         stats.seconds += time.perf_counter() - start
         trace.record(f"reshard bucket {stats.buckets}", start_ns, time.time_ns(), cat="reshard",
@@ -95,7 +96,7 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dic
             stats.bytes_sent += nbytes
         else:
             view = dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s)
-            buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype)
+            buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype, device=view.device)
             if buf is not view:
                 staged.append((view, buf))
             ops.append(dist.P2POp(dist.irecv, buf, _peer(s.src, group), group=group, tag=tag))

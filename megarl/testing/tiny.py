@@ -59,6 +59,7 @@ def tiny_config(
     tied: bool = False,
     rope_scaling: bool = False,
     scalar_head: bool = False,
+    max_positions: int | None = None,
 ):
     """An HF config of the given family ("llama", "qwen2", "qwen3"); ``scalar_head``: a
     ``*ForSequenceClassification`` with one label (reward model / critic)."""
@@ -73,7 +74,7 @@ def tiny_config(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         # llama3 rope scaling in megatron-core assumes an original context of 8192
-        max_position_embeddings=16384 if rope_scaling else 256,
+        max_position_embeddings=max_positions or (16384 if rope_scaling else 256),
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         pad_token_id=0,

@@ -28,6 +28,7 @@ from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
+from megarl.parallel.init import comm_device
 from megarl.rollout.base import SamplingParams
 from megarl.workers.hybrid import (
     HybridRollout,
@@ -257,6 +258,6 @@ def _mismatch(diff: float, limit: float) -> RolloutMismatchError:
 
 def global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:
     """Token and sequence counts over the whole batch (every DP rank's shard)."""
-    counts = algos.LossNormalizer.of(response_mask.double()).as_tensor()
+    counts = algos.LossNormalizer.of(response_mask.double()).as_tensor().to(comm_device())
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     return algos.LossNormalizer.from_tensor(counts)
