@@ -63,6 +63,27 @@ def train_batch(b: int, s: int, vocab: int):
                             "advantages": torch.randn(b, s, generator=g) * resp})
 
 
+def profile(role, batch) -> dict:
+    """One log-prob and one update pass under torch.profiler: GPU-busy share of the wall time (kernel time
+    summed, so overlap would count twice) and the top ops by self CUDA and self CPU time."""
+    from torch.profiler import ProfilerActivity
+
+    out = {}
+    for name, fn in (("log-prob", role.compute_log_probs), ("update", role.update)):
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall, _ = timed(fn, batch)
+        ev = prof.key_averages()
+        cuda_total = sum(e.self_device_time_total for e in ev) / 1e6
+        out[name] = {"wall_s": wall, "kernel_s": cuda_total, "top_cuda": _top(ev, "self_device_time_total"),
+                     "top_cpu": _top(ev, "self_cpu_time_total")}
+    return out
+
+
+def _top(events, key: str, n: int = 15) -> list:
+    return [(e.key[:70], e.count, round(getattr(e, key) / 1e6, 4))
+            for e in sorted(events, key=lambda e: -getattr(e, key))[:n]]
+
+
 def run(args) -> dict:
     from megarl.checkpoint.convert import convert_hf_to_megatron
     from megarl.controller.role import WorkerContext
@@ -114,6 +135,8 @@ def run(args) -> dict:
                      "mfu_measured_matmul": flops / med / 1e12 / res["matmul_bf16_tflops"],
                      "peak_mem_gib": mem[name]}
 
+    res["profile"] = profile(role, batch)
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, spec.vocab_size, (args.prompts, args.prompt_len), generator=g)
     prompts = Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.full((args.prompts,), args.prompt_len)})
@@ -160,6 +183,12 @@ def render(r: dict, date: str, commit: str) -> str:
                    f"{x['old_log_probs_s'] or 0:.3f} | {x['new_tokens']:.0f} | "
                    f"{x['new_tokens'] / x['generate_s']:.0f} | {x['reshard_gb']:.2f} | {x['logprob_abs_diff']:.4f} | "
                    f"{x['peak_mem_gib']:.1f} |")
+    for name, p in r.get("profile", {}).items():
+        out += ["", f"Profile of one {name} pass: wall {p['wall_s']:.3f} s, GPU kernels {p['kernel_s']:.3f} s "
+                f"({p['kernel_s'] / p['wall_s']:.0%} busy)", "", "| top self-CUDA op | calls | s | | top self-CPU op "
+                "| calls | s |", "|---|---|---|---|---|---|---|"]
+        for (a, an, at), (b, bn, bt) in zip(p["top_cuda"], p["top_cpu"], strict=False):
+            out.append(f"| {a} | {an} | {at} | | {b} | {bn} | {bt} |")
     return "\n".join(out) + "\n"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import itertools
 import logging
 import time
@@ -231,6 +232,10 @@ class EmbeddedEngine:
         self._awake = True
         self._ready = False  # True after a complete weight sync
         self._mergeable = _plain_dynamic_cache(self.model.config)
+        # transformers >= 5.2x names the KV cache argument ``cache`` (``past_key_values`` deprecated); older
+        # releases take only ``past_key_values`` and would silently ignore ``cache`` (no context after prefill)
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -358,8 +363,8 @@ class EmbeddedEngine:
                                   f"min {min(p)}, max {max(p)}")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_arg: cache})
         return out.logits[:, -1, :]
 
     def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range) -> _Batch:

@@ -62,11 +62,20 @@ def check_policy_worker(ckpt: str, hf_dir: str, device: str, precision: str) -> 
                                     eos_token_id=None, pad_token_id=0)[0].tolist() for p in PROMPTS]
     batch = rows.select("input_ids", "attention_mask", "response_mask")
     ours = role.compute_log_probs(batch.select("input_ids", "attention_mask"))["log_probs"]
-    with torch.no_grad():
-        logits = ref(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
-    theirs = torch.log_softmax(logits.double()[:, :-1], -1).gather(-1, batch["input_ids"].to(device)[:, 1:, None])
     mask = batch["response_mask"][:, 1:].bool()
-    res["log_prob_max_diff"] = (ours[:, 1:][mask].double() - theirs[..., 0].cpu()[mask]).abs().max().item()
+
+    def hf_log_probs(model) -> torch.Tensor:  # of the response tokens, float64, on the host
+        with torch.no_grad():
+            logits = model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        lp = torch.log_softmax(logits.double()[:, :-1], -1).gather(-1, batch["input_ids"].to(device)[:, 1:, None])
+        return lp[..., 0].cpu()[mask]
+
+    exact = hf_log_probs(ref)
+    err = (ours[:, 1:][mask].double() - exact).abs()
+    res["log_prob_max_diff"], res["log_prob_mean_diff"] = err.max().item(), err.mean().item()
+    # the same checkpoint in transformers at this precision: the rounding error a correct bf16 model has
+    same_dtype = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, precision)).to(device).eval()
+    res["hf_mean_diff"] = (hf_log_probs(same_dtype) - exact).abs().mean().item()
     res["log_probs_device"] = str(ours.device)
 
     adv = batch["response_mask"].float()  # +1 on every response token
@@ -80,8 +89,8 @@ def check_policy_worker(ckpt: str, hf_dir: str, device: str, precision: str) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("precision, tol", [("float32", 1e-4), ("bfloat16", 0.1)])
-def test_policy_worker_on_cuda(tiny_hf, tmp_path, precision, tol):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_policy_worker_on_cuda(tiny_hf, tmp_path, precision):
     from megarl.checkpoint.convert import convert_hf_to_megatron
 
     hf = tiny_hf("qwen2_untied")
@@ -91,7 +100,9 @@ def test_policy_worker_on_cuda(tiny_hf, tmp_path, precision, tol):
     assert r["train_params_offloaded"]  # during rollout the training weights left the GPU
     if precision == "float32":  # bf16 greedy decoding may flip near-ties
         assert r["greedy"] == r["expected"]
-    assert r["log_prob_max_diff"] < tol
+        assert r["log_prob_max_diff"] < 1e-4
+    else:  # against float32 transformers: no further off than transformers itself in bf16
+        assert r["log_prob_mean_diff"] < 1.5 * r["hf_mean_diff"] + 1e-3, r
     assert r["log_probs_device"] == "cpu"  # results go back to the host
     assert r["update"]["step_skipped"] == 0.0 and r["update"]["grad_norm"] > 0
     assert r["mean_lp_after"] > r["mean_lp_before"]

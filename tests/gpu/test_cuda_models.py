@@ -31,13 +31,13 @@ def _megatron_logits(ckpt, ids, *, use_te, dtype):
     return forward_logits(chunks, ids, spec.vocab_size).float()
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 0.15)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "use_te",
     [False, pytest.param(True, marks=pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None, reason="Transformer Engine is not installed"))],
 )
-def test_cuda_logits_match_transformers(tiny_hf, tmp_path, dtype, tol, use_te):
+def test_cuda_logits_match_transformers(tiny_hf, tmp_path, dtype, use_te):
     from transformers import AutoModelForCausalLM
 
     from megarl.checkpoint.convert import convert_hf_to_megatron
@@ -48,7 +48,10 @@ def test_cuda_logits_match_transformers(tiny_hf, tmp_path, dtype, tol, use_te):
     convert_hf_to_megatron(src, tmp_path / "mc", dtype=str(dtype).removeprefix("torch."))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
     ours = _megatron_logits(tmp_path / "mc", ids, use_te=use_te, dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).cuda().eval()
     with torch.no_grad():
-        theirs = ref(ids).logits.float()
-    assert (ours - theirs).abs().max().item() < tol
+        exact = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()(ids).logits
+        theirs = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).cuda().eval()(ids).logits.float()
+    if dtype == torch.float32:
+        assert (ours - exact).abs().max().item() < 1e-3
+    else:  # bf16 rounding: no further from float32 than transformers' own bf16 forward (mean |error|)
+        assert (ours - exact).abs().mean().item() < 1.5 * (theirs - exact).abs().mean().item() + 1e-3
