@@ -98,6 +98,7 @@ def run(args) -> dict:
 
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     res["matmul_bf16_tflops"] = matmul_tflops()
+    res["shape"] = dict(QWEN25_05B)
     tmp = Path(tempfile.mkdtemp())
     t = time.perf_counter()
     n_params, _ = write_random_model(tmp / "hf", "qwen2", dtype=torch.bfloat16, **QWEN25_05B)
@@ -136,6 +137,9 @@ def run(args) -> dict:
                      "peak_mem_gib": mem[name]}
 
     res["profile"] = profile(role, batch)
+    res["args"] = vars(args)
+    if args.no_rollout:
+        return res
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(5, spec.vocab_size, (args.prompts, args.prompt_len), generator=g)
@@ -153,8 +157,6 @@ def run(args) -> dict:
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
     res["rollout"] = runs
     res["rollout"][-1]["decode_tokens_per_s"] = runs[-1]["new_tokens"] / runs[-1]["generate_s"]
-    res["shape"] = {k: v for k, v in QWEN25_05B.items()}
-    res["args"] = vars(args)
     return res
 
 
@@ -178,7 +180,7 @@ def render(r: dict, date: str, commit: str) -> str:
             "embedded engine (transformers, bf16), one replica:", "",
             "| run | to_rollout s | generate s | to_train s | old log-probs s | new tokens | decode tokens/s | "
             "reshard GB | rollout-vs-train mean abs log-prob diff | peak GiB |", "|---" * 10 + "|"]
-    for i, x in enumerate(r["rollout"]):
+    for i, x in enumerate(r.get("rollout", [])):
         out.append(f"| {i} | {x['to_rollout_s']:.3f} | {x['generate_s']:.2f} | {x['to_train_s']:.3f} | "
                    f"{x['old_log_probs_s'] or 0:.3f} | {x['new_tokens']:.0f} | "
                    f"{x['new_tokens'] / x['generate_s']:.0f} | {x['reshard_gb']:.2f} | {x['logprob_abs_diff']:.4f} | "
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--no-rollout", action="store_true", help="time the training passes only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")

@@ -30,13 +30,19 @@ import torch
 import torch.distributed as dist
 
 # Size of one float32 [chunk tokens, V_local] work buffer (forward uses two, backward one or two).
-# Small enough to stay in L2/L3 and far below glibc's 32 MiB mmap threshold; large enough that the
+# CPU: small enough to stay in L2/L3 and far below glibc's 32 MiB mmap threshold; large enough that the
 # per-chunk op overhead is negligible (V=32000: 16 tokens a chunk; V=152k: 3).
+# GPU: each chunk is ~6 kernel launches of ~5 us, so chunks must be large: with 2 MiB a 0.5B model's
+# log-prob pass launched 80k kernels and kept the H200 34% busy; 256 MiB is ~440 tokens at V=152k.
 CHUNK_BYTES = 2**21
+CHUNK_BYTES_GPU = 2**28
 
 
-def chunk_tokens(local_vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one float32 [chunk, local_vocab] buffer takes at most ``chunk_bytes``."""
+def chunk_tokens(local_vocab: int, chunk_bytes: int | None = None, device: torch.device | None = None) -> int:
+    """Tokens per chunk so that one float32 [chunk, local_vocab] buffer takes at most ``chunk_bytes``
+    (default: ``CHUNK_BYTES``, or ``CHUNK_BYTES_GPU`` for logits on a GPU ``device``)."""
+    if chunk_bytes is None:
+        chunk_bytes = CHUNK_BYTES_GPU if device is not None and device.type == "cuda" else CHUNK_BYTES
     return max(1, chunk_bytes // (4 * max(1, local_vocab)))
 
 
@@ -163,7 +169,7 @@ def vocab_parallel_log_prob_entropy(
 
         group = parallel_state.get_tensor_model_parallel_group()
     vocab_start = dist.get_rank(group) * logits.shape[-1]
-    rows = chunk or chunk_tokens(logits.shape[-1])
+    rows = chunk or chunk_tokens(logits.shape[-1], device=logits.device)
     return _VocabParallelLogProbEntropy.apply(logits, target, vocab_start, vocab_size, float(temperature), rows,
                                               group)
 

@@ -104,6 +104,10 @@ def test_chunk_buffers_stay_small():
         assert rows == 1 or rows * v * 4 <= CHUNK_BYTES
     assert CHUNK_BYTES < 32 * 2**20  # below glibc's largest mmap threshold: buffers come from the heap
     assert chunk_tokens(152064) >= 1 and chunk_tokens(32000) >= 8
+    # logits on a GPU: few large chunks (kernel launches, not cache size, bound the speed there)
+    gpu = torch.device("cuda", 0)
+    assert chunk_tokens(152064, device=gpu) == 2**28 // (4 * 152064) == 441
+    assert chunk_tokens(32000, device=torch.device("cpu")) == chunk_tokens(32000) == 16
 
 
 def _peak_allocated(fn) -> int:
