@@ -125,7 +125,8 @@ def bench_layout(name: str, plain: list, batch: Batch, args: argparse.Namespace)
     import ray
 
     from megarl.controller import dispatch
-    from megarl.controller.group import GroupOptions, WorkerGroup
+    from megarl.controller.group import WorkerGroup
+    from megarl.controller.handles import GroupOptions
     from megarl.controller.pools import PoolConfig, ResourcePool
     from megarl.parallel.layout import ParallelLayout
     from megarl.testing.roles import EchoRole

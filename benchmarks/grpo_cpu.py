@@ -76,6 +76,10 @@ class Case:
     warmup: int  # steps excluded from the timing (first-call costs)
     steps: int  # measured steps
     tp: int = 2  # megarl's policy/reference TP over the 2 worker processes (the rest is DP)
+    launcher: str = "ray"  # "local": megarl's one rank in the driver process, 2 torch threads (tp ignored)
+
+    def layout(self) -> str:
+        return "local: 1 process, 2 threads" if self.launcher == "local" else f"TP{self.tp} x DP{2 // self.tp}"
 
 
 CASES = {
@@ -244,9 +248,12 @@ class RunResult:
 
 
 def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
-    return [f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}", f"data.val={task / 'val.jsonl'}",
+    cluster = (["cluster.launcher=local", "cluster.devices_per_node=1", "cluster.tp=1"] if case.launcher == "local"
+               else [f"cluster.tp={case.tp}"])
+    return [*cluster, f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}",
+            f"data.val={task / 'val.jsonl'}",
             f"trainer.output_dir={out}", f"trainer.total_steps={case.warmup + case.steps}", "trainer.save_every=0",
-            "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1", f"cluster.tp={case.tp}",
+            "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1",
             f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}"]
 
 
@@ -492,16 +499,16 @@ def report(results: list[RunResult], meta: dict) -> str:
              f"- 1-min load average before the first run: {meta['load_before_wait']:.2f}; waited "
              f"{meta['waited_s']:.0f} s for < {meta['wait_load']} ({'reached' if meta['reached'] else 'NOT reached'}); "
              f"load (1/5/15 min) at start {' / '.join(f'{x:.2f}' for x in meta['load_start'])}",
-             "- cores: 2 for both. megarl: driver + 2 Ray worker processes (policy + colocated reference; TP per case "
-             "below), 1 "
-             "torch thread per worker; TRL: 1 process, 2 torch threads", "",
+             "- cores: 2 for both. megarl (layout per case below): Ray launcher: driver + 2 Ray worker processes "
+             "(policy + colocated reference), 1 torch thread per worker; local launcher: policy and reference in the "
+             "driver process, 2 torch threads. TRL: 1 process, 2 torch threads", "",
              "## Cases", "", "| case | parameters | rows/step (prompts x n) | response tokens | warm-up + measured "
              "steps | micro-batches | megarl layout |", "|---|---|---|---|---|---|---|"]
     for name, info in meta["cases"].items():
         c = CASES[name]
         lines.append(f"| {name} | {info['params'] / 1e6:.2f} M | {info['rows']} | {c.max_new_tokens}"
                      f"{' (stop at eos)' if c.stop_at_eos else ' (no stop)'} | {c.warmup} + {c.steps} | "
-                     f"{info['micro']} | TP{c.tp} x DP{2 // c.tp} |")
+                     f"{info['micro']} | {c.layout()} |")
     lines += ["", "## Results", "", "Medians over runs of each run's median measured step (min-max over runs in "
               "brackets). Memory: sums over the run's processes, GB (*private*: anonymous RSS summed + the largest "
               "shared RSS); *peak* = start-up and all steps (megarl's end-of-run checkpoint save excluded, TRL saves "
@@ -577,6 +584,8 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "outputs" / "bench_grpo_cpu"))
     parser.add_argument("--results", default=None)
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 2 measured steps (smoke test)")
+    parser.add_argument("--launcher", choices=("ray", "local"), default=None,
+                        help="megarl's launcher for every case (default: each case's own)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -593,6 +602,8 @@ def main() -> None:
     names = args.cases.split(",")
     if args.quick:
         CASES.update({n: dataclasses.replace(CASES[n], warmup=1, steps=2) for n in names})
+    if args.launcher:
+        CASES.update({n: dataclasses.replace(CASES[n], launcher=args.launcher) for n in names})
     work = Path(args.work)
     cases, cfgs = {}, {}
     for name in names:

@@ -1,80 +1,42 @@
 """WorkerGroup: N ranked Ray actors on a resource pool forming one torch.distributed world.
 
 Calls are typed: the driver passes a role's own method (``PolicyRole.compute_log_probs``), never a
-name, and the three dispatch modes are explicit methods:
-
-* :meth:`RoleHandle.all` - same arguments to every rank, every rank's result (rank order);
-* :meth:`RoleHandle.one` - one rank;
-* :meth:`RoleHandle.dp` - a :class:`Batch` cut into DP shards (filler rows only where needed),
-  shard ``d`` put once in the object store and sent to every rank of DP rank ``d``; results
-  collected from each DP rank's owner (last PP stage, TP rank 0), in sample order, filler removed.
-
-Each has an ``*_async`` twin returning a :class:`PendingCall`, so calls on independent groups
-overlap. A worker that raises makes the call raise :class:`WorkerError` naming role, rank and the
-worker's traceback, after the whole group is killed: its peers may be blocked in a collective with
-the failed rank and would otherwise hang forever. A call that exceeds its timeout does the same.
+name, through a :class:`~megarl.controller.handles.RoleHandle` (dispatch modes all / one / dp);
+shards are put once in the object store. A worker that raises makes the call raise
+:class:`WorkerError` naming role, rank and the worker's traceback, after the whole group is killed:
+its peers may be blocked in a collective with the failed rank and would otherwise hang forever. A
+call that exceeds its timeout does the same.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megarl.controller import dispatch
+from megarl.controller.handles import GroupOptions, RoleHandle, WorkerError
 from megarl.controller.pools import ResourcePool
 from megarl.controller.process import WorkerProcess
 from megarl.controller.role import Role, WorkerContext
-from megarl.data.batch import Batch
-from megarl.errors import LayoutError, MegarlError
+from megarl.errors import LayoutError
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Role)
-T = TypeVar("T")
-
-
-class WorkerError(MegarlError, RuntimeError):
-    """A worker raised (or died, or timed out); the group has been torn down."""
-
-    def __init__(self, message: str, *, role: str, rank: int | None) -> None:
-        super().__init__(message)
-        self.role = role
-        self.rank = rank
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupOptions:
-    seed: int = 1234
-    init_timeout_s: float = 300.0  # actor start-up + rendezvous
-    call_timeout_s: float | None = 3600.0  # None: wait forever
-    env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment for the workers
-
-
-class PendingCall(Generic[T]):
-    """Futures of one group call; :meth:`result` waits, fails fast on the first error."""
-
-    def __init__(self, group: WorkerGroup, role: str, futures: dict[int, ray.ObjectRef],
-                 finish: Callable[[dict[int, Any]], T]) -> None:
-        self._group, self._role, self._futures, self._finish = group, role, futures, finish
-
-    def result(self, timeout_s: float | None = ...) -> T:  # type: ignore[assignment]
-        timeout = self._group.options.call_timeout_s if timeout_s is ... else timeout_s
-        return self._finish(self._group._gather(self._role, self._futures, timeout))
 
 
 class WorkerGroup:
     """The actors of one pool. Roles are attached with :meth:`add_role`."""
 
-    def __init__(self, name: str, pool: ResourcePool, layout: ParallelLayout, options: GroupOptions = GroupOptions(),
+    def __init__(self, name: str, pool: ResourcePool, layout: ParallelLayout, options: GroupOptions | None = None,
                  *, connect: bool = True) -> None:
+        options = options or GroupOptions()
         if pool.world_size != layout.world_size:
             raise LayoutError(
                 f"worker group {name!r}: layout {layout} needs {layout.world_size} ranks but pool {pool.name!r} has "
@@ -118,7 +80,14 @@ class WorkerGroup:
         self.roles[name] = role_cls
         return RoleHandle(self, name, role_cls)
 
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
     # ------------------------------------------------------------------------------ internals
+
+    def _put(self, obj: Any) -> ray.ObjectRef:
+        return ray.put(obj)
 
     def _submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         if not self.alive:
@@ -181,59 +150,3 @@ class WorkerGroup:
             ray.kill(a, no_restart=True)
 
 
-class RoleHandle(Generic[R]):
-    """Typed calls on one role of a worker group. ``method`` is the role class's own function."""
-
-    def __init__(self, group: WorkerGroup, name: str, role_cls: type[R]) -> None:
-        self.group, self.name, self.role_cls = group, name, role_cls
-
-    def all_async(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> PendingCall[list[T]]:
-        futures = {r: self.group._submit(self.name, r, method, *args, **kwargs) for r in range(len(self.group.actors))}
-        return PendingCall(self.group, self.name, futures, lambda res: [res[r] for r in sorted(res)])
-
-    def one_async(self, rank: int, method: Callable[..., T], *args: Any, **kwargs: Any) -> PendingCall[T]:
-        futures = {rank: self.group._submit(self.name, rank, method, *args, **kwargs)}
-        return PendingCall(self.group, self.name, futures, lambda res: res[rank])
-
-    def dp_async(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[Batch]:
-        layout = self.group.layout
-        shards, pad = batch.shard(layout.dp)
-        shard_refs = [ray.put(shard) for shard in shards]  # one object per DP rank
-        futures = {
-            rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
-            for d, ranks in enumerate(dispatch.dp_members(layout))
-            for rank in ranks
-        }
-        owners = dispatch.collect_ranks(layout)
-        return PendingCall(self.group, self.name, futures,
-                           lambda res: Batch.concat([res[r] for r in owners]).unpad(pad))
-
-    def dp_split_async(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[list[T]]:
-        """Like :meth:`dp_async` for calls that must not see filler rows (training steps): the batch is
-        cut into ``dp`` equal shards (its size must divide) and each DP rank's owner result comes back."""
-        layout = self.group.layout
-        shard_refs = [ray.put(shard) for shard in batch.chunk(layout.dp)]
-        futures = {
-            rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
-            for d, ranks in enumerate(dispatch.dp_members(layout))
-            for rank in ranks
-        }
-        owners = dispatch.collect_ranks(layout)
-        return PendingCall(self.group, self.name, futures, lambda res: [res[r] for r in owners])
-
-    def dp_split(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> list[T]:
-        return self.dp_split_async(method, batch, *args, **kwargs).result()
-
-    def all(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
-        return self.all_async(method, *args, **kwargs).result()
-
-    def one(self, rank: int, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return self.one_async(rank, method, *args, **kwargs).result()
-
-    def dp(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> Batch:
-        return self.dp_async(method, batch, *args, **kwargs).result()
-
-
-def wait_all(calls: Sequence[PendingCall[Any]]) -> list[Any]:
-    """Results of several pending calls (on different groups, running concurrently), in order."""
-    return [c.result() for c in calls]

@@ -3,6 +3,9 @@
 Roles mapped to the same pool are colocated: they live in the same worker processes (one actor
 hosts e.g. policy + reference + rollout) and share its layout, so colocation never multiplies
 processes or device contexts. Roles on different pools are split. Pools start concurrently.
+
+``local=True`` hosts the (single, one-device) pool in the driver process instead of Ray actors
+(:mod:`megarl.controller.local`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import dataclasses
 import difflib
 from typing import Any
 
-from megarl.controller.group import GroupOptions, RoleHandle, WorkerGroup
+from megarl.controller.group import WorkerGroup
+from megarl.controller.handles import GroupOptions, RoleHandle
+from megarl.controller.local import LocalGroup
 from megarl.controller.pools import Device, PoolConfig, ResourcePool
 from megarl.controller.role import Role
 from megarl.errors import ConfigError
@@ -62,11 +67,17 @@ class PlacementConfig:
 class Placement:
     """The running pools and worker groups of a placement config."""
 
-    def __init__(self, config: PlacementConfig, options: GroupOptions | None = None) -> None:
+    def __init__(self, config: PlacementConfig, options: GroupOptions | None = None, *, local: bool = False) -> None:
         self.config = config
         options = options or GroupOptions()
         self.pools: dict[str, ResourcePool] = {}
-        self.groups: dict[str, WorkerGroup] = {}
+        self.groups: dict[str, WorkerGroup | LocalGroup] = {}
+        if local:
+            if len(config.pools) != 1:
+                raise ConfigError(f"local placement hosts one pool in the driver process, found {sorted(config.pools)}")
+            (name, spec), = config.pools.items()
+            self.groups[name] = LocalGroup(name, spec.layout(), options)
+            return
         try:
             for name, spec in config.pools.items():
                 self.pools[name] = ResourcePool(name, spec.pool_config())

@@ -160,8 +160,13 @@ class TrainerSection:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """One colocated pool for policy, reference, critic and reward model; dp fills nodes * devices_per_node."""
+    """One colocated pool for policy, reference, critic and reward model; dp fills nodes * devices_per_node.
 
+    ``launcher``: ``ray`` hosts the pool in Ray worker processes (any size); ``local`` hosts its one rank
+    in the driver process itself (one device; no Ray, no worker processes: the lightest way to run a
+    small model on one GPU or on a machine's CPU cores, which torch's threads then share)."""
+
+    launcher: str = "ray"  # "ray" | "local"
     nodes: int = 1
     devices_per_node: int = 1
     device: str = "auto"  # "auto" | "cpu" | "gpu"
@@ -239,7 +244,12 @@ def check_config(cfg: TrainConfig) -> None:
     """Everything checkable before workers start; raises ConfigError with what to change."""
     if cfg.cluster.device not in ("auto", "cpu", "gpu"):
         raise ConfigError(f"cluster.device must be 'auto', 'cpu' or 'gpu', found {cfg.cluster.device!r}.")
+    if cfg.cluster.launcher not in ("ray", "local"):
+        raise ConfigError(f"cluster.launcher must be 'ray' or 'local', found {cfg.cluster.launcher!r}.")
     layout = cfg.cluster.layout()
+    if cfg.cluster.launcher == "local" and layout.world_size != 1:
+        raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but nodes x devices_per_node "
+                          f"= {layout.world_size}; set both to 1 (tp=pp=1) or use cluster.launcher=ray.")
     if not cfg.model.path or not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path {cfg.model.path!r} is not a directory; give an HF model directory or a "
                           "megarl checkpoint (tools/convert_hf_to_megatron.py writes one).")

@@ -1,8 +1,9 @@
-"""The run's workers, seen from the driver: one colocated Ray pool hosting policy (with its rollout
-engine), reference, critic and reward model, behind typed methods the trainer calls.
+"""The run's workers, seen from the driver: one colocated pool hosting policy (with its rollout engine),
+reference, critic and reward model, behind typed methods the trainer calls. The pool is Ray worker
+processes, or (``cluster.launcher: local``) one rank in the driver process itself.
 
 Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model and of the reward
-model (in a child process, so the driver never joins a torch.distributed world), and the dispatch
+model (in a child process, so the driver's memory never holds a conversion), and the dispatch
 mode of each call (data-parallel shards for forward passes and updates, all ranks for checkpoints).
 """
 
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 
 from megarl.checkpoint import mcore_io
-from megarl.controller.group import GroupOptions
+from megarl.controller.handles import GroupOptions
 from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
 from megarl.controller.pools import Device
 from megarl.data.batch import Batch
@@ -33,23 +34,25 @@ _QUIET_WORKERS = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWa
 
 class Workers:
     def __init__(self, cfg: TrainConfig, out: Path, tokenizer) -> None:
-        import ray
-
         self.cfg = cfg
         self.source = initial_checkpoint(cfg, out)
         rm = cfg.reward_model
         self.reward_source = (megatron_checkpoint(Path(rm.path), out / "reward_model_checkpoint", cfg)
                               if rm is not None else None)
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
         c, a = cfg.cluster, cfg.algorithm
+        local = c.launcher == "local"
+        if not local:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
         pool = PoolSpec(nodes=c.nodes, devices_per_node=c.devices_per_node, device=Device(c.device),
                         cpus_per_device=c.cpus_per_device, tp=c.tp, pp=c.pp, vpp=c.vpp)
         roles = {"policy": "actor"} | ({"reference": "actor"} if a.needs_reference else {}) | (
             {"critic": "actor"} if a.needs_critic else {}) | (
             {"reward_model": "actor"} if cfg.reward_model is not None else {})
         self.placement = Placement(PlacementConfig({"actor": pool}, roles),
-                                   GroupOptions(seed=cfg.trainer.seed, env=_QUIET_WORKERS))
+                                   GroupOptions(seed=cfg.trainer.seed, env=_QUIET_WORKERS), local=local)
         try:
             self._add_roles(cfg)
         except BaseException:

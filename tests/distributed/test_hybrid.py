@@ -207,8 +207,9 @@ def test_transition_memory_is_bounded(tiny_hf, tmp_path):
     convert_hf_to_megatron(hf, tmp_path / "mc", tp=2, pp=2)
     results = run_world(_memory_world, 4, str(tmp_path / "mc"), timeout_s=900)
     largest = BIG["vocab_size"] * BIG["hidden_size"] * 4  # embed_tokens / lm_head, fp32
-    bound = CAP_MB * 2**20 + largest + 16 * 2**20
+    # RSS noise (allocator arenas, gloo buffers, page-granular growth) measured up to ~25 MB under CI load
+    bound = CAP_MB * 2**20 + largest + 32 * 2**20
     for per_rank in results:
         for r in per_rank:
-            # a second model copy (r["weights"], ~126 MB) would show; the bound is ~37 MB
+            assert bound < r["weights"] / 2  # a second model copy (~126 MB) cannot hide under the bound (~53 MB)
             assert r["extra"] < bound, (r, bound)

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from megarl.controller.group import GroupOptions, WorkerError, WorkerGroup, wait_all
+from megarl.controller.group import WorkerGroup
+from megarl.controller.handles import GroupOptions, WorkerError, wait_all
 from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
 from megarl.controller.pools import Device, PoolConfig, ResourcePool
 from megarl.data.batch import Batch

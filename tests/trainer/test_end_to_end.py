@@ -125,3 +125,26 @@ def test_resume_after_kill_continues_identically_with_custom_reward(ray_cluster,
     assert calls and all(set(c["row"]) == {"answer", "difficulty"} for c in calls)
     assert all(c["row"]["difficulty"] == int(c["row"]["answer"]) % 3 for c in calls)
     assert all(c["prompt"].endswith("=") for c in calls)
+
+
+def test_local_launcher_matches_a_ray_worker(ray_cluster, task, tmp_path):
+    """cluster.launcher=local (the driver hosts the one rank) computes what one Ray worker does: same
+    seeds, one torch thread each, so the same samples, rewards, losses and gradient norms."""
+    from megarl.trainer.config import load_config
+    from megarl.trainer.trainer import run
+
+    one_rank = {"cluster.devices_per_node": 1, "cluster.tp": 1, "trainer.total_steps": 3, "trainer.save_every": 0,
+                "trainer.val_every": 0}
+    ray_history = run(load_config(EXAMPLE, _overrides(task, tmp_path / "ray", **one_rank)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megarl.train", str(EXAMPLE),
+                           *_overrides(task, tmp_path / "local", **one_rank, **{"cluster.launcher": "local"})],
+                          env=env, cwd=ROOT, timeout=900, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in the driver process" in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    local_history = read_metrics(tmp_path / "local")
+    assert len(local_history) == len(ray_history) == 3
+    for ours, ref in zip(local_history, ray_history, strict=True):
+        assert ours["reward/mean"] == ref["reward/mean"]
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl"):
+            assert abs(ours[key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (key, ours[key], ref[key])

@@ -60,6 +60,9 @@ def test_resolved_config_round_trips(task, tmp_path):
      ConfigError, "kl_penalty subtracts"),
     ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1", None, None),
     ("oops", ConfigError, "key.path=value"),
+    ("cluster.launcher=threads", ConfigError, "'ray' or 'local'"),
+    ("cluster.launcher=local", ConfigError, "nodes x devices_per_node = 2"),  # the example has 2 devices
+    ("cluster.launcher=local cluster.devices_per_node=1 cluster.tp=1", None, None),
 ])
 def test_bad_config_is_named(task, override, error, match):
     overrides = [*_overrides(task), *override.split()]
