@@ -8,10 +8,14 @@ from megarl.cli.common import run_cli
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.trainer.config import load_config
+    from megarl.trainer.config import check_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_config(cfg)  # config errors in ~2 s: before megatron-core and Ray are imported
+
     from megarl.trainer.trainer import run
 
-    run(load_config(args.config, args.overrides))
+    run(cfg)
     return 0
 
 
