@@ -165,7 +165,8 @@ def _run(task, out, recompute, steps):
              "trainer.output_dir": out, "trainer.tensorboard": "false", "trainer.total_steps": steps,
              "trainer.save_every": 1, "trainer.val_every": 0, "rollout.max_new_tokens": 4,
              "rollout.max_logprob_abs_diff": 1e-4, "algorithm.mini_batches": 1,
-             "algorithm.recompute_old_log_probs": recompute}
+             "algorithm.recompute_old_log_probs": recompute,
+             "cluster.launcher": "local", "cluster.devices_per_node": 1, "cluster.tp": 1}  # both paths in-process
     cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in extra.items()])
     history = run(cfg)
     convert_megatron_to_hf(out / "checkpoints" / "step_000001" / "policy", out / "hf")
@@ -173,7 +174,7 @@ def _run(task, out, recompute, steps):
 
 
 @pytest.mark.slow
-def test_trainer_first_step_same_without_recompute(ray_cluster, tmp_path):
+def test_trainer_first_step_same_without_recompute(tmp_path):
     from safetensors.torch import load_file
 
     from megarl.testing.addition import make_task

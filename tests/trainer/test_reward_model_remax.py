@@ -1,4 +1,4 @@
-"""The trainer with a reward-model worker and ReMax's greedy baseline, in one short run (CPU, Ray).
+"""The trainer with a reward-model worker and ReMax's greedy baseline, in one short run (CPU, local launcher).
 
 Two steps of the tiny addition task with ``algorithm.advantage.estimator=remax`` and the reward
 ``FUNCTION_WEIGHT * integer_answer + MODEL_WEIGHT * reward model``, the reward model a tiny random
@@ -61,7 +61,7 @@ def make_reward_model(out: Path, seed: int = 3) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(ray_cluster, tmp_path_factory):
+def run(tmp_path_factory):
     from megarl.testing.addition import make_task
     from megarl.trainer.config import load_config
     from megarl.trainer.trainer import run as train
@@ -74,7 +74,10 @@ def run(ray_cluster, tmp_path_factory):
              "trainer.save_every": 0, "trainer.val_every": 0, "data.batch_size": 8, "rollout.n": 4,
              "rollout.max_new_tokens": MAX_NEW, "algorithm.advantage.estimator": "remax",
              "algorithm.kl_loss_coef": 0, "algorithm.mini_batches": 1,
-             "reward.function_weight": FUNCTION_WEIGHT, "reward_model.path": rm, "reward_model.weight": MODEL_WEIGHT}
+             "reward.function_weight": FUNCTION_WEIGHT, "reward_model.path": rm, "reward_model.weight": MODEL_WEIGHT,
+             # policy and reward model in this process (no Ray workers to start): the scores do not depend on
+             # how the roles are hosted (tests/distributed/test_scalar_heads.py scores at TP2 x PP2)
+             "cluster.launcher": "local", "cluster.devices_per_node": 1, "cluster.tp": 1}
     cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in extra.items()])
     recorder = Recorder()
     history = train(cfg, callbacks=(recorder,))
