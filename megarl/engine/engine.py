@@ -34,6 +34,7 @@ from megarl.engine.output_layer import make_logits_batch_major
 from megarl.errors import MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
+from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class MegatronEngine:
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))
-        for c in self.chunks:  # saves a full copy of the logits each way (see output_layer.py)
-            make_logits_batch_major(c)
+        for c in self.chunks:
+            make_logits_batch_major(c)  # saves a full copy of the logits each way (see output_layer.py)
+            cpu_compat.run_unredirected(getattr(c, "decoder", None))  # CPU: no per-op redirection in the layers
         if checkpoint_dir is not None:  # before DDP copies params into its buffers
             mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
         self.stats = StepStats()

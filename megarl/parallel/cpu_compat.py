@@ -134,3 +134,18 @@ def suspended():
         return
     with torch.overrides._pop_mode_temporarily():
         yield
+
+
+def run_unredirected(module) -> None:
+    """Make ``module``'s forward run :func:`suspended` (when the mode is installed): for blocks that make no
+    CUDA calls, e.g. megatron-core's transformer layers (the bulk of a forward's torch calls; the pipeline
+    schedule, embeddings and RoPE around them still need the redirection). ``None`` is ignored."""
+    if module is None or _mode is None:
+        return
+    forward = module.forward
+
+    def unredirected(*args, **kwargs):
+        with suspended():
+            return forward(*args, **kwargs)
+
+    module.forward = unredirected

@@ -171,28 +171,39 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
 
     Fields: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens),
     ``rollout_log_probs`` (token-aligned: entry i is the log-prob of token i), ``prompt_index``,
-    ``response_lengths``; non-tensor ``finish_reasons``.
+    ``response_lengths``; non-tensor ``finish_reasons``. Built with whole-batch tensor ops (no per-row
+    loop: a few hundred rows cost ~50 ms that way on a CPU).
     """
-    rows = [(int(i), out.responses[r, : int(n)], out.log_probs[r, : int(n)], reason)
-            for out in outputs
-            for r, (i, n, reason) in enumerate(zip(out.prompt_index, out.response_lengths, out.finish_reasons,
-                                                   strict=True))]
-    width = max(len(prompts[i]) + len(resp) for i, resp, _, _ in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attn, resp_mask, lps = (torch.zeros(len(rows), width) for _ in range(3))
-    for k, (i, resp, lp, _) in enumerate(rows):
-        p, n = len(prompts[i]), len(resp)
-        ids[k, :p] = torch.as_tensor(prompts[i])
-        ids[k, p:p + n] = resp
-        attn[k, :p + n] = 1
-        resp_mask[k, p:p + n] = 1
-        lps[k, p:p + n] = lp
+    width_new = max(out.responses.shape[1] for out in outputs)
+    responses = torch.cat([_pad_columns(out.responses.cpu().long(), width_new, pad_token_id) for out in outputs])
+    log_probs = torch.cat([_pad_columns(out.log_probs.cpu().float(), width_new, 0.0) for out in outputs])
+    index = torch.cat([out.prompt_index.cpu().long() for out in outputs])
+    n = torch.cat([out.response_lengths.cpu().long() for out in outputs])
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    start, end = prompt_lengths[index], prompt_lengths[index] + n  # response columns [start, end) per row
+    width = int(end.max())
+    table = torch.full((len(prompts), int(prompt_lengths.max())), pad_token_id, dtype=torch.long)
+    for i, p in enumerate(prompts):  # one row per prompt, not per response
+        table[i, : len(p)] = torch.as_tensor(p)
+    ids = torch.full((len(n), width + 1), pad_token_id, dtype=torch.long)  # the last column takes the overflow
+    lps = torch.zeros(len(n), width + 1)
+    k = min(table.shape[1], width)
+    ids[:, :k] = table[index, :k]
+    j = torch.arange(width_new)
+    cols = torch.where(j[None, :] < n[:, None], start[:, None] + j[None, :], width)  # beyond a response: dropped
+    ids.scatter_(1, cols, responses)
+    lps.scatter_(1, cols, log_probs)
+    col = torch.arange(width)[None, :]
     return Batch.from_dict(
-        {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_log_probs": lps,
-         "prompt_index": torch.tensor([r[0] for r in rows]),
-         "response_lengths": torch.tensor([len(r[1]) for r in rows])},
-        non_tensors={"finish_reasons": [r[3] for r in rows]},
+        {"input_ids": ids[:, :width].contiguous(), "attention_mask": (col < end[:, None]).float(),
+         "response_mask": ((col >= start[:, None]) & (col < end[:, None])).float(),
+         "rollout_log_probs": lps[:, :width].contiguous(), "prompt_index": index, "response_lengths": n},
+        non_tensors={"finish_reasons": [reason for out in outputs for reason in out.finish_reasons]},
     )
+
+
+def _pad_columns(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
 
 def baseline_fields(prompts: list[list[int]], outputs: list[RolloutOutput], prompt_index: torch.Tensor,
