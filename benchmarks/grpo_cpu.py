@@ -251,7 +251,7 @@ def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
     cluster = (["cluster.launcher=local", "cluster.devices_per_node=1", "cluster.tp=1"] if case.launcher == "local"
                else [f"cluster.tp={case.tp}"])
     return [*cluster, f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}",
-            f"data.val={task / 'val.jsonl'}",
+            f"data.val={task / 'val.jsonl'}", "rollout.max_batch_size=256",  # all 16 x 16 rows at once, as TRL does
             f"trainer.output_dir={out}", f"trainer.total_steps={case.warmup + case.steps}", "trainer.save_every=0",
             "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1",
             f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}"]

@@ -3,7 +3,8 @@ reference, critic and reward model, behind typed methods the trainer calls. The 
 processes, or (``cluster.launcher: local``) one rank in the driver process itself.
 
 Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model and of the reward
-model (in a child process, so the driver's memory never holds a conversion), and the dispatch
+model (in a child process, so the driver never joins a torch.distributed world, except with the local
+launcher, where the driver hosts the rank anyway), and the dispatch
 mode of each call (data-parallel shards for forward passes and updates, all ranks for checkpoints).
 """
 
@@ -136,6 +137,9 @@ def megatron_checkpoint(path: Path, target: Path, cfg: TrainConfig) -> Path:
         return target
     logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, cfg.cluster.tp, cfg.cluster.pp,
                 target)
+    if cfg.cluster.launcher == "local":  # this process joins a world of one anyway: no second torch process
+        _convert(str(path), str(target), cfg.cluster.tp, cfg.cluster.pp)
+        return target
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         pool.submit(_convert, str(path), str(target), cfg.cluster.tp, cfg.cluster.pp).result()
     return target
