@@ -1,7 +1,7 @@
 """GRPO on CPU: megarl against HuggingFace TRL's ``GRPOTrainer`` on the same model, prompts and settings (#6).
 
     .venv/bin/python benchmarks/grpo_cpu.py [--cases tiny,30m] [--repeats tiny=3,30m=2] [--wait-load 1.5]
-        [--trl-python .venv-trl/bin/python] [--results FILE]
+        [--trl-python .venv-trl/bin/python] [--launcher ray|local] [--results FILE]
 
 The TRL side runs in its own virtualenv (benchmarks/requirements-trl.txt says how to make it); this file
 is also its entry point (``--trl-worker SPEC.json``), so nothing megarl is imported on that side.
@@ -23,7 +23,9 @@ entropy bonus 0.01, clip 0.2, token-mean loss, **one optimizer step per generati
 Same 2 cores for both: megarl runs 2 Ray worker processes (policy + colocated reference; TP2 for
 ``30m``, TP1 x DP2 for ``tiny``, where TP's per-layer all-reduces cost more than the model), 1 torch
 thread each as Ray sets ``OMP_NUM_THREADS`` for 1-CPU actors, plus the
-driver); TRL runs one process with 2 torch threads. Runs alternate (megarl, TRL, megarl, TRL, ...),
+driver); with ``--launcher local`` megarl runs policy and reference in the driver process with 2 torch
+threads, like TRL, which runs one process with 2 torch threads. megarl decodes all 256 rows at once
+(``rollout.max_batch_size=256``), as TRL generates the whole batch. Runs alternate (megarl, TRL, megarl, TRL, ...),
 each a fresh subprocess. Measured per run, after ``warmup`` steps (start-up excluded):
 
 - step time: megarl's ``timing/step_s``; TRL's wall time from ``on_step_begin`` to ``on_step_end``

@@ -6,7 +6,8 @@ call instead of a Ray round trip and a pickled batch, and the run holds one Pyth
 driver, Ray's daemons and a worker. The roles are the same classes, called through the same
 :class:`~megarl.controller.handles.RoleHandle`; only hosting differs. A role that raises makes the call
 raise :class:`~megarl.controller.handles.WorkerError` like a Ray worker's would (the group stays usable:
-there are no peers to unblock).
+there are no peers to unblock). Arguments are passed by reference, not copied through an object store,
+so roles must not modify their inputs in place (none does; results are new objects either way).
 """
 
 from __future__ import annotations
