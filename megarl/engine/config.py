@@ -46,6 +46,9 @@ class OptimConfig:
             raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, found lr={self.lr}, min_lr={self.min_lr}")
         if self.lr_warmup_steps < 0 or self.lr_decay_steps < 1:
             raise ConfigError("lr_warmup_steps must be >= 0 and lr_decay_steps >= 1")
+        if self.optimizer is OptimizerName.SGD and self.use_distributed_optimizer:
+            raise ConfigError("megatron-core's distributed optimizer supports Adam only, found optimizer: sgd with "
+                              "use_distributed_optimizer: true; set use_distributed_optimizer: false for SGD.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,8 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1", None, None),
     ("oops", ConfigError, "key.path=value"),
     ("cluster.launcher=threads", ConfigError, "'ray' or 'local'"),
+    ("policy.optim.optimizer=sgd", ConfigError, "distributed optimizer supports Adam only"),
+    ("policy.optim.optimizer=sgd policy.optim.use_distributed_optimizer=false", None, None),
     ("cluster.launcher=local", ConfigError, "nodes x devices_per_node = 2"),  # the example has 2 devices
     ("cluster.launcher=local cluster.devices_per_node=1 cluster.tp=1", None, None),
 ])
