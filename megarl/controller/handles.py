@@ -78,12 +78,7 @@ class RoleHandle(Generic[R]):
     def dp_async(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[Batch]:
         layout = self.group.layout
         shards, pad = batch.shard(layout.dp)
-        shard_refs = [self.group._put(shard) for shard in shards]  # one object per DP rank
-        futures = {
-            rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
-            for d, ranks in enumerate(dispatch.dp_members(layout))
-            for rank in ranks
-        }
+        futures = self._submit_shards(method, shards, args, kwargs)
         owners = dispatch.collect_ranks(layout)
         return PendingCall(self.group, self.name, futures,
                            lambda res: Batch.concat([res[r] for r in owners]).unpad(pad))
@@ -92,14 +87,15 @@ class RoleHandle(Generic[R]):
         """Like :meth:`dp_async` for calls that must not see filler rows (training steps): the batch is
         cut into ``dp`` equal shards (its size must divide) and each DP rank's owner result comes back."""
         layout = self.group.layout
-        shard_refs = [self.group._put(shard) for shard in batch.chunk(layout.dp)]
-        futures = {
-            rank: self.group._submit(self.name, rank, method, shard_refs[d], *args, **kwargs)
-            for d, ranks in enumerate(dispatch.dp_members(layout))
-            for rank in ranks
-        }
+        futures = self._submit_shards(method, batch.chunk(layout.dp), args, kwargs)
         owners = dispatch.collect_ranks(layout)
         return PendingCall(self.group, self.name, futures, lambda res: [res[r] for r in owners])
+
+    def _submit_shards(self, method: Callable, shards: Sequence[Batch], args: tuple, kwargs: dict) -> dict[int, Any]:
+        """Shard ``d`` put once and sent to every rank of DP rank ``d``; the futures by rank."""
+        refs = [self.group._put(shard) for shard in shards]
+        return {rank: self.group._submit(self.name, rank, method, refs[d], *args, **kwargs)
+                for d, ranks in enumerate(dispatch.dp_members(self.group.layout)) for rank in ranks}
 
     def dp_split(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> list[T]:
         return self.dp_split_async(method, batch, *args, **kwargs).result()

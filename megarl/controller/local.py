@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from megarl.controller.handles import GroupOptions, RoleHandle, WorkerError
-from megarl.controller.role import Role, WorkerContext
+from megarl.controller.role import Role, WorkerContext, call_role
 from megarl.errors import LayoutError
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
@@ -79,11 +79,7 @@ class LocalGroup:
     def _submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> _Done:
         if not self.alive:
             raise WorkerError(f"worker group {self.name!r} was shut down", role=role, rank=None)
-
-        def call():
-            with trace.span(f"{role}.{method.__name__}", cat="call"):
-                return method(self.roles[role], *args, **kwargs)
-        return _Done(call)
+        return _Done(lambda: call_role(self.roles, role, method, *args, **kwargs))
 
     def _gather(self, role: str, futures: dict[int, _Done], timeout_s: float | None) -> dict[int, Any]:
         for rank, done in futures.items():

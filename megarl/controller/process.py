@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from megarl.controller.role import Role, WorkerContext
+from megarl.controller.role import Role, WorkerContext, call_role
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
 
@@ -74,8 +74,7 @@ class WorkerProcess:
 
     def call(self, role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Apply ``method`` (a function of the role's class) to the hosted role instance."""
-        with trace.span(f"{role}.{method.__name__}", cat="call"):
-            return method(self.roles[role], *args, **kwargs)
+        return call_role(self.roles, role, method, *args, **kwargs)
 
     def set_tracing(self, on: bool) -> None:
         trace.enable(on)

@@ -9,7 +9,10 @@ No Ray here: roles must not depend on how they are hosted.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
+from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout, RankCoords
 
 
@@ -35,3 +38,9 @@ class Role:
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+
+
+def call_role(roles: dict[str, Role], role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Apply ``method`` (a function of the role's class) to the hosted instance, as a traced span."""
+    with trace.span(f"{role}.{method.__name__}", cat="call"):
+        return method(roles[role], *args, **kwargs)
