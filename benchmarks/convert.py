@@ -4,8 +4,8 @@
 
 Writes a random HF model (TinyLlama-1.1B shape) tensor by tensor, runs HF -> Megatron (tp=2, pp=2)
 and Megatron -> HF each in a fresh subprocess of this script (``--phase``), samples that process's
-RSS and its whole process tree's RSS and PSS every 50 ms (megatron-core's torch_dist save starts a
-Manager and writer processes), checks the round trip bit-exactly tensor by tensor, prints a table
+RSS and its whole process tree's RSS and PSS every 50 ms (megatron-core's torch_dist save forks
+writer processes), checks the round trip bit-exactly tensor by tensor, prints a table
 and writes it to benchmarks/results/convert-<date>.md. Temporary checkpoints are deleted afterwards.
 """
 

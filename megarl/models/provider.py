@@ -18,8 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megarl.models.local_layers import use_local_layers
 from megarl.models.mapping import local_name, split_layer_name, with_layer
-from megarl.models.sdpa_attention import use_sdpa
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel import mcore_compat
 from megarl.parallel.layout import ParallelLayout
@@ -36,7 +36,7 @@ class BuildOptions:
     vocab_tp: int | None = None  # pad the vocabulary as for this TP size (None: the layout's)
     dropout: float = 0.0
     seed: int = 0  # initial scalar-head weights (identical on every rank: the head is replicated)
-    sdpa_attention: bool = True  # local spec: torch's fused SDPA as core attention (megarl/models/sdpa_attention.py)
+    local_layers: bool = True  # local spec: megarl/models/local_layers.py (fused SDPA attention, lean SwiGLU MLP)
 
 
 class ScalarHead(torch.nn.Module):
@@ -110,8 +110,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
     config = transformer_config(spec, layout, opts)
     use_te = mcore_compat.transformer_engine_available() if opts.use_te is None else opts.use_te
     layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm)
-    if not use_te and opts.sdpa_attention:
-        use_sdpa(layer_spec)
+    if not use_te and opts.local_layers:
+        use_local_layers(layer_spec)
     chunks = []
     for vp in range(layout.vpp_size):
         vp_stage = vp if layout.vpp else None

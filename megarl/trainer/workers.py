@@ -138,10 +138,7 @@ def megatron_checkpoint(path: Path, target: Path, cfg: TrainConfig) -> Path:
     logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, cfg.cluster.tp, cfg.cluster.pp,
                 target)
     if cfg.cluster.launcher == "local":  # this process joins a world of one anyway: no second torch process
-        from megarl.parallel.mcore_compat import release_write_queue
-
         _convert(str(path), str(target), cfg.cluster.tp, cfg.cluster.pp)
-        release_write_queue()  # the writer's Manager process would otherwise live on for the whole run
         return target
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         pool.submit(_convert, str(path), str(target), cfg.cluster.tp, cfg.cluster.pp).result()

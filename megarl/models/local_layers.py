@@ -1,0 +1,108 @@
+"""Faster, leaner drop-ins for two modules of megatron-core's local (pure PyTorch) layer spec.
+
+GPU runs use Transformer Engine's spec and never build these. Each class subclasses the
+megatron-core module it replaces (same constructor, parameters and sharded state dict), computes
+exactly the case megarl runs, and hands anything else to megatron-core's own forward, unchanged.
+
+- :class:`SDPAttention` (core attention): megatron-core's ``DotProductAttention`` materialises the
+  ``[b, heads, s, s]`` scores, repeats the KV heads for GQA and runs a Python softmax; on CPU that
+  is 3x slower than PyTorch's fused SDPA kernel forward (2x forward + backward) and holds ``s^2``
+  memory per head. Fused case: causal, unmasked (right-padded rows, ``attention_mask=None``), no
+  dropout, no sliding window, vanilla softmax.
+- :class:`SwiGLUMLP` (MLP): megatron-core's unfused SwiGLU, ``silu(gate) * (up + offset)`` on
+  views of the fc1 output, leaves autograd holding the whole fc1 output (through the ``gate``
+  view), ``silu(gate)`` and a copy of ``up``: 2x the fc1 output per layer. :class:`SwiGLU` saves
+  the fc1 output alone and recomputes ``silu(gate)`` in backward (one elementwise pass; the
+  gradients are the same kernels autograd runs, so bit-identical). 30M-parameter model, 64 x 76
+  tokens: 0.64 GB less saved for backward. Fused case: gated SiLU, no fc1 bias, no clamp, zero
+  linear offset, no per-token scale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
+
+
+class SDPAttention(DotProductAttention):
+    def _fused(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+        c = self.config
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        return (attention_mask is None and mask_type == AttnMaskType.causal and attention_bias is None
+                and packed_seq_params is None and self.softmax_offset is None and c.window_size is None
+                and not c.apply_query_key_layer_scaling
+                and (self.attention_dropout.p == 0.0 or not self.training))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not self._fused(attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        # [s, b, heads, d] -> [b, heads, s, d]; GQA: the kernel maps each query head to its KV group.
+        # ``value`` is a view into the fused QKV projection output: copy it, or the tensor autograd
+        # saves for backward keeps that whole output (queries and pre-RoPE keys too) alive.
+        q, k = (t.permute(1, 2, 0, 3) for t in (query, key))
+        v = value.permute(1, 2, 0, 3).contiguous()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             enable_gqa=k.size(1) != q.size(1))
+        # [b, heads, s, d] -> [s, b, heads * d]
+        return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of ``y = [gate | up]`` (last dimension), saving only ``y``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.chunk(2, dim=-1)
+        ctx.save_for_backward(y)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        grad_y = torch.empty_like(y)
+        grad_gate, grad_up = grad_y.chunk(2, dim=-1)
+        act = F.silu(gate)
+        torch.mul(grad, act, out=grad_up)
+        torch.mul(grad, up, out=act)  # d loss / d silu(gate), reusing the buffer
+        torch.ops.aten.silu_backward.grad_input(act, gate, grad_input=grad_gate)
+        return grad_y
+
+
+class SwiGLUMLP(MLP):
+    def _fused(self) -> bool:
+        c = self.config
+        return (c.gated_linear_unit and self.activation_func is F.silu and not c.add_bias_linear
+                and not c.use_te_activation_func and not c.bias_activation_fusion
+                and c.activation_func_clamp_value is None and c.glu_linear_offset == 0)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None or not self._fused():
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        intermediate, _ = self.linear_fc1(hidden_states)  # no bias: add_bias_linear is off
+        return self.linear_fc2(SwiGLU.apply(intermediate))
+
+
+def use_local_layers(layer_spec) -> None:
+    """Swap core attention and MLP of a local GPT layer spec (in place) for the classes above."""
+    attention = layer_spec.submodules.self_attention.submodules
+    mlp = layer_spec.submodules.mlp
+    if attention.core_attention is not DotProductAttention or mlp.module is not MLP:
+        raise TypeError(f"expected megatron-core's local DotProductAttention and MLP in the spec, found "
+                        f"{attention.core_attention!r} and {mlp.module!r}")
+    attention.core_attention = SDPAttention
+    mlp.module = SwiGLUMLP
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_known_mlp_subclass)
+
+
+def _known_mlp_subclass(record: logging.LogRecord) -> bool:
+    """Drop megatron-core's per-layer "Unknown MLP type" warning: it passes ``tp_group`` only to an
+    exact ``MLP``, and a subclass falls back to the default tensor-parallel group, the same group."""
+    return not record.getMessage().startswith("Unknown MLP type")
