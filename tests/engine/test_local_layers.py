@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from megarl.models.local_layers import SDPAttention, SwiGLU, SwiGLUMLP
+from megarl.models.local_layers import SDPAttention, SwiGLUMLP
 
 
 def _model(tiny_hf, name, local_layers, dtype=torch.float64):
@@ -55,34 +54,40 @@ def test_local_layers_equal_megatron_core_modules(tiny_hf, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_is_bit_identical_to_autograd_and_saves_only_its_input(dtype):
-    """Same kernels as autograd on megatron-core's expression, so equal to the last bit in fp32 and
-    bf16; a [s, b, 2f] input with a strided view like the fc1 output's chunks."""
+def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtype):
+    """Same kernels on the same inputs as megatron-core's MLP, so equal to the last bit (output, input
+    gradient, weight gradients) in fp32 and bf16; autograd keeps the fc1 output and no product."""
+    ref = _model(tiny_hf, "llama_gqa", local_layers=False, dtype=dtype).decoder.layers[0].mlp
+    mlp = _model(tiny_hf, "llama_gqa", local_layers=True, dtype=dtype).decoder.layers[0].mlp
+    assert isinstance(mlp, SwiGLUMLP) and not isinstance(ref, SwiGLUMLP)
+    mlp.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(0)
-    y = torch.randn(7, 3, 2 * 20, generator=gen).to(dtype)
-    grad = torch.randn(7, 3, 20, generator=gen).to(dtype)
+    x = torch.randn(5, 3, ref.config.hidden_size, generator=gen).to(dtype)  # [s, b, h]
+    grad = torch.randn(5, 3, ref.config.hidden_size, generator=gen).to(dtype)
 
-    y_ref = y.clone().requires_grad_()
-    gate, up = torch.chunk(y_ref, 2, dim=-1)
-    out_ref = F.silu(gate) * (up + 0.0)  # megatron-core's glu with glu_linear_offset 0
-    out_ref.backward(grad)
+    def run(module, hooks=None):
+        module.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        with hooks or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out, bias = module(inp)
+        assert bias is None
+        saved_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in saved}.values()
+                          if not isinstance(t, torch.nn.Parameter))
+        out.backward(grad)
+        return out, inp.grad, {n: p.grad for n, p in module.named_parameters()}, saved_bytes
 
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    y_new = y.clone().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = SwiGLU.apply(y_new)
-    out.backward(grad)
-    assert torch.equal(out, out_ref)
-    assert torch.equal(y_new.grad, y_ref.grad)
-    # float64 reference of the derivative: d/dg silu(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-    g64, u64 = y.double().chunk(2, dim=-1)
-    s = torch.sigmoid(g64)
-    expected = torch.cat((grad.double() * u64 * s * (1 + g64 * (1 - s)), grad.double() * g64 * s), dim=-1)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
-    torch.testing.assert_close(y_new.grad.double(), expected, rtol=tol, atol=tol)
-    assert [t.untyped_storage().data_ptr() for t in saved] == [y_new.untyped_storage().data_ptr()]
+    saved: list[torch.Tensor] = []
+    _, _, _, ref_saved = run(ref, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t))
+    saved.clear()
+    out, x_grad, w_grads, new_saved = run(mlp, torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t) or t, lambda t: t))
+    ref_out, ref_x_grad, ref_w_grads, _ = run(ref)
+    assert torch.equal(out, ref_out) and torch.equal(x_grad, ref_x_grad)
+    assert w_grads.keys() == ref_w_grads.keys() and all(torch.equal(w_grads[n], ref_w_grads[n]) for n in w_grads)
+    element = torch.tensor([], dtype=dtype).element_size()
+    fc1_out = 5 * 3 * 2 * ref.config.ffn_hidden_size * element
+    hidden = 5 * 3 * ref.config.hidden_size * element
+    # megatron-core: fc1's input, the fc1 output (held by the gate view), silu(gate), up + 0, the product
+    assert ref_saved == hidden + fc1_out + 3 * fc1_out // 2
+    # megarl: fc1's input, the fc1 output; the product's storage was freed (it is recomputed)
+    assert new_saved == hidden + fc1_out
