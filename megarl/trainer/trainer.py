@@ -203,8 +203,12 @@ class Trainer:
         total, num_errors = torch.zeros(len(batch)), 0
         if self.reward_fn is not None:
             rows = [records[int(i)] for i in batch["prompt_uid"]]
-            responses = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-                         for ids, m in zip(batch["input_ids"], batch["response_mask"], strict=True)]
+            # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
+            masks = batch["response_mask"].bool().tolist()
+            responses = self.tokenizer.batch_decode(
+                [[t for t, m in zip(ids, row_mask, strict=True) if m]
+                 for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
+                skip_special_tokens=True)
             parts["function"], info = score_samples(self.reward_fn, [r.text for r in rows], responses,
                                                     [r.row for r in rows], self.cfg.reward.on_error,
                                                     self.cfg.reward.error_score)
