@@ -94,8 +94,6 @@ def _patch_torch_cuda() -> None:
     # (callers seed it identically on every rank, see parallel.init.seed_everything).
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda state, device="cuda": None
-    # activation recompute (tensor_parallel.CheckpointWithoutOutput) reads the module-level function
-    cuda.random.get_rng_state, cuda.random.set_rng_state = cuda.get_rng_state, cuda.set_rng_state
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
 
