@@ -65,10 +65,14 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
     x = torch.randn(5, 3, ref.config.hidden_size, generator=gen).to(dtype)  # [s, b, h]
     grad = torch.randn(5, 3, ref.config.hidden_size, generator=gen).to(dtype)
 
-    def run(module, hooks=None):
+    saved: list[torch.Tensor] = []
+
+    def run(module):
+        """(output, input grad, weight grads, bytes of the non-parameter storages autograd saved)"""
+        saved.clear()
         module.zero_grad(set_to_none=True)
         inp = x.clone().requires_grad_()
-        with hooks or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             out, bias = module(inp)
         assert bias is None
         saved_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in saved}.values()
@@ -76,12 +80,8 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
         out.backward(grad)
         return out, inp.grad, {n: p.grad for n, p in module.named_parameters()}, saved_bytes
 
-    saved: list[torch.Tensor] = []
-    _, _, _, ref_saved = run(ref, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t))
-    saved.clear()
-    out, x_grad, w_grads, new_saved = run(mlp, torch.autograd.graph.saved_tensors_hooks(
-        lambda t: saved.append(t) or t, lambda t: t))
-    ref_out, ref_x_grad, ref_w_grads, _ = run(ref)
+    ref_out, ref_x_grad, ref_w_grads, ref_saved = run(ref)
+    out, x_grad, w_grads, new_saved = run(mlp)
     assert torch.equal(out, ref_out) and torch.equal(x_grad, ref_x_grad)
     assert w_grads.keys() == ref_w_grads.keys() and all(torch.equal(w_grads[n], ref_w_grads[n]) for n in w_grads)
     element = torch.tensor([], dtype=dtype).element_size()
