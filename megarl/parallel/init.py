@@ -7,6 +7,7 @@ one (conversion tools, single-process tests). Backend: NCCL with CUDA, gloo with
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -19,6 +20,8 @@ from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+_initialised_layout: ParallelLayout | None = None  # megatron-core's current layout, set by init_distributed
 
 
 def default_backend() -> str:
@@ -49,14 +52,16 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minute
         else:
             dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     layout.check_world_size(dist.get_world_size())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        distributed_timeout_minutes=timeout_minutes,
-    )
+    global _initialised_layout
+    if not (parallel_state.model_parallel_is_initialized() and _initialised_layout == layout):
+        _destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            distributed_timeout_minutes=timeout_minutes,
+        )
+        _initialised_layout = layout
     seed_everything(seed)
     # On CPU the CUDA RNG tracker cannot exist; the inference tracker is megatron's no-op tracker,
     # and every rank's CPU generator is seeded identically above.
@@ -77,11 +82,30 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def destroy_distributed() -> None:
-    """Tear down megatron-core parallel state and the process group (safe to call twice)."""
+def _destroy_model_parallel() -> None:
+    """megatron-core's ``destroy_model_parallel()`` destroys only its gloo groups and forgets the others, which
+    then live on: on gloo each keeps three threads, one waking every 10 ms, so a process that re-initialised
+    (checkpoint conversion, then a role's layout) had ~40 threads preempting its compute threads. Destroy
+    every group megatron-core created on this rank (a group's threads end once nothing refers to it)."""
+    global _initialised_layout
     from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    _initialised_layout = None
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    groups = [g for g in parallel_state._global_process_group_list or () if g is not None]
+    parallel_state.destroy_model_parallel()
+    # RotaryEmbedding.forward's lru_cache keeps its last 32 callers (and their process groups) alive
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    RotaryEmbedding.forward.cache_clear()
+    for group in groups:
+        with contextlib.suppress(ValueError):  # already destroyed by destroy_model_parallel (its gloo groups)
+            dist.destroy_process_group(group)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron-core parallel state and the process group (safe to call twice)."""
+    _destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,6 +8,8 @@ rank's parameter shards equal the HF tensors sliced by hand for that rank.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -92,6 +94,7 @@ def _world(rank, world_size, cases):
     for case, ckpt, hf_dir, (tp, pp, *vpp), ids in cases:
         layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, vpp=vpp[0] if vpp else None)
         init_distributed(layout)
+        threads = len(os.listdir("/proc/self/task"))  # OS threads, once megatron-core's groups exist
         spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
         opts = BuildOptions(init_weights=False)
         chunks = build_model(spec, layout, opts)
@@ -105,9 +108,11 @@ def _world(rank, world_size, cases):
         logits = forward_logits(chunks, torch.tensor(ids), spec.vocab_size, micro_batch_size=1)
         results[case] = {
             "coords": list(coords),
+            "threads": threads,
             "param_max_abs_diff": param_diff,
             "logits": logits.tolist() if logits is not None else None,
         }
+        del chunks  # its modules hold the layout's process groups, which keep their threads until collected
     destroy_distributed()
     return results
 
@@ -145,6 +150,21 @@ def test_every_rank_holds_its_hand_sliced_shard(world_results, case):
     per_rank, _ = world_results
     for r in per_rank:
         assert r[case]["param_max_abs_diff"] == 0.0, f"{case} at {r[case]['coords']}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_reinitialising_megatron_releases_the_previous_groups(world_results):
+    """Each gloo group holds three threads (one polling every 10 ms): re-initialising for another layout and back
+    must leave the process with as many threads as the first time it held that layout, not one set per init."""
+    per_rank, _ = world_results
+    loads = [c[3] for c in CASES]
+    for rank, result in enumerate(per_rank):
+        first = {}
+        for case, load in zip((c[0] for c in CASES), loads, strict=True):
+            first.setdefault(load, result[case]["threads"])
+            assert result[case]["threads"] == first[load], (
+                f"rank {rank}, {case}: {result[case]['threads']} threads after initialising layout {load}, "
+                f"{first[load]} the first time")
 
 
 def _first_logits(per_rank, case):
