@@ -47,3 +47,58 @@ def test_suspended_removes_the_mode_and_restores_it():
     with cpu_compat.suspended(), pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
     assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+_GATHER_WORLD = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(2)
+if sys.argv[1] == "layer":
+    from megarl.parallel import cpu_compat
+    import megarl.parallel.mcore_compat  # imports megatron-core, which binds its gather function at import
+    cpu_compat.enable()
+    from megatron.core.distributed import param_and_grad_buffer
+    bound = param_and_grad_buffer.dist_all_gather_func is dist.all_gather_into_tensor
+else:
+    bound = None
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+group = dist.new_group([0])
+threads = lambda: len(os.listdir("/proc/self/task"))
+x = torch.arange(1 << 20, dtype=torch.float32)  # far above OpenMP's grain: a copy of it goes parallel
+x.clone()  # this thread's own OpenMP team exists from here on
+before = threads()
+out = torch.empty_like(x)
+dist.all_gather_into_tensor(out, x, group=group)
+listed = [torch.empty_like(x)]
+dist.all_gather(listed, x * 2, group=group)
+objects, gathered = [None], [None]
+dist.all_gather_object(objects, {"a": [1, 2]}, group=group)
+dist.gather_object({"b": 3}, gathered, dst=0, group=group)
+print(json.dumps({"new_threads": threads() - before, "bound": bound,
+                  "into": bool(torch.equal(out, x)), "list": bool(torch.equal(listed[0], x * 2)),
+                  "object": objects[0], "gathered": gathered[0]}))
+"""
+
+
+def _gather_world(mode: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _GATHER_WORLD, mode], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_one_rank_gathers_are_local_copies_and_start_no_openmp_team():
+    """gloo copies a gather's result on its own worker thread; a large copy makes that thread start an OpenMP
+    team (one more OS thread), after which libgomp stops spinning process-wide. With the layer, gathers over a
+    one-rank group return the same values and start no thread; megatron-core's import-time alias is rebound."""
+    plain = _gather_world("plain")
+    assert plain["into"] and plain["list"]
+    assert plain["new_threads"] >= 1  # the effect being prevented: gloo's worker thread gained an OpenMP team
+    fixed = _gather_world("layer")
+    assert fixed == {"new_threads": 0, "bound": True, "into": True, "list": True, "object": {"a": [1, 2]},
+                     "gathered": {"b": 3}}
