@@ -38,7 +38,7 @@ def comm_device() -> torch.device:
 def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minutes: int = 30) -> None:
     """Join (or create) the torch.distributed world and initialise megatron-core for ``layout``.
 
-    May be called again with another layout in the same world (megatron-core state is rebuilt).
+    May be called again in the same world: another layout rebuilds megatron-core's state, the same one keeps it.
     """
     cpu_compat.enable()
     from megatron.core import parallel_state, tensor_parallel
@@ -85,7 +85,7 @@ def seed_everything(seed: int) -> None:
 def _destroy_model_parallel() -> None:
     """megatron-core's ``destroy_model_parallel()`` destroys only its gloo groups and forgets the others, which
     then live on: on gloo each keeps three threads, one waking every 10 ms, so a process that re-initialised
-    (checkpoint conversion, then a role's layout) had ~40 threads preempting its compute threads. Destroy
+    (checkpoint conversion, then a role's layout) held ~40 such polling threads instead of ~20. Destroy
     every group megatron-core created on this rank (a group's threads end once nothing refers to it)."""
     global _initialised_layout
     from megatron.core import parallel_state
