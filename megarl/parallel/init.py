@@ -21,8 +21,6 @@ from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-_initialised_layout: ParallelLayout | None = None  # megatron-core's current layout, set by init_distributed
-
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -52,8 +50,12 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minute
         else:
             dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     layout.check_world_size(dist.get_world_size())
-    global _initialised_layout
-    if not (parallel_state.model_parallel_is_initialized() and _initialised_layout == layout):
+    initialised = parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+    ) == (layout.tp, layout.pp, layout.vpp)  # dp follows from the world size checked above
+    if not initialised:
         _destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
@@ -61,7 +63,6 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minute
             virtual_pipeline_model_parallel_size=layout.vpp,
             distributed_timeout_minutes=timeout_minutes,
         )
-        _initialised_layout = layout
     seed_everything(seed)
     # On CPU the CUDA RNG tracker cannot exist; the inference tracker is megatron's no-op tracker,
     # and every rank's CPU generator is seeded identically above.
@@ -87,10 +88,8 @@ def _destroy_model_parallel() -> None:
     then live on: on gloo each keeps three threads, one waking every 10 ms, so a process that re-initialised
     (checkpoint conversion, then a role's layout) held ~40 such polling threads instead of ~20. Destroy
     every group megatron-core created on this rank (a group's threads end once nothing refers to it)."""
-    global _initialised_layout
     from megatron.core import parallel_state
 
-    _initialised_layout = None
     if not parallel_state.model_parallel_is_initialized():
         return
     groups = [g for g in parallel_state._global_process_group_list or () if g is not None]
