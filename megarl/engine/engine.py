@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
 from megarl.engine import micro_batches
-from megarl.engine.config import EngineConfig, LRDecay, Precision
+from megarl.engine.config import EngineConfig, LRDecay, MicroBatchConfig, Precision
 from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
 from megarl.errors import MegarlError
@@ -66,6 +66,7 @@ class MegatronEngine:
         for c in self.chunks:
             make_logits_batch_major(c)  # saves a full copy of the logits each way (see output_layer.py)
             cpu_compat.run_unredirected(getattr(c, "decoder", None))  # CPU: no per-op redirection in the layers
+        cpu_compat.unredirect_backward()  # nor in megatron-core's backward
         if checkpoint_dir is not None:  # before DDP copies params into its buffers
             mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
         self.stats = StepStats()
@@ -104,7 +105,8 @@ class MegatronEngine:
 
     def forward(self, batch: Batch, fn: OutputFn) -> dict[str, torch.Tensor] | None:
         """Forward only. Per-token outputs [B, S] in batch order on last-stage ranks, None elsewhere."""
-        plan, mbs = self._micro_batches(batch)
+        plan, mbs = self._micro_batches(batch, self.config.forward_batching)
+        fn = cpu_compat.unredirected(fn)  # ours: no CUDA calls to redirect
 
         def loss_func(mb, output, non_loss_data=True):
             return fn(output, mb)
@@ -118,8 +120,9 @@ class MegatronEngine:
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
-        _, mbs = self._micro_batches(batch)
+        _, mbs = self._micro_batches(batch, self.config.micro_batch)
         scale = len(mbs) * self.layout.dp
+        loss_fn = cpu_compat.unredirected(loss_fn)  # ours: no CUDA calls to redirect
 
         def loss_func(mb, output):
             loss, metrics = loss_fn(output, mb)
@@ -213,9 +216,9 @@ class MegatronEngine:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _micro_batches(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    def _micro_batches(self, batch: Batch,
+                       mb_cfg: MicroBatchConfig) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
         lengths = batch["attention_mask"].sum(-1).long().tolist()
-        mb_cfg = self.config.micro_batch
         plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU

@@ -142,7 +142,8 @@ class RewardModelSection:
     precision: Precision = Precision.FP32
 
     def engine(self) -> EngineConfig:
-        return EngineConfig(micro_batch=self.micro_batch, precision=self.precision)  # frozen: the optimizer is unused
+        # frozen, forward only: its one micro-batch setting is the forward one; the optimizer is unused
+        return EngineConfig(forward_micro_batch=self.micro_batch, precision=self.precision)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,7 +202,7 @@ class Trainer:
         parts: dict[str, torch.Tensor] = {}
         total, num_errors = torch.zeros(len(batch)), 0
         if self.reward_fn is not None:
-            rows = [records[int(i)] for i in batch["prompt_uid"]]
+            rows = [records[i] for i in batch["prompt_uid"].tolist()]
             # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
             masks = batch["response_mask"].bool().tolist()
             responses = self.tokenizer.batch_decode(

@@ -6,6 +6,8 @@ the clipped PPO objective written out in plain torch on the HF model for loss an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,11 +86,18 @@ def _world(rank, world_size, ckpt, old_log_probs):
         init_distributed(layout)
         coords = layout.coords(rank)
         ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
-        role = ReferenceRole(ctx, ckpt, engine) if name.startswith("ref") else PolicyRole(ctx, ckpt, engine,
-                                                                                            PolicyConfig())
+        if name.startswith("ref"):  # forward-only passes micro-batched on their own: one row each
+            role = ReferenceRole(ctx, ckpt, dataclasses.replace(
+                engine, forward_micro_batch=MicroBatchConfig(max_tokens=1000, max_size=1)))
+        else:
+            role = PolicyRole(ctx, ckpt, engine, PolicyConfig())
         full = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
+        calls: list[int] = []
+        hook = role.engine.chunks[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         lp = role.compute_log_probs(full)  # every DP rank gets the whole batch here
-        res = {"coords": list(coords), "log_probs": lp["log_probs"].tolist() if lp is not None else None}
+        hook.remove()
+        res = {"coords": list(coords), "log_probs": lp["log_probs"].tolist() if lp is not None else None,
+               "forward_micro_batches": len(calls)}
         if name in ("tp2pp2", "tp1pp2dp2"):
             old = torch.tensor(old_log_probs)  # the reference log-probs + noise, as a rollout would give
             train = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
@@ -167,6 +176,15 @@ def test_log_probs_match_transformers(world, reference, layout):
         # 1e-5 relative to the entry's size: this random tiny model's log-probs reach -23, where fp32 spacing is 2e-6
         err = ((torch.tensor(lp) - ref_lp).abs() / ref_lp.abs().clamp(min=1.0)).max().item()
         assert err < 1e-5
+
+
+def test_forward_passes_use_their_own_micro_batches(world):
+    # rows of 12, 10, 11, 12, 10, 11 tokens. Policy: the default forward batching, micro_batch's 40-token
+    # budget (with 4 x its 4 rows), longest first: {12, 12, 11} (3 x 12 = 36 <= 40), then {11, 10, 10}.
+    # Reference: forward_micro_batch of one row each: 6.
+    for r in world:
+        assert {name: res["forward_micro_batches"] for name, res in r.items()} == {
+            "tp2pp2": 2, "tp1pp2dp2": 2, "tp1pp1dp4": 2, "ref_tp2pp2": 6}
 
 
 def _gather(world, layout, key):
