@@ -18,7 +18,10 @@ them; what TRL cannot express is asserted equal to TRL's fixed behaviour): 16 pr
 step, temperature 1, AdamW (lr 2e-3, no weight decay, clip 1.0, constant LR), k3 KL loss 0.001,
 entropy bonus 0.01, clip 0.2, token-mean loss, **one optimizer step per generation batch**
 (megarl ``algorithm.mini_batches=1``; TRL ``num_iterations=1``, ``steps_per_generation`` =
-``gradient_accumulation_steps``), the same micro-batches of 64 rows, fp32, no recomputation.
+``gradient_accumulation_steps``), the same update micro-batches of 64 rows, fp32, no recomputation.
+Forward-only passes (reference log-probs) are micro-batched as each system does by default: TRL by
+``per_device_train_batch_size`` (64 rows), megarl by ``policy.forward_micro_batch`` (default: the update's
+8192-token budget with 4x its rows: one micro-batch of 256 rows for ``tiny``, 120 + 120 + 16 for ``30m``).
 
 Same 2 cores for both: megarl runs 2 Ray worker processes (policy + colocated reference; TP2 for
 ``30m``, TP1 x DP2 for ``tiny``, where TP's per-layer all-reduces cost more than the model), 1 torch

@@ -58,8 +58,12 @@ def _world(rank, world_size, ckpt):
     layout = ParallelLayout.for_world(world_size, tp=1, pp=1)  # DP 2: metrics are reduced across ranks
     init_distributed(layout)
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
-    # several micro-batches per rank: the metrics' weights must add up over them
-    engine = EngineConfig(optim=OptimConfig(lr=1e-2), micro_batch=MicroBatchConfig(max_tokens=24, max_size=2))
+    # several micro-batches per rank: the metrics' weights must add up over them. The recomputing forward is
+    # micro-batched as the update is, so the recomputed log-probs are bit-identical to the update's own (with
+    # other groupings the GEMMs round differently, and Adam's first step turns ~1e-7 relative gradient
+    # differences on near-zero gradients into lr-sized ones)
+    mb = MicroBatchConfig(max_tokens=24, max_size=2)
+    engine = EngineConfig(optim=OptimConfig(lr=1e-2), micro_batch=mb, forward_micro_batch=mb)
     policy = PolicyConfig(entropy_coef=0.01, kl_loss_coef=0.1)
     recompute = PolicyRole(ctx, ckpt, engine, policy, rollout=RolloutConfig())
     skip = PolicyRole(ctx, ckpt, engine, PolicyConfig(entropy_coef=0.01, kl_loss_coef=0.1,

@@ -172,7 +172,7 @@ def test_reward_model_alone_is_a_reward_source(task, tmp_path):
                                 "reward_model.weight=0.5", "reward_model.micro_batch.max_tokens=256"])
     check_config(cfg)
     assert cfg.reward.function is None and cfg.reward_model.weight == 0.5
-    assert cfg.reward_model.engine().micro_batch.max_tokens == 256
+    assert cfg.reward_model.engine().forward_batching.max_tokens == 256  # a reward model only runs forward
     assert TrainConfig().reward_model is None and TrainConfig().reward.function_weight == 1.0
 
 
