@@ -49,7 +49,6 @@ def test_suspended_removes_the_mode_and_restores_it():
     assert torch.zeros(1, device="cuda").device.type == "cpu"
 
 
-
 def _mode_on_top() -> bool:
     n = torch._C._len_torch_function_stack()
     return n > 0 and torch._C._get_function_stack_at(n - 1) is cpu_compat._mode
