@@ -78,16 +78,14 @@ FORWARD_ROWS = 4
 class EngineConfig:
     optim: OptimConfig = OptimConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()  # forward-backward passes (updates)
-    # forward-only passes (old/reference log-probs, values, reward scores); null: micro_batch with FORWARD_ROWS x
-    # its max_size
-    forward_micro_batch: MicroBatchConfig | None = None
+    forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: see forward_batching
     precision: Precision = Precision.FP32
     seed: int = 1234
 
     @property
     def forward_batching(self) -> MicroBatchConfig:
-        """``forward_micro_batch``, or by default the training micro-batch with :data:`FORWARD_ROWS` times its rows."""
+        """Micro-batching of forward-only passes (old/reference log-probs, values, reward scores):
+        ``forward_micro_batch``, or by default ``micro_batch`` with :data:`FORWARD_ROWS` times its rows."""
         if self.forward_micro_batch is not None:
             return self.forward_micro_batch
         return dataclasses.replace(self.micro_batch, max_size=self.micro_batch.max_size * FORWARD_ROWS)
-

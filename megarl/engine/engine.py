@@ -106,7 +106,6 @@ class MegatronEngine:
     def forward(self, batch: Batch, fn: OutputFn) -> dict[str, torch.Tensor] | None:
         """Forward only. Per-token outputs [B, S] in batch order on last-stage ranks, None elsewhere."""
         plan, mbs = self._micro_batches(batch, self.config.forward_batching)
-        fn = cpu_compat.unredirected(fn)  # ours: no CUDA calls to redirect
 
         def loss_func(mb, output, non_loss_data=True):
             return fn(output, mb)
@@ -122,7 +121,6 @@ class MegatronEngine:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
         _, mbs = self._micro_batches(batch, self.config.micro_batch)
         scale = len(mbs) * self.layout.dp
-        loss_fn = cpu_compat.unredirected(loss_fn)  # ours: no CUDA calls to redirect
 
         def loss_func(mb, output):
             loss, metrics = loss_fn(output, mb)
@@ -231,6 +229,8 @@ class MegatronEngine:
         return plan, mbs
 
     def _run(self, mbs: list[dict[str, torch.Tensor]], loss_func, *, forward_only: bool) -> list[Any]:
+        loss_func = cpu_compat.unredirected(loss_func)  # ours (the roles' loss/output functions): no CUDA calls
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
