@@ -25,7 +25,7 @@ ARG MAX_JOBS=8
 ARG DEBIAN_FRONTEND=noninteractive
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git build-essential ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git build-essential ca-certificates libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 
 # Ubuntu 24.04's python3 is 3.12 and externally managed (PEP 668): use a venv.

@@ -123,6 +123,7 @@ class TreeSampler(threading.Thread):
         self.labels: dict[int, str] = {}
         self.omp_threads: dict[int, str] = {}  # pid -> OMP_NUM_THREADS in its environment ("-": unset)
         self.thread_cpu: dict[int, list[float]] = {}  # pid -> CPU seconds of each thread (last read)
+        self.allocator: dict[int, str] = {}  # pid -> malloc mapped into it (last read): jemalloc, tcmalloc or glibc
 
     @staticmethod
     def _pids() -> set[int]:
@@ -166,6 +167,9 @@ class TreeSampler(threading.Thread):
         self.labels[pid] = label[:48]
         with contextlib.suppress(self._psutil.Error):
             self.thread_cpu[pid] = sorted((t.user_time + t.system_time for t in proc.threads()), reverse=True)
+        with contextlib.suppress(OSError):
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            self.allocator[pid] = next((n for n in ("jemalloc", "tcmalloc") if f"lib{n}" in maps), "glibc")
 
     def busy_threads(self, pid: int) -> int:
         """Threads that used >= 15% of the busiest thread's CPU time (compute threads: OpenMP, main)."""
@@ -246,6 +250,7 @@ class RunResult:
     load: tuple[float, float]  # 1-min load average at start and end
     wall_s: float
     omp_threads: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # label -> OMP_NUM_THREADS seen
+    allocators: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # label -> malloc of each process
     series: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (time, RSS sum GB) per second
     steps_at: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # measured steps' (start, end)
     sampler_cpu: float = 0.0  # CPU share of one core the parent (the memory sampler) used during the run
@@ -372,13 +377,17 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
     omp: dict[str, list[str]] = {}  # label -> "OMP_NUM_THREADS/busy threads" of each such process
     for pid, value in sampler.omp_threads.items():
         omp.setdefault(sampler.labels.get(pid, "?"), []).append(f"{value}/{sampler.busy_threads(pid)}")
+    allocators: dict[str, list[str]] = {}
+    for pid, name in sampler.allocator.items():
+        if sampler.busy_threads(pid):
+            allocators.setdefault(sampler.labels.get(pid, "?"), []).append(name)
     return RunResult(
         side, case_name, repeat, [s["step_s"] for s in steps], [s["tokens"] / s["step_s"] for s in steps],
         {k: statistics.median(s["stages"].get(k, 0.0) for s in steps) for k in steps[0]["stages"]},
         peak, sampler.peak()[0], sampler.peak_private(0.0, t1), steady, sampler.peak_private(t0, t1),
         sampler.max_processes(), peak_procs, steady_procs, (load0, load1), wall, omp_threads=omp,
-        series=sampler.series(), steps_at=[(s["start"], s["end"]) for s in steps], sampler_cpu=sampler_cpu,
-        worker_peak_gb=worker_peak)
+        allocators=allocators, series=sampler.series(), steps_at=[(s["start"], s["end"]) for s in steps],
+        sampler_cpu=sampler_cpu, worker_peak_gb=worker_peak)
 
 
 # ---------------------------------------------------------------------------------- TRL side
@@ -561,6 +570,7 @@ def report(results: list[RunResult], meta: dict) -> str:
             omp = {k: v for k, v in r.omp_threads.items() if any(not x.endswith("/0") for x in v)}
             lines.append(f"- {name} {side}, OMP_NUM_THREADS at exec (\"-\": unset) / threads that used >= 15% of "
                          f"the busiest thread's CPU time, per process that computed: {omp}")
+            lines.append(f"- {name} {side}, host memory allocator of each process that computed: {r.allocators}")
     lines += ["", "## Per run", "", "| case | side | repeat | step s (median) | measured steps s | load 1-min "
               "start/end | wall s | sampler CPU | peak RSS | megarl's busiest-worker peak |",
               "|---|---|---|---|---|---|---|---|---|---|"]

@@ -24,6 +24,13 @@ class RankReport:
     mcore_tp: int  # as megatron-core's parallel_state reports them
     mcore_pp: int
     mcore_dp: int
+    malloc_libs: tuple[str, ...] = ()  # mapped shared libraries with "malloc" in their name (jemalloc, tcmalloc)
+
+
+def _malloc_libs() -> tuple[str, ...]:
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    return tuple(sorted({os.path.basename(p) for p in paths if "malloc" in os.path.basename(p)}))
 
 
 class EchoRole(Role):
@@ -38,7 +45,7 @@ class EchoRole(Role):
         return RankReport(
             rank=self.ctx.rank, pid=os.getpid(), node_id=self.ctx.node_id, tp=c.tp, pp=c.pp, dp=c.dp,
             mcore_tp=ps.get_tensor_model_parallel_rank(), mcore_pp=ps.get_pipeline_model_parallel_rank(),
-            mcore_dp=ps.get_data_parallel_rank(),
+            mcore_dp=ps.get_data_parallel_rank(), malloc_libs=_malloc_libs(),
         )
 
     def all_reduce(self, value: float) -> dict[str, float]:

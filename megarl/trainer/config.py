@@ -21,6 +21,7 @@ from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
 from megarl.algos.kl import KLControllerConfig, KLEstimator
 from megarl.algos.losses import PolicyLossConfig
 from megarl.config.loader import from_dict
+from megarl.controller import allocator
 from megarl.engine.config import EngineConfig, MicroBatchConfig, Precision
 from megarl.errors import ConfigError
 from megarl.parallel.layout import ParallelLayout
@@ -165,9 +166,13 @@ class ClusterConfig:
 
     ``launcher``: ``ray`` hosts the pool in Ray worker processes (any size); ``local`` hosts its one rank
     in the driver process itself (one device; no Ray, no worker processes: the lightest way to run a
-    small model on one GPU or on a machine's CPU cores, which torch's threads then share)."""
+    small model on one GPU or on a machine's CPU cores, which torch's threads then share).
+
+    ``allocator``: the host memory allocator of megarl's processes (see :mod:`megarl.controller.allocator`):
+    ``auto`` (tcmalloc, else jemalloc, if installed; else glibc), ``tcmalloc``, ``jemalloc`` or ``system``."""
 
     launcher: str = "ray"  # "ray" | "local"
+    allocator: str = "auto"
     nodes: int = 1
     devices_per_node: int = 1
     device: str = "auto"  # "auto" | "cpu" | "gpu"
@@ -247,6 +252,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"cluster.device must be 'auto', 'cpu' or 'gpu', found {cfg.cluster.device!r}.")
     if cfg.cluster.launcher not in ("ray", "local"):
         raise ConfigError(f"cluster.launcher must be 'ray' or 'local', found {cfg.cluster.launcher!r}.")
+    allocator.resolve(cfg.cluster.allocator)
     layout = cfg.cluster.layout()
     if cfg.cluster.launcher == "local" and layout.world_size != 1:
         raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but nodes x devices_per_node "

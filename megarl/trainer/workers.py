@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from megarl.checkpoint import mcore_io
+from megarl.controller import allocator
 from megarl.controller.handles import GroupOptions
 from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
 from megarl.controller.pools import Device
@@ -52,8 +53,10 @@ class Workers:
         roles = {"policy": "actor"} | ({"reference": "actor"} if a.needs_reference else {}) | (
             {"critic": "actor"} if a.needs_critic else {}) | (
             {"reward_model": "actor"} if cfg.reward_model is not None else {})
-        self.placement = Placement(PlacementConfig({"actor": pool}, roles),
-                                   GroupOptions(seed=cfg.trainer.seed, env=_QUIET_WORKERS), local=local)
+        env = _QUIET_WORKERS | allocator.preload_env(c.allocator)  # workers on a running Ray cluster too
+        options = GroupOptions(seed=cfg.trainer.seed, env=env)
+        self.placement = Placement(PlacementConfig({"actor": pool}, roles), options, local=local)
+        logger.info("host allocator of the driver process: %s", allocator.loaded())
         try:
             self._add_roles(cfg)
         except BaseException:

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from megarl.controller import allocator
 from megarl.controller.group import WorkerGroup
 from megarl.controller.handles import GroupOptions, WorkerError, wait_all
 from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
@@ -33,7 +34,7 @@ def placement(ray_cluster):
         },
         roles={"policy": "main", "reference": "main", "critic": "critic"},
     )
-    p = Placement(config, GroupOptions(call_timeout_s=120))
+    p = Placement(config, GroupOptions(call_timeout_s=120, env=allocator.preload_env("auto")))
     handles = {
         "policy": p.add_role("policy", EchoRole, scale=2.0),
         "reference": p.add_role("reference", EchoRole, scale=3.0),
@@ -72,6 +73,17 @@ def test_colocated_roles_share_processes_split_roles_do_not(placement):
     critic = [r.pid for r in handles["critic"].all(EchoRole.report)]
     assert policy == reference
     assert len(set(policy)) == 4 and not set(policy) & set(critic)
+
+
+def test_workers_start_with_the_configured_allocator(placement):
+    """cluster.allocator reaches Ray workers as LD_PRELOAD: the library is mapped into every worker."""
+    _, handles = placement
+    _, lib = allocator.resolve("auto")  # jemalloc / tcmalloc if installed here, else glibc
+    for report in handles["policy"].all(EchoRole.report) + handles["critic"].all(EchoRole.report):
+        if lib is None:
+            assert not any("jemalloc" in n or "tcmalloc" in n for n in report.malloc_libs), report.malloc_libs
+        else:
+            assert lib.resolve().name in report.malloc_libs, report.malloc_libs  # maps name the real file
 
 
 @pytest.mark.parametrize("n", [1, 5, 6, 8])

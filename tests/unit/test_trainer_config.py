@@ -61,6 +61,8 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1", None, None),
     ("oops", ConfigError, "key.path=value"),
     ("cluster.launcher=threads", ConfigError, "'ray' or 'local'"),
+    ("cluster.allocator=mimalloc", ConfigError, "expected one of auto, system, tcmalloc, jemalloc"),
+    ("cluster.allocator=system", None, None),
     ("policy.optim.optimizer=sgd", ConfigError, "distributed optimizer supports Adam only"),
     ("policy.optim.optimizer=sgd policy.optim.use_distributed_optimizer=false", None, None),
     ("cluster.launcher=local", ConfigError, "nodes x devices_per_node = 2"),  # the example has 2 devices

@@ -1,0 +1,69 @@
+"""cluster.allocator: which library is preloaded, the errors for missing ones, and a real re-exec."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megarl.controller import allocator
+from megarl.errors import ConfigError
+
+
+@pytest.fixture
+def libdir(tmp_path, monkeypatch):
+    """An empty library directory standing in for the system's."""
+    monkeypatch.setattr(allocator, "search_dirs", lambda: [tmp_path])
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    return tmp_path
+
+
+def test_resolution_and_environment(libdir, monkeypatch):
+    assert allocator.resolve("auto") == ("system", None)  # nothing installed: glibc, no error
+    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "system"}
+    with pytest.raises(ConfigError, match=r"tcmalloc is not installed .*libtcmalloc-minimal4.*cluster.allocator=auto"):
+        allocator.resolve("tcmalloc")
+    with pytest.raises(ConfigError, match="expected one of auto, system, tcmalloc, jemalloc, found 'mimalloc'"):
+        allocator.resolve("mimalloc")
+
+    je = libdir / "libjemalloc.so.2"
+    je.write_bytes(b"")
+    assert allocator.resolve("auto") == ("jemalloc", je)  # tcmalloc is preferred but absent
+    monkeypatch.setenv("LD_PRELOAD", "/opt/user/libprofiler.so")  # the user's own preload stays, after ours
+    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "jemalloc", "MALLOC_CONF": allocator.JEMALLOC_CONF,
+                                             "LD_PRELOAD": f"{je} /opt/user/libprofiler.so"}
+    monkeypatch.setenv("MALLOC_CONF", "narenas:1")  # the user's jemalloc settings win
+    assert "MALLOC_CONF" not in allocator.preload_env("jemalloc")
+
+    tc = libdir / "libtcmalloc_minimal.so.4"
+    tc.write_bytes(b"")
+    monkeypatch.setenv("LD_PRELOAD", f"{tc}")  # already preloaded: not twice
+    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "tcmalloc", "LD_PRELOAD": str(tc)}
+    assert allocator.resolve("jemalloc") == ("jemalloc", je)  # named explicitly: that one
+    assert allocator.preload_env("system") == {"MEGARL_ALLOCATOR": "system"}
+
+
+PROBE = """
+import os, sys
+from megarl.controller import allocator
+print("started", flush=True)
+allocator.exec_with(sys.argv[1])
+maps = open("/proc/self/maps").read()
+print(os.environ["MEGARL_ALLOCATOR"], allocator.loaded(), sys.argv[2] in maps, sep="\\n")
+"""
+
+
+@pytest.mark.skipif(allocator.resolve("auto")[1] is None,
+                    reason="neither jemalloc nor tcmalloc is installed (e.g. apt install libjemalloc2)")
+def test_exec_with_re_executes_once_with_the_library_mapped():
+    name, lib = allocator.resolve("auto")
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")}
+
+    def probe(setting: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", PROBE, setting, str(lib.resolve())], capture_output=True,
+                              text=True, env=env, timeout=60, check=True).stdout.split()
+
+    # the command ran twice (before and after the exec), the second time with the library in its address space
+    assert probe("auto") == ["started", "started", name, name, "True"]
+    assert probe("system") == ["started", "system", "system", "False"]
