@@ -330,7 +330,8 @@ def _steps_trl(path: Path, rows: int, warmup: int) -> list[dict]:
     return steps[warmup:]
 
 
-def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg, trl_python: str) -> RunResult:
+def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg, trl_python: str,
+             trl_env: dict[str, str] | None = None) -> RunResult:
     case = CASES[case_name]
     out = work / f"{case_name}-{side}-{repeat}"
     if out.exists():
@@ -349,6 +350,7 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
                 "threads": os.cpu_count(), "args": trl_args(cfg, case) | {"output_dir": str(out / "trl")}}
         (out / "spec.json").write_text(json.dumps(spec, indent=1))
         cmd = [trl_python, str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
+        env |= trl_env or {}
     sampler = TreeSampler(token)
     load0, start, cpu0 = os.getloadavg()[0], time.time(), sum(os.times()[:2])
     sampler.start()
@@ -601,6 +603,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 2 measured steps (smoke test)")
     parser.add_argument("--launcher", choices=("ray", "local"), default=None,
                         help="megarl's launcher for every case (default: each case's own)")
+    parser.add_argument("--trl-allocator", default="system", help="host allocator preloaded for TRL (megarl's "
+                        "cluster.allocator values; default: glibc, as TRL ships); megarl uses its default, auto")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -609,8 +613,11 @@ def main() -> None:
     from tqdm import tqdm
     from transformers import AutoConfig
 
+    from megarl.controller import allocator
     from megarl.testing.addition import make_task
     from megarl.trainer.config import load_config
+
+    trl_env = {k: v for k, v in allocator.preload_env(args.trl_allocator).items() if k != allocator.MARKER}
 
     if not Path(args.trl_python).is_file():
         raise SystemExit(f"{args.trl_python} not found; make the TRL venv (see benchmarks/requirements-trl.txt).")
@@ -646,10 +653,13 @@ def main() -> None:
                         f"{platform.platform()}, Python {platform.python_version()}",
                 load_before_wait=load_before, load_start=load_start, waited_s=waited, reached=reached,
                 wait_load=args.wait_load, megarl_cmd=".venv/bin/python -m megarl.cli.main train",
-                command=f".venv/bin/python benchmarks/grpo_cpu.py --cases {args.cases} --repeats {args.repeats}")
+                command=f".venv/bin/python benchmarks/grpo_cpu.py --cases {args.cases} --repeats {args.repeats}"
+                        + (f" --launcher {args.launcher}" if args.launcher else "")
+                        + (f" --trl-allocator {args.trl_allocator}" if args.trl_allocator != "system" else ""))
     path = Path(args.results or ROOT / "benchmarks" / "results" / f"grpo_cpu-{date}.md")
     for name, repeat, side in tqdm(plan, desc="runs", unit="run"):
-        res = run_side(side, name, repeat, work / name / "task", work / name, cfgs[name], args.trl_python)
+        res = run_side(side, name, repeat, work / name / "task", work / name, cfgs[name], args.trl_python,
+                       trl_env)
         logger.info("%s %s #%d: step %.3f s, peak RSS %s GB, load %.2f/%.2f", name, side, repeat,
                     _med(res.step_s), _gb(res.peak_rss), *res.load)
         results.append(res)
