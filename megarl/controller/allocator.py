@@ -89,7 +89,7 @@ def resolve(name: str) -> tuple[str, Path | None]:
 
 
 def preload_env(name: str) -> dict[str, str]:
-    """Environment variables that start a process with allocator ``name`` ({} for glibc)."""
+    """Environment variables that start a process with allocator ``name`` (for glibc: only :data:`MARKER`)."""
     chosen, lib = resolve(name)
     if lib is None:
         return {MARKER: chosen}
@@ -108,8 +108,8 @@ def exec_with(name: str) -> None:
     env = preload_env(name)
     if "LD_PRELOAD" not in env:
         os.environ.update(env)
-        logger.info("host allocator: glibc malloc (cluster.allocator=%s; none of %s installed)", name,
-                    " / ".join(PREFERENCE))
+        logger.info("host allocator: glibc malloc (cluster.allocator=%s%s)", name,
+                    "" if name == "system" else f"; none of {' / '.join(PREFERENCE)} is installed")
         return
     sys.stdout.flush()
     sys.stderr.flush()
