@@ -79,13 +79,19 @@ def test_reward_model_roundtrip_bit_exact(tiny_hf, tmp_path, model):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_saves_leave_no_checkpoint_writer_process(tiny_hf, tmp_path):
-    """megatron-core's writer would keep a spawned Manager process alive after the first save; megarl's
-    saves hand results through an in-process queue, so no child process outlives a save."""
+def test_saves_leave_no_checkpoint_writer_process(tiny_hf, tmp_path, monkeypatch):
+    """megatron-core's writer would keep a spawned Manager process alive after the first save and fork
+    2 writers per save; megarl's saves on CPU hand results through an in-process queue and write the
+    buckets in this process, so no process is started at all (the bit-exact round trips above read
+    what these writes produced)."""
     import multiprocessing
+    import os
 
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
     convert_hf_to_megatron(tiny_hf("llama_gqa"), tmp_path / "a")
-    assert multiprocessing.active_children() == []
+    assert multiprocessing.active_children() == [] and forks == []
     convert_hf_to_megatron(tiny_hf("llama_gqa"), tmp_path / "b")
     assert multiprocessing.active_children() == []
     a = mcore_io.tensors_metadata(tmp_path / "a")
