@@ -113,7 +113,9 @@ class TreeSampler(threading.Thread):
         super().__init__(daemon=True)
         import psutil
 
-        self._psutil, self.token, self.interval = psutil, token, interval
+        from megarl.controller.allocator import loaded
+
+        self._psutil, self._allocator, self.token, self.interval = psutil, loaded, token, interval
         self._stop_event = threading.Event()
         self._other: set[int] = self._pids()  # everything alive before the run is not ours
         self._members: dict[int, object] = {}
@@ -167,9 +169,7 @@ class TreeSampler(threading.Thread):
         self.labels[pid] = label[:48]
         with contextlib.suppress(self._psutil.Error):
             self.thread_cpu[pid] = sorted((t.user_time + t.system_time for t in proc.threads()), reverse=True)
-        with contextlib.suppress(OSError):
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            self.allocator[pid] = next((n for n in ("jemalloc", "tcmalloc") if f"lib{n}" in maps), "glibc")
+        self.allocator[pid] = {"system": "glibc"}.get(name := self._allocator(pid), name)
 
     def busy_threads(self, pid: int) -> int:
         """Threads that used >= 15% of the busiest thread's CPU time (compute threads: OpenMP, main)."""

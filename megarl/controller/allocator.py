@@ -116,11 +116,11 @@ def exec_with(name: str) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | env)
 
 
-def loaded() -> str:
-    """The allocator mapped into this process (read from ``/proc/self/maps``): a name of :data:`PREFERENCE`
-    or ``system``."""
+def loaded(pid: int | str = "self") -> str:
+    """The allocator mapped into process ``pid`` (read from its ``/proc/<pid>/maps``): a name of
+    :data:`PREFERENCE` or ``system``."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return "system"
     return next((name for name in PREFERENCE if any(f in maps for f in _FILES[name])), "system")

@@ -76,7 +76,6 @@ def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:
     process, which doubles its memory as RSS counts it (the tiny GRPO run: 0.51 -> 0.85 GB while its
     one-time conversion saved). On GPUs the forked writers stay: they write in parallel.
     """
-    import contextlib
     import queue
 
     import torch
@@ -84,12 +83,15 @@ def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:
 
     filesystem_async._results_queue = queue.Queue()
     writer = filesystem_async.FileSystemWriterAsync
-    with contextlib.ExitStack() as restore:
-        if not torch.cuda.is_available() and "write_preloaded_data_multiproc" in writer.__dict__:
-            forking = writer.__dict__["write_preloaded_data_multiproc"]
-            writer.write_preloaded_data_multiproc = staticmethod(_write_buckets_here)
-            restore.callback(setattr, writer, "write_preloaded_data_multiproc", forking)
+    forking = writer.__dict__.get("write_preloaded_data_multiproc")
+    if torch.cuda.is_available() or forking is None:
         dist_checkpointing.save(sharded_state_dict, checkpoint_dir)
+        return
+    writer.write_preloaded_data_multiproc = staticmethod(_write_buckets_here)
+    try:
+        dist_checkpointing.save(sharded_state_dict, checkpoint_dir)
+    finally:
+        writer.write_preloaded_data_multiproc = forking
 
 
 def _write_buckets_here(transform_list, use_msc: bool, rank: int, write_buckets, global_results_queue) -> None:
