@@ -8,6 +8,9 @@ nodes: one STRICT_PACK group per node (one device per node: a single STRICT_SPRE
 Before reserving anything the pool checks the cluster's nodes can hold it and fails fast with
 what was asked and what exists; a reservation that stays pending (resources held by others) fails
 after ``ready_timeout_s`` instead of hanging.
+
+Ray is imported where a pool is reserved, not at import: the config types (:class:`Device`,
+:class:`PoolConfig`) serve the local launcher too, which never loads Ray.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from typing import TYPE_CHECKING
 
 from megarl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,9 @@ class ResourcePool:
     """A reserved pool. ``bundles()`` lists (placement group, bundle index) in rank order."""
 
     def __init__(self, name: str, config: PoolConfig) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
         self.name = name
         self.config = config
         self.use_gpu = _resolve_device(config.device)
@@ -89,12 +96,16 @@ class ResourcePool:
         return [(g, i) for g in self.groups for i in range(self.config.devices_per_node)]
 
     def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for g in self.groups:
             remove_placement_group(g)
         self.groups = []
 
 
 def _resolve_device(device: Device) -> bool:
+    import ray
+
     has_gpu = ray.cluster_resources().get("GPU", 0) > 0
     if device is Device.GPU and not has_gpu:
         raise ConfigError("a pool asks for GPUs (device: gpu) but the Ray cluster has none; use device: cpu or auto.")
@@ -103,6 +114,8 @@ def _resolve_device(device: Device) -> bool:
 
 def _check_feasible(name: str, config: PoolConfig, bundle: dict[str, float]) -> None:
     """Fail fast when no arrangement of the cluster's nodes can ever hold the pool."""
+    import ray
+
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     fits = [min(int(res.get(k, 0) // v) for k, v in bundle.items()) for res in nodes]
     if config.nodes == 1 and config.devices_per_node > 1:

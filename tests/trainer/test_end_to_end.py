@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -135,19 +136,23 @@ def test_resume_after_kill_continues_identically_with_custom_reward(task, tmp_pa
 
 def test_local_launcher_matches_a_ray_worker(ray_cluster, task, tmp_path):
     """cluster.launcher=local (the driver hosts the one rank) computes what one Ray worker does: same
-    seeds, one torch thread each, so the same samples, rewards, losses and gradient norms."""
+    seeds, one torch thread each, so the same samples, rewards, losses and gradient norms. It never
+    imports Ray (Python's import log, PYTHONPROFILEIMPORTTIME, lists every module the run imported)."""
     from megarl.trainer.config import load_config
     from megarl.trainer.trainer import run
 
     one_rank = {"cluster.devices_per_node": 1, "cluster.tp": 1, "trainer.total_steps": 3, "trainer.save_every": 0,
                 "trainer.val_every": 0}
     ray_history = run(load_config(EXAMPLE, _overrides(task, tmp_path / "ray", **one_rank)))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1",
+                                                                         "PYTHONPROFILEIMPORTTIME": "1"}
     proc = subprocess.run([sys.executable, "-m", "megarl.train", str(EXAMPLE),
                            *_overrides(task, tmp_path / "local", **one_rank, **{"cluster.launcher": "local"})],
                           env=env, cwd=ROOT, timeout=900, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "in the driver process" in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    imported = re.findall(r"^import time:.*\|\s*([\w.]+)$", proc.stderr, re.M)
+    assert "megatron.core" in imported and not [m for m in imported if m.split(".")[0] == "ray"]
     local_history = read_metrics(tmp_path / "local")
     assert len(local_history) == len(ray_history) == 3
     for ours, ref in zip(local_history, ray_history, strict=True):
