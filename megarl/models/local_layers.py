@@ -14,9 +14,10 @@ exactly the case megarl runs, and hands anything else to megatron-core's own for
   view), ``silu(gate)``, a copy of ``up`` and (in fc2) the product: 2.5x the fc1 output per layer.
   :class:`SwiGLUMLP` keeps the fc1 output alone: :class:`SwiGLU` saves just its input, and fc2's
   saved input is packed as a recipe that recomputes the product from that same tensor when fc2's
-  backward needs it. Same kernels on the same inputs, so bit-identical; costs two activation
-  passes per layer in backward. 30M model, 64 x 76 tokens: saved for backward 2.46 -> 1.39 GB
-  (transformers' Qwen2: 2.15 GB). Fused case: gated SiLU, no fc1 bias, no clamp, zero linear
+  backward needs it (and hands its ``silu(gate)`` on to SwiGLU's backward, which runs next). Same
+  kernels on the same inputs, so bit-identical; costs one ``silu`` and one product per layer in
+  backward. 30M model, 64 x 76 tokens: saved for backward 2.46 -> 1.39 GB (transformers' Qwen2:
+  2.15 GB). Fused case: gated SiLU, no fc1 bias, no clamp, zero linear
   offset, no per-token scale. (megatron-core's own ``CheckpointWithoutOutput`` would do the same
   but snapshots CUDA RNG states per call, which on CPU queues a formatted stack trace in
   ``torch.cuda`` forever.)
@@ -60,24 +61,29 @@ class SDPAttention(DotProductAttention):
 
 class SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` of ``y = [gate | up]`` (last dimension), saving only ``y``; backward runs the
-    kernels autograd would (``silu_backward`` and two products), so its gradient is bit-identical."""
+    kernels autograd would (``silu_backward`` and two products), so its gradient is bit-identical.
+    ``stash`` (a dict) may hand backward ``silu(gate)`` under ``"silu"``, computed since the forward
+    (by fc2's recomputation), instead of computing it again."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, stash: dict) -> torch.Tensor:
         ctx.save_for_backward(y)
+        ctx.stash = stash
         return swiglu(y)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (y,) = ctx.saved_tensors
         gate, up = y.chunk(2, dim=-1)
         grad_y = torch.empty_like(y)
         grad_gate, grad_up = grad_y.chunk(2, dim=-1)
-        act = F.silu(gate)
+        act = ctx.stash.pop("silu", None)
+        if act is None:
+            act = F.silu(gate)
         torch.mul(grad, act, out=grad_up)
         torch.mul(grad, up, out=act)  # d loss / d silu(gate), reusing the buffer
         torch.ops.aten.silu_backward.grad_input(act, gate, grad_input=grad_gate)
-        return grad_y
+        return grad_y, None
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
@@ -99,9 +105,11 @@ class SwiGLUMLP(MLP):
         y, _ = self.linear_fc1(hidden_states)  # no bias: add_bias_linear is off
         if not torch.is_grad_enabled():
             return self.linear_fc2(swiglu(y))
-        act = SwiGLU.apply(y)
+        stash: dict[str, torch.Tensor] = {}
+        act = SwiGLU.apply(y, stash)
         # fc2 saves its input (act) for its weight gradient: keep a recipe instead, recomputed from y
-        # (which SwiGLU keeps anyway) when fc2's backward unpacks it
+        # (which SwiGLU keeps anyway) when fc2's backward unpacks it; SwiGLU's backward, which runs
+        # next, reuses the silu(gate) computed for it
         recipe = (act.data_ptr(), act.shape, y.detach())
 
         def pack(t: torch.Tensor):
@@ -109,8 +117,10 @@ class SwiGLUMLP(MLP):
 
         def unpack(packed):
             if packed is recipe:
+                gate, up = recipe[2].chunk(2, dim=-1)
                 with torch.no_grad():
-                    return swiglu(recipe[2])
+                    stash["silu"] = F.silu(gate)
+                    return stash["silu"] * up
             return packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.models.local_layers import SDPAttention, SwiGLUMLP
 
@@ -66,6 +67,12 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
     grad = torch.randn(5, 3, ref.config.hidden_size, generator=gen).to(dtype)
 
     saved: list[torch.Tensor] = []
+    backward_ops: list[str] = []
+
+    class OpLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            backward_ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
 
     def run(module):
         """(output, input grad, weight grads, bytes of the non-parameter storages autograd saved)"""
@@ -77,7 +84,9 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
         assert bias is None
         saved_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in saved}.values()
                           if not isinstance(t, torch.nn.Parameter))
-        out.backward(grad)
+        backward_ops.clear()
+        with OpLog():
+            out.backward(grad)
         return out, inp.grad, {n: p.grad for n, p in module.named_parameters()}, saved_bytes
 
     ref_out, ref_x_grad, ref_w_grads, ref_saved = run(ref)
@@ -91,3 +100,5 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
     assert ref_saved == hidden + fc1_out + 3 * fc1_out // 2
     # megarl: fc1's input, the fc1 output; the product's storage was freed (it is recomputed)
     assert new_saved == hidden + fc1_out
+    # ... in backward once, with silu(gate), which SwiGLU's backward then reuses: one silu, not two
+    assert backward_ops.count("silu.default") == 1 and backward_ops.count("silu_backward.grad_input") == 1
