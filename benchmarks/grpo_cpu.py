@@ -44,6 +44,11 @@ each a fresh subprocess. Measured per run, after ``warmup`` steps (start-up excl
   (``/proc/PID/statm``; PSS from ``smaps_rollup`` costs ~0.15 s per GB-sized process per read, too
   much to sample on 2 busy cores).
 
+The report also puts each case against its matmul floor: the step's weight-matmul FLOPs (:func:`step_flops`)
+at this machine's fp32 ``torch.mm`` rate on the model's own layer shapes, measured just before every run
+(:func:`matmul_rates`), i.e. the step time of an implementation doing nothing else, and the lowest
+megarl / TRL ratio any implementation of the same work could reach.
+
 Before the first run the script waits (up to ``--max-wait`` s) for the 1-minute load average to drop
 below ``--wait-load``. Writes benchmarks/results/grpo_cpu-<date>.md.
 """
@@ -255,6 +260,7 @@ class RunResult:
     steps_at: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # measured steps' (start, end)
     sampler_cpu: float = 0.0  # CPU share of one core the parent (the memory sampler) used during the run
     worker_peak_gb: float | None = None  # megarl's own memory/host_peak_gb (busiest worker), max over steps
+    matmul_gflops: dict[str, float] = dataclasses.field(default_factory=dict)  # matmul_rates() just before the run
 
 
 def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
@@ -457,6 +463,61 @@ def trl_worker(spec_path: str) -> None:
     out.close()
 
 
+# ------------------------------------------------------------------------------ matmul floor
+
+
+def layer_matmuls(c) -> list[tuple[int, int]]:
+    """(in, out) features of one decoder layer's weight matmuls (HF config ``c``): q/k/v, attention output,
+    gate + up, down."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return [(c.hidden_size, q + 2 * kv), (q, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
+            (c.intermediate_size, c.hidden_size)]
+
+
+def step_flops(c, rows: int, seq: int) -> dict[str, float]:
+    """Weight-matmul FLOPs of one GRPO step, per stage: 2 per weight and token for a forward, 6 for forward +
+    backward (attention's score and value products, < 2% here, are not counted). Generation feeds every row's
+    prompt and all but its last response token; the reference and the update see whole rows of ``seq`` tokens."""
+    weights = c.num_hidden_layers * sum(a * b for a, b in layer_matmuls(c)) + c.vocab_size * c.hidden_size
+    return {"generate": 2 * weights * rows * (seq - 1), "reference": 2 * weights * rows * seq,
+            "update": 6 * weights * rows * seq}
+
+
+def matmul_rates(c, rows: int, micro_tokens: int, threads: int, seconds: float = 1.0) -> dict[str, float]:
+    """GFLOP/s of fp32 ``torch.mm`` on one layer's weight matmuls, ``threads`` threads: ``decode`` with ``rows``
+    token rows (forward); ``train`` with a micro-batch's ``micro_tokens`` (forward, input- and weight-gradient
+    shapes: ``x W``, ``g W^T``, ``x^T g``)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def rate(m: int, backward: bool) -> float:
+        ops = []  # (a, b, out): out = a b, written in place (no allocation, no page faults in the timing)
+        for a, b in layer_matmuls(c):
+            x, w, g = torch.randn(m, a), torch.randn(a, b), torch.randn(m, b)
+            ops += [(x, w, torch.empty(m, b))] + ([(g, w.t(), torch.empty(m, a)), (x.t(), g, torch.empty(a, b))]
+                                                 if backward else [])
+        flops = sum(2 * x.shape[0] * x.shape[1] * w.shape[1] for x, w, _ in ops)
+
+        def run(limit: float) -> float:
+            reps, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < limit:
+                for x, w, out in ops:
+                    torch.mm(x, w, out=out)
+                reps += 1
+            return flops * reps / elapsed / 1e9
+
+        run(seconds / 4)  # warm-up: MKL's buffers, the CPU's clock
+        return run(seconds)
+
+    return {"decode": rate(rows, False), "train": rate(micro_tokens, True)}
+
+
+def floor_s(flops: dict[str, float], rates: dict[str, float]) -> float:
+    """Seconds a step would take doing only its weight matmuls at ``rates`` (GFLOP/s)."""
+    return (flops["generate"] / rates["decode"] + (flops["reference"] + flops["update"]) / rates["train"]) / 1e9
+
+
 # ------------------------------------------------------------------------------------ report
 
 
@@ -557,6 +618,27 @@ def report(results: list[RunResult], meta: dict) -> str:
         mem_ok = "met" if max(ratio[k] for k in keys[:4]) <= 1.0 else "MISSED"
         lines.append(f"| {name} | {ratio['step']:.2f}x | <= {goal:.1f}x: {verdict} | " +
                      " | ".join(f"{ratio[k]:.2f}x" for k in keys[:4]) + f" | {mem_ok} |")
+    lines += ["", "## Matmul floor", "", "Weight-matmul work of one step (`step_flops`: 2 FLOPs per weight and "
+              "token forward, 6 forward + backward; generation counts every row's prompt and response tokens but "
+              "the last, as a batch without prompt sharing would) against this machine's fp32 `torch.mm` rate on the "
+              "model's own layer matmuls, measured just before each run (`matmul_rates`; *decode*: one "
+              "token per row, *train*: an update micro-batch, forward and both gradient shapes). *Floor*: a step "
+              "that did nothing but these matmuls at those rates; *floor / TRL*: the lowest step-time ratio any "
+              "implementation doing this work in fp32 could reach.", "",
+              "| case | TFLOP/step (generate + reference + update) | mm GFLOP/s decode / train | floor s | "
+              "megarl GFLOP/s | TRL GFLOP/s | floor / TRL step |", "|---|---|---|---|---|---|---|"]
+    for name, info in meta["cases"].items():
+        runs = [r for r in results if r.case == name and r.matmul_gflops]
+        if not runs:
+            continue
+        flops = info["flops"]
+        rates = {k: _med(r.matmul_gflops[k] for r in runs) for k in ("decode", "train")}
+        floor = _med(floor_s(flops, r.matmul_gflops) for r in runs)
+        achieved = {side: sum(flops.values()) / summary[name, side]["step"] / 1e9 for side in ("megarl", "trl")}
+        parts = " + ".join(f"{v / 1e12:.3f}" for v in flops.values())
+        lines.append(f"| {name} | {sum(flops.values()) / 1e12:.3f} ({parts}) | {rates['decode']:.0f} / "
+                     f"{rates['train']:.0f} | {floor:.3f} | {achieved['megarl']:.0f} | {achieved['trl']:.0f} | "
+                     f"{floor / summary[name, 'trl']['step']:.2f}x |")
     lines += ["", "## Step breakdown (median seconds per measured step, median over runs)", ""]
     for name in meta["cases"]:
         for side in ("megarl", "trl"):
@@ -627,7 +709,7 @@ def main() -> None:
     if args.launcher:
         CASES.update({n: dataclasses.replace(CASES[n], launcher=args.launcher) for n in names})
     work = Path(args.work)
-    cases, cfgs = {}, {}
+    cases, cfgs, shapes = {}, {}, {}
     for name in names:
         case, task = CASES[name], work / name / "task"
         make_task(task, **case.model)
@@ -638,8 +720,11 @@ def main() -> None:
         params = c.vocab_size * h + c.num_hidden_layers * (2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * i + 2 * h) + h
         trl = trl_args(cfgs[name], case)
         micro = f"{trl['gradient_accumulation_steps']} x {trl['per_device_train_batch_size']}"
-        cases[name] = dict(params=params, rows=cfgs[name].data.batch_size * cfgs[name].rollout.n,
-                           overrides=overrides, trl=trl, micro=micro)
+        rows = cfgs[name].data.batch_size * cfgs[name].rollout.n
+        seq = PROMPT_TOKENS + case.max_new_tokens
+        cases[name] = dict(params=params, rows=rows, overrides=overrides, trl=trl, micro=micro,
+                           flops=step_flops(c, rows, seq))
+        shapes[name] = (c, rows, trl["per_device_train_batch_size"] * seq)  # for matmul_rates
     load_before = os.getloadavg()[0]
     load_start, waited, reached = wait_for_load(args.wait_load, args.max_wait)
     results = []
@@ -658,8 +743,10 @@ def main() -> None:
                         + (f" --trl-allocator {args.trl_allocator}" if args.trl_allocator != "system" else ""))
     path = Path(args.results or ROOT / "benchmarks" / "results" / f"grpo_cpu-{date}.md")
     for name, repeat, side in tqdm(plan, desc="runs", unit="run"):
+        rates = matmul_rates(*shapes[name], os.cpu_count())
         res = run_side(side, name, repeat, work / name / "task", work / name, cfgs[name], args.trl_python,
                        trl_env)
+        res.matmul_gflops = rates
         logger.info("%s %s #%d: step %.3f s, peak RSS %s GB, load %.2f/%.2f", name, side, repeat,
                     _med(res.step_s), _gb(res.peak_rss), *res.load)
         results.append(res)
