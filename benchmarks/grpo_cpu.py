@@ -607,16 +607,22 @@ def report(results: list[RunResult], meta: dict) -> str:
                          f"{_gb(max(rss))}] | {_gb(mem['peak_priv'])} | {_gb(mem['steady_rss'])} | "
                          f"{_gb(mem['steady_priv'])} | {_gb(mem['peak_rss_all'])} | {max(r.max_procs for r in runs)} |")
     lines += ["", "## Ratios megarl / TRL against the targets", "",
-              "| case | step time | step-time target | peak RSS | peak private | steps RSS | steps private | "
-              "memory target (<= 1.0x) |", "|---|---|---|---|---|---|---|---|"]
+              "*Pairs*: each megarl run's median step over the TRL run right after it (min / median / max): how far "
+              "the machine's drift moves one comparison.", "",
+              "| case | step time | pairs | step-time target | peak RSS | peak private | steps RSS | steps private | "
+              "memory target (<= 1.0x) |", "|---|---|---|---|---|---|---|---|---|"]
     for name in meta["cases"]:
         m, t = summary[name, "megarl"], summary[name, "trl"]
         ratio = {k: m[k] / t[k] for k in ("step", *keys[:4])}
+        step = {(r.side, r.repeat): _med(r.step_s) for r in results if r.case == name}
+        pairs = sorted(step["megarl", i] / step["trl", i] for side, i in step
+                       if side == "megarl" and ("trl", i) in step)
         goal = TARGETS[name]
         verdict = "met" if ratio["step"] <= goal else ("goal missed, no worse than TRL" if ratio["step"] <= 1.0
                                                           else "MISSED")
         mem_ok = "met" if max(ratio[k] for k in keys[:4]) <= 1.0 else "MISSED"
-        lines.append(f"| {name} | {ratio['step']:.2f}x | <= {goal:.1f}x: {verdict} | " +
+        lines.append(f"| {name} | {ratio['step']:.2f}x | {pairs[0]:.2f} / {_med(pairs):.2f} / {pairs[-1]:.2f} | "
+                     f"<= {goal:.1f}x: {verdict} | " +
                      " | ".join(f"{ratio[k]:.2f}x" for k in keys[:4]) + f" | {mem_ok} |")
     lines += ["", "## Matmul floor", "", "Weight-matmul work of one step (`step_flops`: 2 FLOPs per weight and "
               "token forward, 6 forward + backward; generation counts every row's prompt and response tokens but "
