@@ -4,7 +4,8 @@ Owns an HF ``*ForCausalLM`` built from a config (never from disk: weights arrive
 :meth:`EmbeddedEngine.update_weights`) and the decode loop: left-padded prefill of each distinct prompt
 with ``logits_to_keep=1``, expansion of its KV cache to the prompt's rows, sampling with
 :func:`megarl.rollout.base.sample_next` (so log-probs are exact and free), and dropping finished rows
-from the batch and the ``DynamicCache`` every step. At most ``max_batch_size`` rows decode at once; rows
+from the batch and the ``DynamicCache`` every step (whose plain layers append in place:
+:mod:`megarl.rollout.kv_cache`). At most ``max_batch_size`` rows decode at once; rows
 still waiting join a running batch once a quarter of it is free (prefilled, then their cache is
 concatenated with the batch's, the shorter one left-padded with masked columns), so a few long samples
 do not leave the rest of the work queued behind them. Joining and trimming touch the cache layers'
@@ -367,14 +368,22 @@ class EmbeddedEngine:
                          logits_to_keep=1, **{self._cache_arg: cache})
         return out.logits[:, -1, :]
 
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if self._mergeable:  # plain full-attention layers: append in place instead of torch.cat
+            from megarl.rollout.kv_cache import GrowingLayer
+
+            cache.layers = [GrowingLayer() for _ in cache.layers]
+        return cache
+
     def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range) -> _Batch:
         """A batch for output ``rows`` (prompt ids ``row_prompts``, grouped): each distinct prompt is prefilled
         once, then its cache rows are repeated."""
-        from transformers import DynamicCache
-
         distinct, repeats = zip(*((i, len(list(g))) for i, g in itertools.groupby(row_prompts)), strict=True)
         ids, mask, positions = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache)
         expand = torch.repeat_interleave(torch.arange(len(distinct), device=self.device),
                                          torch.tensor(repeats, device=self.device))
