@@ -722,8 +722,9 @@ def main() -> None:
         overrides = megarl_overrides(task, case, Path("<out>"))
         cfgs[name] = load_config(EXAMPLE, overrides)
         c = AutoConfig.from_pretrained(task / "model")
-        h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
-        params = c.vocab_size * h + c.num_hidden_layers * (2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * i + 2 * h) + h
+        qkv_bias = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim  # Qwen2
+        layer = sum(a * b for a, b in layer_matmuls(c)) + qkv_bias + 2 * c.hidden_size  # + 2 RMSNorms
+        params = c.vocab_size * c.hidden_size + c.num_hidden_layers * layer + c.hidden_size  # tied LM head
         trl = trl_args(cfgs[name], case)
         micro = f"{trl['gradient_accumulation_steps']} x {trl['per_device_train_batch_size']}"
         rows = cfgs[name].data.batch_size * cfgs[name].rollout.n

@@ -5,7 +5,7 @@ hosts e.g. policy + reference + rollout) and share its layout, so colocation nev
 processes or device contexts. Roles on different pools are split. Pools start concurrently.
 
 ``local=True`` hosts the (single, one-device) pool in the driver process instead of Ray actors
-(:mod:`megarl.controller.local`); Ray is then never imported (it costs a one-rank run ~35 MB).
+(:mod:`megarl.controller.local`); Ray is then never imported (it costs a one-rank run ~30 MB).
 """
 
 from __future__ import annotations

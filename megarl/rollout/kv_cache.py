@@ -36,9 +36,10 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
         if not self._owned() or end > self._buffers[0].shape[2]:
-            self._reallocate(length, end + max(self.HEADROOM, end // 4), key_states, value_states)
+            self._reallocate(length, end + max(self.HEADROOM, end // 4), key_states.shape)
         for buffer, new in zip(self._buffers, (key_states, value_states), strict=True):
             buffer[:, :, length:end].copy_(new)
         self._set_views(end)
@@ -56,15 +57,14 @@ class GrowingLayer(DynamicLayer):
         """Whether keys / values are still the views this layer set (nothing replaced them since)."""
         return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
 
-    def _reallocate(self, length: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        buffers = []
-        for old, new in ((self.keys, key_states), (self.values, value_states)):
-            b, h, _, d = new.shape
-            buffer = new.new_empty((b, h, capacity, d))
-            if length:
-                buffer[:, :, :length].copy_(old)
-            buffers.append(buffer)
-        self._buffers = (buffers[0], buffers[1])
+    def _reallocate(self, length: int, capacity: int, shape: torch.Size) -> None:
+        """New buffers of ``capacity`` columns for states of ``shape`` [B, H, new, D], holding the first
+        ``length`` columns of keys / values."""
+        b, h, _, d = shape
+        self._buffers = (self.keys.new_empty((b, h, capacity, d)), self.values.new_empty((b, h, capacity, d)))
+        if length:
+            self._buffers[0][:, :, :length].copy_(self.keys)
+            self._buffers[1][:, :, :length].copy_(self.values)
 
     def _set_views(self, length: int) -> None:
         self.keys, self.values = self._buffers[0][:, :, :length], self._buffers[1][:, :, :length]
