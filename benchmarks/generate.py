@@ -1,22 +1,26 @@
 """Benchmark rollout generation: EmbeddedEngine.generate vs transformers' model.generate on the same prompts.
 
-    .venv/bin/python benchmarks/generate.py [--repeats 5] [--cases tiny-early-stop,mid-25M-no-stop]
+    .venv/bin/python benchmarks/generate.py [--repeats 5] [--cases tiny-early-stop,mid-25M-no-stop,mid-25M-long]
         [--wait-load 1.5] [--max-wait 300] [--threads N] [--results FILE]
 
-128 samples = 16 prompts (random ids, 8-40 tokens) x n=8, max_new_tokens=64, do_sample with temperature 0.8,
-top_p 0.95, top_k off, on random Llama models built from configs (no hub):
+Sampling with temperature 0.8, top_p 0.95, top_k off, on random Llama models built from configs (no hub), prompts of
+random ids (8-40 tokens):
 
-- ``tiny-early-stop``: hidden 64, 4 layers, vocab 300, biased towards its stop token (id 1) so most samples
-  stop early: embedding column 0 is a constant 3.0 for every token (a direction the residual stream keeps)
-  and the LM-head row of token 1 reads only that column (weight 3.5), so token 1 gets a high logit at
-  every position (~90% of samples stop, median length ~12 of 64);
-- ``mid-25M-no-stop``: hidden 512, 6 layers, vocab 8000 (~25.6M parameters), no stop tokens: every sample
-  runs the full 64 tokens.
+- ``tiny-early-stop``: 16 prompts x n=8 = 128 samples, max_new_tokens=64; hidden 64, 4 layers, vocab 300, biased
+  towards its stop token (id 1) so most samples stop early: embedding column 0 is a constant 3.0 for every token
+  (a direction the residual stream keeps) and the LM-head row of token 1 reads only that column (weight 3.5), so
+  token 1 gets a high logit at every position (~90% of samples stop, median length ~12 of 64);
+- ``mid-25M-no-stop``: 16 x 8 = 128 samples of 64 tokens; hidden 512, 6 layers, vocab 8000 (~25.6M parameters),
+  no stop tokens: every sample runs the full 64 tokens;
+- ``mid-25M-long``: the same model, 4 prompts x n=8 = 32 samples of 512 tokens: long responses, where the KV cache
+  dominates. Here ``engine-dynamic-cache`` (the engine with transformers' own ``DynamicLayer``, which grows by
+  ``torch.cat`` and so copies the whole cache at every step) isolates what appending in place
+  (``megarl.rollout.kv_cache.GrowingLayer``) saves.
 
 Variants, run alternately (one of each per round, rotating the order) after one warm-up round:
-``engine`` (EmbeddedEngine, default max_batch_size=64: 64 rows decode at once, the other 64 join as rows
+``engine`` (EmbeddedEngine, default max_batch_size=64: 64 rows decode at once, the others join as rows
 finish), ``engine-bs128`` (all 128 rows at once),
-``hf`` (model.generate on the left-padded 16-prompt batch, num_return_sequences=8: 128 rows; returns no
+``hf`` (model.generate on the left-padded prompt batch, num_return_sequences=n; returns no
 log-probs) and ``hf+logprob`` (hf plus the extra teacher-forced forward TRL runs to get log-probs).
 Each run records wall and CPU seconds and the process's involuntary context switches ("preempted": on a
 machine shared with other work, OpenMP threads that lose their core spin and stall, inflating both times).
@@ -44,14 +48,22 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger("bench.generate")
-N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 64
 SAMPLING = dict(temperature=0.8, top_p=0.95)
+MID_25M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6, num_heads=8, num_kv_heads=4)
+DEFAULT_VARIANTS = ("engine", "engine-bs128", "hf", "hf+logprob")
 CASES = {
     "tiny-early-stop": dict(shape=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
                                        num_heads=4, num_kv_heads=2), stop=(1,), eos_bias=(3.0, 3.5)),
-    "mid-25M-no-stop": dict(shape=dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6,
-                                       num_heads=8, num_kv_heads=4), stop=(), eos_bias=None),
+    "mid-25M-no-stop": dict(shape=MID_25M, stop=(), eos_bias=None),
+    "mid-25M-long": dict(shape=dict(MID_25M, max_positions=600), stop=(), eos_bias=None, prompts=4, max_new=512,
+                         variants=("engine", "engine-dynamic-cache", "hf")),
 }
+N_SAMPLES = 8
+
+
+def case_sizes(name: str) -> tuple[int, int]:
+    """(prompts, max_new_tokens) of a case."""
+    return CASES[name].get("prompts", 16), CASES[name].get("max_new", 64)
 PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each round
 TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
 
@@ -75,20 +87,30 @@ def build_case(name: str):
     gen = torch.Generator().manual_seed(1)
     vocab = config.vocab_size
     prompts = [torch.randint(5, vocab, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(N_PROMPTS)]
+               for _ in range(case_sizes(name)[0])]
     return config, model, prompts, case["stop"]
 
 
-def engine_variant(config, model, prompts, stop, max_batch_size: int) -> Callable[[], dict]:
+def engine_variant(config, model, prompts, stop, max_new: int, max_batch_size: int,
+                   dynamic_cache: bool = False) -> Callable[[], dict]:
+    from transformers import DynamicCache
+
     from megarl.rollout import EmbeddedEngine, SamplingParams
 
-    engine = EmbeddedEngine(config, pad_token_id=0, max_batch_size=max_batch_size)
+    class DynamicCacheEngine(EmbeddedEngine):
+        """The engine with transformers' DynamicLayer (torch.cat per step): the baseline of GrowingLayer."""
+
+        def _new_cache(self):
+            return DynamicCache(config=self.model.config)
+
+    engine = (DynamicCacheEngine if dynamic_cache else EmbeddedEngine)(config, pad_token_id=0,
+                                                                       max_batch_size=max_batch_size)
     engine.update_weights(model.state_dict().items())
     engine.finish_weight_update()
     seed = iter(range(10**6))
 
     def run() -> dict:
-        params = SamplingParams(n=N_SAMPLES, max_new_tokens=MAX_NEW, stop_token_ids=stop, seed=next(seed), **SAMPLING)
+        params = SamplingParams(n=N_SAMPLES, max_new_tokens=max_new, stop_token_ids=stop, seed=next(seed), **SAMPLING)
         out = engine.generate(prompts, params)
         return dict(tokens=int(out.response_lengths.sum()), stopped=out.finish_reasons.count("stop"))
 
@@ -102,13 +124,13 @@ def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def hf_variant(model, prompts, stop, with_log_probs: bool) -> Callable[[], dict]:
+def hf_variant(model, prompts, stop, max_new: int, with_log_probs: bool) -> Callable[[], dict]:
     ids, mask = _left_padded(prompts)
     model.generation_config.eos_token_id = None  # only the case's stop ids end a sample
 
     def run() -> dict:
         with torch.no_grad():
-            seqs = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=MAX_NEW,
+            seqs = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=max_new,
                                   num_return_sequences=N_SAMPLES, eos_token_id=list(stop) or None, pad_token_id=0,
                                   **SAMPLING)
             response = seqs[:, ids.shape[1]:]
@@ -137,12 +159,16 @@ def timed(fn: Callable[[], dict]) -> dict:
 
 def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> dict:
     config, model, prompts, stop = build_case(name)
-    variants = {
-        "engine": engine_variant(config, model, prompts, stop, max_batch_size=64),
-        "engine-bs128": engine_variant(config, model, prompts, stop, max_batch_size=128),
-        "hf": hf_variant(model, prompts, stop, with_log_probs=False),
-        "hf+logprob": hf_variant(model, prompts, stop, with_log_probs=True),
+    max_new = case_sizes(name)[1]
+    make = {
+        "engine": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=64),
+        "engine-bs128": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=128),
+        "engine-dynamic-cache": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=64,
+                                                       dynamic_cache=True),
+        "hf": lambda: hf_variant(model, prompts, stop, max_new, with_log_probs=False),
+        "hf+logprob": lambda: hf_variant(model, prompts, stop, max_new, with_log_probs=True),
     }
+    variants = {v: make[v]() for v in CASES[name].get("variants", DEFAULT_VARIANTS)}
     names = list(variants)
     runs: dict[str, list[dict]] = {v: [] for v in names}
     loads, discarded, attempt = [], 0, 0
@@ -173,19 +199,26 @@ def verdict(case: dict) -> str:
     if case["name"] == "tiny-early-stop":
         ok = speedup >= TARGET_EARLY_STOP
         return f"target >= {TARGET_EARLY_STOP}x faster than hf: {'MET' if ok else 'MISSED'} ({speedup:.2f}x)"
-    return f"target never slower than hf: {'MET' if speedup >= 1.0 else 'MISSED'} ({speedup:.2f}x)"
+    text = f"target never slower than hf: {'MET' if speedup >= 1.0 else 'MISSED'} ({speedup:.2f}x)"
+    if "engine-dynamic-cache" in case["med"]:
+        gain = case["med"]["engine-dynamic-cache"]["wall"] / case["med"]["engine"]["wall"]
+        text += f"; in-place KV cache (GrowingLayer) vs transformers' DynamicLayer: {gain:.2f}x faster"
+    return text
 
 
 def render(info: dict, cases: list[dict]) -> str:
     lines = [f"# Generation benchmark, {info['date']}", "",
-             f"- megarl commit {info['commit']}; {os.cpu_count()} CPU cores, no GPU; {platform.platform()}",
+             f"- megarl commit {info['commit']}; {os.cpu_count()} CPU cores ({info['cpu']}), no GPU; "
+             f"{platform.platform()}",
              f"- Python {platform.python_version()}, torch {torch.__version__}, transformers {info['transformers']}; "
              f"torch.set_num_threads({torch.get_num_threads()})",
-             f"- {N_PROMPTS} prompts x n={N_SAMPLES} = {N_PROMPTS * N_SAMPLES} samples, max_new_tokens={MAX_NEW}, "
+             f"- n={N_SAMPLES} samples per prompt (prompts and max_new_tokens per case), "
              f"do_sample temperature={SAMPLING['temperature']} top_p={SAMPLING['top_p']} top_k off; fp32; "
              f"medians of {info['repeats']} kept runs per variant after 1 warm-up round, variants alternating", ""]
     for c in cases:
-        lines += [f"## {c['name']} ({c['params'] / 1e6:.2f} M parameters, prompt lengths "
+        n_prompts, max_new = case_sizes(c["name"])
+        lines += [f"## {c['name']} ({c['params'] / 1e6:.2f} M parameters, {n_prompts} prompts x n={N_SAMPLES} = "
+                  f"{n_prompts * N_SAMPLES} samples, max_new_tokens={max_new}, prompt lengths "
                   f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])})", "",
                   f"1-min load average before each run: {min(c['loads']):.2f}-{max(c['loads']):.2f}; "
                   f"{c['discarded']} runs discarded (CPU pressure > {PRESSURE_LIMIT:.0f}% right after them)", "",
@@ -235,7 +268,9 @@ def main() -> None:
 
     root = Path(__file__).resolve().parents[1]
     date = datetime.date.today().isoformat()
-    info = dict(date=date, repeats=args.repeats, transformers=transformers.__version__,
+    from megarl.bench.report import cpu_description
+
+    info = dict(date=date, repeats=args.repeats, transformers=transformers.__version__, cpu=cpu_description(),
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                       text=True).stdout.strip())
     out = args.results or root / "benchmarks" / "results" / f"generate-{date}.md"

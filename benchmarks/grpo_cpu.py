@@ -701,6 +701,7 @@ def main() -> None:
     from tqdm import tqdm
     from transformers import AutoConfig
 
+    from megarl.bench.report import cpu_description
     from megarl.controller import allocator
     from megarl.testing.addition import make_task
     from megarl.trainer.config import load_config
@@ -741,8 +742,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     meta = dict(date=date, commit=commit.strip(), cases=cases, versions=_versions(args.trl_python),
-                machine=f"{os.cpu_count()} CPU cores ({platform.machine()}), {_mem_gib():.0f} GiB RAM, "
-                        f"{platform.platform()}, Python {platform.python_version()}",
+                machine=f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_description()}), "
+                        f"{_mem_gib():.0f} GiB RAM, {platform.platform()}, Python {platform.python_version()}",
                 load_before_wait=load_before, load_start=load_start, waited_s=waited, reached=reached,
                 wait_load=args.wait_load, megarl_cmd=".venv/bin/python -m megarl.cli.main train",
                 command=f".venv/bin/python benchmarks/grpo_cpu.py --cases {args.cases} --repeats {args.repeats}"

@@ -74,3 +74,11 @@ def test_trace_records_only_while_enabled_and_lays_out_tracks():
     names = [e for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert [(e["pid"], e["args"]["name"]) for e in names] == [(0, "driver"), (1, "rank 0")]
     assert sum(e["ph"] == "X" for e in doc["traceEvents"]) == 3
+
+
+def test_cpu_description_names_the_model_and_widest_simd():
+    amd = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n\n" * 2
+    xeon = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    assert report.cpu_description(amd) == "AMD EPYC 7B13 (AVX2)"
+    assert report.cpu_description(xeon) == "Intel(R) Xeon(R) Processor (AVX-512, AVX-512 BF16, AMX)"
+    assert report.cpu_description("flags\t: fpu\n") == "unknown CPU"
