@@ -49,6 +49,9 @@ import torch
 
 logger = logging.getLogger("bench.generate")
 SAMPLING = dict(temperature=0.8, top_p=0.95)
+N_SAMPLES = 8
+PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each round
+TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
 MID_25M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6, num_heads=8, num_kv_heads=4)
 DEFAULT_VARIANTS = ("engine", "engine-bs128", "hf", "hf+logprob")
 CASES = {
@@ -58,14 +61,11 @@ CASES = {
     "mid-25M-long": dict(shape=dict(MID_25M, max_positions=600), stop=(), eos_bias=None, prompts=4, max_new=512,
                          variants=("engine", "engine-dynamic-cache", "hf")),
 }
-N_SAMPLES = 8
 
 
 def case_sizes(name: str) -> tuple[int, int]:
     """(prompts, max_new_tokens) of a case."""
     return CASES[name].get("prompts", 16), CASES[name].get("max_new", 64)
-PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each round
-TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
 
 
 def build_case(name: str):
