@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import logging
 import os
 import platform
@@ -53,19 +54,15 @@ N_SAMPLES = 8
 PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each round
 TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
 MID_25M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6, num_heads=8, num_kv_heads=4)
-DEFAULT_VARIANTS = ("engine", "engine-bs128", "hf", "hf+logprob")
+ALL_VARIANTS = ("engine", "engine-bs128", "hf", "hf+logprob")
 CASES = {
     "tiny-early-stop": dict(shape=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
-                                       num_heads=4, num_kv_heads=2), stop=(1,), eos_bias=(3.0, 3.5)),
-    "mid-25M-no-stop": dict(shape=MID_25M, stop=(), eos_bias=None),
+                                       num_heads=4, num_kv_heads=2), stop=(1,), eos_bias=(3.0, 3.5),
+                            prompts=16, max_new=64, variants=ALL_VARIANTS),
+    "mid-25M-no-stop": dict(shape=MID_25M, stop=(), eos_bias=None, prompts=16, max_new=64, variants=ALL_VARIANTS),
     "mid-25M-long": dict(shape=dict(MID_25M, max_positions=600), stop=(), eos_bias=None, prompts=4, max_new=512,
                          variants=("engine", "engine-dynamic-cache", "hf")),
 }
-
-
-def case_sizes(name: str) -> tuple[int, int]:
-    """(prompts, max_new_tokens) of a case."""
-    return CASES[name].get("prompts", 16), CASES[name].get("max_new", 64)
 
 
 def build_case(name: str):
@@ -87,7 +84,7 @@ def build_case(name: str):
     gen = torch.Generator().manual_seed(1)
     vocab = config.vocab_size
     prompts = [torch.randint(5, vocab, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(case_sizes(name)[0])]
+               for _ in range(case["prompts"])]
     return config, model, prompts, case["stop"]
 
 
@@ -159,16 +156,16 @@ def timed(fn: Callable[[], dict]) -> dict:
 
 def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> dict:
     config, model, prompts, stop = build_case(name)
-    max_new = case_sizes(name)[1]
+    engine = functools.partial(engine_variant, config, model, prompts, stop, CASES[name]["max_new"])
+    hf = functools.partial(hf_variant, model, prompts, stop, CASES[name]["max_new"])
     make = {
-        "engine": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=64),
-        "engine-bs128": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=128),
-        "engine-dynamic-cache": lambda: engine_variant(config, model, prompts, stop, max_new, max_batch_size=64,
-                                                       dynamic_cache=True),
-        "hf": lambda: hf_variant(model, prompts, stop, max_new, with_log_probs=False),
-        "hf+logprob": lambda: hf_variant(model, prompts, stop, max_new, with_log_probs=True),
+        "engine": lambda: engine(max_batch_size=64),
+        "engine-bs128": lambda: engine(max_batch_size=128),
+        "engine-dynamic-cache": lambda: engine(max_batch_size=64, dynamic_cache=True),
+        "hf": lambda: hf(with_log_probs=False),
+        "hf+logprob": lambda: hf(with_log_probs=True),
     }
-    variants = {v: make[v]() for v in CASES[name].get("variants", DEFAULT_VARIANTS)}
+    variants = {v: make[v]() for v in CASES[name]["variants"]}
     names = list(variants)
     runs: dict[str, list[dict]] = {v: [] for v in names}
     loads, discarded, attempt = [], 0, 0
@@ -216,7 +213,7 @@ def render(info: dict, cases: list[dict]) -> str:
              f"do_sample temperature={SAMPLING['temperature']} top_p={SAMPLING['top_p']} top_k off; fp32; "
              f"medians of {info['repeats']} kept runs per variant after 1 warm-up round, variants alternating", ""]
     for c in cases:
-        n_prompts, max_new = case_sizes(c["name"])
+        n_prompts, max_new = CASES[c["name"]]["prompts"], CASES[c["name"]]["max_new"]
         lines += [f"## {c['name']} ({c['params'] / 1e6:.2f} M parameters, {n_prompts} prompts x n={N_SAMPLES} = "
                   f"{n_prompts * N_SAMPLES} samples, max_new_tokens={max_new}, prompt lengths "
                   f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])})", "",
@@ -266,10 +263,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    root = Path(__file__).resolve().parents[1]
-    date = datetime.date.today().isoformat()
     from megarl.bench.report import cpu_description
 
+    root = Path(__file__).resolve().parents[1]
+    date = datetime.date.today().isoformat()
     info = dict(date=date, repeats=args.repeats, transformers=transformers.__version__, cpu=cpu_description(),
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                       text=True).stdout.strip())

@@ -57,7 +57,8 @@ class Setup:
 
 
 def cpu_description(cpuinfo: str | None = None) -> str:
-    """The CPU's model name and widest SIMD from /proc/cpuinfo, e.g. ``"AMD EPYC 7B13 (AVX2)"``.
+    """The CPU's model name and widest SIMD (with its bf16 extensions) from /proc/cpuinfo, e.g.
+    ``"AMD EPYC 7B13 (AVX2)"``.
 
     Benchmarks record it: the same script on a 2-core AVX2 EPYC and a 2-core AVX-512 Xeon measures fp32
     matmul rates ~1.5x apart, so results from different sessions only compare on the same kind of CPU.
@@ -68,12 +69,11 @@ def cpu_description(cpuinfo: str | None = None) -> str:
                 cpuinfo = f.read()
         except OSError:
             return "unknown CPU"
-    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in cpuinfo.splitlines())}
     flags = set(fields.get("flags", "").split())
     isa = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))
            if flag in flags] or (["AVX2"] if "avx2" in flags else [])
-    return f"{fields.get('model name', 'unknown CPU')}" + (f" ({', '.join(isa)})" if isa else "")
+    return fields.get("model name", "unknown CPU") + (f" ({', '.join(isa)})" if isa else "")
 
 
 def _t(m: Mapping[str, float], stage: str) -> float:
