@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
-# GRPO on the tiny addition task, policy TP2 + reference on 2 CPU processes (~3 min); resumes if re-run.
+# GRPO on the tiny addition task, policy TP2 + reference on 2 CPU processes (~1.5 min); resumes if re-run.
 demo: install
 	$(PY) examples/grpo_addition_tiny/run.py
 
