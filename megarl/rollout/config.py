@@ -8,7 +8,7 @@ import enum
 
 class RolloutBackend(enum.Enum):
     EMBEDDED = "embedded"  # transformers model in the worker process (CPU default, one GPU)
-    VLLM = "vllm"  # vLLM engine (GPU clusters; the `vllm` extra)
+    VLLM = "vllm"  # vLLM engine (its CUDA wheel on GPU clusters, its CPU build here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,7 @@ class RolloutConfig:
     offload_train_state: bool | None = None  # None: only when training on a GPU (on CPU the host is the device)
     # vLLM backend only
     gpu_memory_utilization: float = 0.5  # share of the GPU vLLM may take (weights + KV cache), free at build time
+    kv_cache_mb: float | None = None  # KV cache size; None: from gpu_memory_utilization on GPU, 1 GiB on CPU
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
     max_model_len: int | None = None  # prompt + response tokens; None: the model config's
     seed: int = 0  # vLLM engine seed; unseeded sampling draws from it (same on every rank of a TP group)

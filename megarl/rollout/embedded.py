@@ -289,6 +289,8 @@ class EmbeddedEngine:
         self._ready = True
         logger.debug("weight sync complete: %d parameters", len(self._params))
 
+    sleep_frees_memory = True
+
     def sleep(self) -> None:
         """Free every parameter's storage (0 bytes); the KV cache only lives inside :meth:`generate`."""
         if not self._awake:

@@ -1,31 +1,50 @@
-"""The vLLM rollout engine, colocated inside a policy worker process (one process per GPU).
+"""The vLLM rollout engine, colocated inside a policy worker process (one process per device).
 
 Owns a ``vllm.LLM`` built in this process with the ``external_launcher`` executor (vLLM joins the
-torch.distributed world the worker already initialised), the weight sync into vLLM's live parameters
-(:class:`WeightReceiver`, mixed into vLLM's GPU worker via ``worker_extension_cls``), sleeping and waking
-weights and KV cache, and the pure helpers :func:`to_rollout_output` (vLLM outputs -> RolloutOutput) and
-:func:`check_places` (does a resharding plan's rollout group equal vLLM's TP group). It does not own the
+torch.distributed world the worker already initialised; its worker runs in this process, so
+``collective_rpc`` passes tensors by reference), the weight sync into it, sleeping and waking, and the
+pure helpers :class:`LayerGroups` and :func:`to_rollout_output`. It does not own the
 plan, the transport or the training model. Imports torch and megarl; vLLM only inside the engine, whose
 construction sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``RANK`` and ``LOCAL_RANK`` in this process.
+The same code runs on vLLM's CPU build and on its CUDA wheel.
 
-Written against vLLM's V1 engine, 0.11 to current main (vllm-project/vllm): vllm/entrypoints/llm.py
-(``LLM`` kwargs -> ``EngineArgs``; generate, collective_rpc, sleep, wake_up, reset_prefix_cache);
-vllm/v1/executor/uniproc_executor.py (``ExecutorWithExternalLauncher`` reads RANK/LOCAL_RANK; its
-collective_rpc calls the one in-process worker, so tensors pass by reference);
-vllm/distributed/parallel_state.py (``initialize_model_parallel``: "ExternalDP x DP x PP x TP", TP groups
-are consecutive global ranks); vllm/v1/worker/gpu_worker.py and vllm/device_allocator/cumem.py (sleep
-tags "weights"/"kv_cache"; ``CuMemAllocator.sleep`` unmaps every allocation); vllm/v1/sample/sampler.py
-and ops/topk_topp_sampler.py (logprobs_mode); vllm/sampling_params.py; vllm/v1/core/sched/utils.py
-(check_stop); vllm/v1/engine/parallel_sampling.py; vllm/outputs.py; vllm/logprobs.py;
-examples/offline_inference/rlhf_utils.py; verl's ``vLLMColocateWorkerExtension``.
+Weight sync: vLLM's weight-transfer API, checkpoint format, whole layers per call. Three routes were
+measured on vLLM 0.32 (CPU build):
+
+* copying this rank's fused shards into the live parameters by name (megarl's earlier route, also what
+  vLLM's ``nccl_m2n`` backend does where it can) assumes the kernel format equals the checkpoint
+  format. It does not on CPU: ``process_weights_after_loading`` repacks every linear weight into a
+  oneDNN handle and leaves the parameter empty; nor for quantized layers on GPU. Dropped.
+* ``model_runner.reload_weights(weights)`` (vLLM's layer-wise reload) runs the repack, but each call is
+  a whole reload session: a layer whose tensors arrive in two calls is processed half-loaded, and the
+  tokens are silently wrong.
+* the weight-transfer API (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, the
+  route TRL, verl and NeMo-RL moved to) keeps one layer-wise session open for the whole sync. Chosen,
+  with megarl's in-process backend (:mod:`megarl.rollout.vllm_transfer`). :class:`LayerGroups` still
+  holds each decoder layer's tensors until the layer is complete, so no layer is ever split across
+  ``update_weights`` calls, whatever the bucket cap (vLLM's own grouping unit, ``layerwise_groups``).
+
+Checkpoint format means full HF tensors on every rank of a rollout TP group (vLLM's weight loaders
+take their slice), so a sync moves ``M`` bytes into every rank instead of ``M/TP_g``: the resharding
+plan for vLLM is the ``GATHER`` one, whose rollout groups are consecutive global ranks -- exactly vLLM's
+TP groups (vllm/distributed/parallel_state.py builds them as ``reshape(-1, DP, PP, TP)`` of the world it
+joins; it takes no rank permutation, so HybridFlow's strided groups cannot be vLLM's).
+
+Sleep: on CUDA, level 1 (weights to pinned host memory, KV cache dropped). Every sync rewrites all
+weights, so level 2 would save host memory, but it also drops buffers a weight stream does not rebuild
+(RoPE caches; garbage rollouts in NVIDIA-NeMo/RL#2631, OpenRLHF#723). vLLM's CPU platform has no sleep
+mode: weights and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once).
 
 Log-probs. Ours (megarl.rollout.base) are of ``softmax(logits / T)`` before top-k/top-p (T = 1 when
 greedy). ``logprobs_mode="processed_logprobs"`` gives ``log_softmax`` of the logits vLLM sampled from:
 greedy -> raw logits (equal to ours); sampling -> after temperature and after top-k/top-p masking, so
 equal to ours when top-k/top-p are off, and otherwise renormalised over the kept tokens (vLLM's value =
 ours - log(kept probability mass) >= ours; ``rollout/logprob_abs_diff`` shows the gap). The default
-``raw_logprobs`` ignores the temperature. Quantized models are rejected: they would need
-``process_weights_after_loading`` after every sync (a no-op on CUDA for unquantized linear layers).
+``raw_logprobs`` ignores the temperature.
+
+Unseeded sampling draws from the device's default generator (CUDA's on GPU, the CPU generator on
+CPU), which must be identical on all ranks of a TP group and is the trainer's: each call seeds it from
+(engine seed, group, call count) inside a fork of the RNG state.
 """
 
 from __future__ import annotations
@@ -33,13 +52,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import enum
 import json
 import logging
 import os
-import re
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,101 +64,111 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import ConfigError, LayoutError, MissingDependencyError, UnsupportedModelError
-from megarl.resharding.plan import Grouping, ReshardPlan, RolloutPlace, rollout_places
-from megarl.resharding.vllm_layout import vllm_params
+from megarl.models.spec import spec_from_hf_config
+from megarl.parallel.layout import ParallelLayout
+from megarl.resharding.plan import hf_tensors
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
-# Level 1 offloads the weights to pinned host memory and drops the KV cache; level 2 drops both.
-# Every sync rewrites all weights, so level 2 would save host memory and the H2D copy on wake, but it
-# also drops buffers a weight stream does not rebuild (RESHARDING.md pitfall 4: RoPE caches, garbage
-# rollouts in NVIDIA-NeMo/RL#2631, OpenRLHF#723), and NeMo-RL and OpenRLHF settled on level 1.
-_SLEEP_LEVEL = 1
+_SLEEP_LEVEL = 1  # see the module docstring
 _VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 _MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: vLLM raises 0 < T < 0.01 to 0.01
-_REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "enable_sleep_mode", "logprobs_mode")  # logprobs_mode: >= 0.10.2
-# Fused vLLM parameters are built from several HF tensors that may arrive in different buckets.
-_FUSED_PARTS = (
-    (re.compile(r"^(.*\.self_attn\.)(?:q|k|v)(_proj\.(?:weight|bias))$"), ("q", "k", "v")),
-    (re.compile(r"^(.*\.mlp\.)(?:gate|up)(_proj\.weight)$"), ("gate", "up")),
-)
+_REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "kv_cache_memory_bytes")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
 
 
-class WeightPath(enum.Enum):
-    LOAD_WEIGHTS = "load_weights"  # full HF tensors through the model's own ``load_weights`` (rollout tp 1)
-    COPY = "copy"  # this rank's shards fused by ``vllm_params`` and copied into the live parameters by name
+class _KnownNoise(logging.Filter):
+    """Drops vLLM warnings that are false alarms for megarl's use, at every sync: RoPE's derived cache and a
+    tied ``lm_head`` (its weight is ``embed_tokens``', loaded there; see ``reprocess_tied_modules``) reported
+    as layers that "failed to load weights" (the engine's own coverage check covers every parameter), and
+    the chat-template warm-up of an engine that never has a tokenizer (ids in, ids out)."""
+
+    LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base")
+    MESSAGES = frozenset({"RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights",
+                          "Chat template warmup failed"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.MESSAGES
 
 
 class WeightReceiver:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); ``self`` is the worker.
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is the worker.
 
     Method names carry a ``megarl_`` prefix: vLLM refuses an extension whose names clash with the worker's.
     """
 
-    def _megarl_model(self) -> torch.nn.Module:
-        runner = self.model_runner
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwraps CUDA graphs
+    def megarl_parameter_names(self) -> list[str]:
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]
 
-    def megarl_manifest(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self._megarl_model().named_parameters()}
+    def megarl_packed_modules(self) -> dict[str, list[str]]:
+        return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {})
 
     def megarl_tp_ranks(self) -> list[int]:
         from vllm.distributed.parallel_state import get_tp_group
 
         return list(get_tp_group().ranks)
 
-    def megarl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str] | None:
-        return self._megarl_model().load_weights(weights=weights)
-
-    def megarl_copy_params(self, params: dict[str, torch.Tensor]) -> None:
-        live = dict(self._megarl_model().named_parameters())  # names and shapes checked by the engine
-        with torch.no_grad():
-            for name, tensor in params.items():
-                live[name].data.copy_(tensor)
+    def megarl_loaded(self) -> set[str]:
+        """vLLM parameter names loaded since the current weight update began."""
+        return set(self.weight_transfer_engine.loaded)
 
 
 class VLLMEngine:
     """A :class:`megarl.rollout.base.RolloutEngine` over vLLM, for a process that already joined its world.
 
     ``model_dir`` holds the model's ``config.json`` (e.g. a Megatron checkpoint's ``hf/``); the tokenizer is
-    never loaded (ids in, ids out) and weights start as vLLM's dummy init until the first sync.
+    never loaded (ids in, ids out) and weights start as vLLM's dummy init until the first sync, which takes
+    full HF-named tensors (every rank of a rollout TP group gets all of them; vLLM keeps its slice).
     ``expected_tp_ranks``: the global ranks of this rank's rollout group, verified against vLLM's TP group.
+    ``kv_cache_bytes``: the KV cache size; None lets vLLM size it from ``gpu_memory_utilization`` on a GPU
+    and uses :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the host's memory).
     """
 
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: torch.dtype | str = torch.bfloat16,
-                 gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                 enforce_eager: bool = False, pad_token_id: int = 0,
-                 expected_tp_ranks: Sequence[int] | None = None, weight_path: WeightPath | None = None) -> None:
+                 gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, seed: int = 0,
+                 max_model_len: int | None = None, enforce_eager: bool = False, pad_token_id: int = 0,
+                 expected_tp_ranks: Sequence[int] | None = None) -> None:
         cfg = _read_config(Path(model_dir))
         self.vocab_size = int(cfg["vocab_size"])
         self.tp, self.pad_token_id, self._seed = tp, pad_token_id, seed
-        self.weight_path = weight_path or (WeightPath.LOAD_WEIGHTS if tp == 1 else WeightPath.COPY)
-        if self.weight_path is WeightPath.LOAD_WEIGHTS and tp != 1:
-            raise ConfigError(f"WeightPath.LOAD_WEIGHTS takes full tensors (rollout tp 1); found tp={tp}")
-        _prepare_process(tp, gpu_memory_utilization)
+        spec = spec_from_hf_config(cfg)
+        self._shapes = {t.name: t.shape for t in hf_tensors(spec, ParallelLayout())}
         vllm = _import_vllm()
+        _check_head_dim(spec.head_dim)
+        _prepare_process(tp, gpu_memory_utilization)
+        for name in _KnownNoise.LOGGERS:
+            logging.getLogger(name).addFilter(_KnownNoise())
+        from megarl.rollout import vllm_transfer
+
+        vllm_transfer.register()
+        self.sleep_frees_memory = vllm.platforms.current_platform.is_sleep_mode_available()
+        if not self.sleep_frees_memory:
+            logger.warning("vLLM has no sleep mode on this platform (%s): its weights and KV cache stay resident "
+                           "while the policy trains", vllm.platforms.current_platform.device_name)
+        on_gpu = torch.cuda.is_available()
+        if kv_cache_bytes is None and not on_gpu:
+            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         kwargs = dict(model=str(model_dir), tensor_parallel_size=tp, dtype=str(dtype).removeprefix("torch."),
-                      seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                      max_model_len=max_model_len, distributed_executor_backend="external_launcher",
-                      enable_sleep_mode=True, load_format="dummy", skip_tokenizer_init=True,
-                      worker_extension_cls=f"{__name__}.WeightReceiver", logprobs_mode="processed_logprobs",
+                      seed=seed, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
+                      enforce_eager=enforce_eager, max_model_len=max_model_len,
+                      distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_frees_memory,
+                      load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=f"{__name__}.WeightReceiver",
+                      weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
                       generation_config="vllm")  # ignore generation_config.json: no default top-k/eos from the model
-        fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-        if "generation_config" not in fields:
-            del kwargs["generation_config"]
         self._vllm = vllm
         self._llm = vllm.LLM(**kwargs)
-        self._manifest: dict[str, tuple[int, ...]] = self._rpc("megarl_manifest")
+        self._rpc("init_weight_transfer_engine", {})
+        self._groups = LayerGroups(self._shapes)
+        self._check_names(self._rpc("megarl_parameter_names"), self._rpc("megarl_packed_modules"))
         ranks = self._rpc("megarl_tp_ranks")
         if expected_tp_ranks is not None and list(expected_tp_ranks) != ranks:
-            raise LayoutError(f"vLLM built the TP group {ranks} for rank {dist.get_rank()}, but the resharding "
-                              f"plan streams this rank's rollout shards for the group {list(expected_tp_ranks)}.")
+            raise LayoutError(f"vLLM built the TP group {ranks} for rank {dist.get_rank()}, but the rollout "
+                              f"plan groups this rank with {list(expected_tp_ranks)}.")
         self._group_leader = ranks[0]
         self._weights_awake = self._kv_awake = True  # a fresh engine holds dummy weights and its KV cache
+        self._updating = False  # inside vLLM's weight-update session
         self._ready = False  # True after a complete weight sync
-        self._loaded: set[str] = set()  # vLLM parameter names loaded since the sync began
-        self._pending = FusedParts()
         self._calls = 0
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -157,83 +184,93 @@ class VLLMEngine:
     def _rpc(self, method: str, *args: Any) -> Any:
         return self._llm.collective_rpc(method, args=args)[0]  # one in-process worker per engine
 
+    def _check_names(self, vllm_names: list[str], packed: Mapping[str, list[str]]) -> None:
+        """vLLM's parameters, unpacked to HF names, must be exactly the tensors a sync delivers."""
+        theirs = set()
+        for name in vllm_names:
+            module, _, leaf = name.rpartition(".")
+            prefix, _, last = module.rpartition(".")
+            parts = packed.get(last)
+            theirs |= {f"{prefix}.{p}.{leaf}" for p in parts} if parts else {name}
+        ours = set(self._shapes)
+        if theirs != ours:
+            raise UnsupportedModelError(
+                f"vLLM's model has parameters megarl's mapping does not deliver ({sorted(theirs - ours)[:5]}) or "
+                f"lacks ones it does ({sorted(ours - theirs)[:5]}); this architecture is not supported on vLLM")
+
     # ---- weights -------------------------------------------------------------------------------
 
     @property
     def parameter_names(self) -> list[str]:
-        """vLLM parameter names a full weight sync must load."""
-        return list(self._manifest)
+        """HF tensor names a full weight sync must deliver."""
+        return list(self._shapes)
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (full with ``LOAD_WEIGHTS``, this rank's rollout shards with ``COPY``).
-
-        Returns the HF names loaded by this call; parts of a fused parameter (q/k/v, gate/up) are held
-        until all of them have arrived, and are loaded (and returned) by the call that completes them.
-        """
+        """Load full HF-named tensors. Tensors are held until their decoder layer is complete, then the
+        whole layer goes to vLLM in one call; returns the HF names loaded by this call."""
         if not self._weights_awake:
             raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
         self._ready = False
-        ready = self._pending.add(tensors)
+        ready = self._groups.add(tensors)
         if not ready:
             return set()
-        if self.weight_path is WeightPath.LOAD_WEIGHTS:
-            self._loaded |= self._load_full(ready)
-        else:
-            self._loaded |= self._copy_shards(ready)
+        if not self._updating:
+            self._rpc("start_weight_update")
+            self._updating = True
+        try:
+            self._rpc("update_weights", {"weights": ready})
+        except (KeyError, ValueError, AssertionError, RuntimeError) as e:
+            self._abort_update()
+            raise WeightUpdateError(f"vLLM could not load {[n for n, _ in ready][:8]}...: "
+                                    f"{type(e).__name__}: {e}") from e
         return {name for name, _ in ready}
 
-    def _load_full(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
-        try:
-            loaded = self._rpc("megarl_load_weights", weights)
-        except (KeyError, ValueError, AssertionError) as e:
-            raise WeightUpdateError(f"vLLM's load_weights rejected {[n for n, _ in weights][:8]}...: "
-                                    f"{type(e).__name__}: {e}") from e
-        if loaded is None:
-            raise WeightUpdateError("this vLLM model's load_weights does not report the parameters it loaded, so "
-                                    "name coverage cannot be checked; use weight_path=WeightPath.COPY")
-        return set(loaded)
-
-    def _copy_shards(self, shards: list[tuple[str, torch.Tensor]]) -> set[str]:
-        params = vllm_params(dict(shards), vocab_size=self.vocab_size, rollout_tp=self.tp)
-        check_manifest(params, self._manifest)
-        self._rpc("megarl_copy_params", params)
-        return set(params)
-
     def finish_weight_update(self) -> None:
-        """End a sync: every vLLM parameter must have been loaded since it began; then drop the prefix cache."""
-        if self._pending.waiting:
-            raise WeightUpdateError(f"incomplete weight update: parts of fused parameters arrived without their "
-                                    f"siblings: {sorted(self._pending.waiting)[:20]}")
-        missing = [name for name in self._manifest if name not in self._loaded]
-        if missing:
+        """End a sync: every tensor must have arrived and every vLLM parameter been loaded since it began;
+        then vLLM finishes its layer-wise processing and the prefix cache is dropped."""
+        waiting, missing = self._groups.waiting, self._groups.missing()
+        loaded = self._rpc("megarl_loaded") if self._updating else set()
+        self._abort_update()  # ends vLLM's session in every case: layers that got nothing keep their weights
+        if waiting or missing:
             shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
-            raise WeightUpdateError(f"incomplete weight update: {len(missing)} of {len(self._manifest)} vLLM "
-                                    f"parameters were not loaded since the sync began: {shown}")
+            raise WeightUpdateError(f"incomplete weight update: {len(missing)} of {len(self._shapes)} tensors were "
+                                    f"not loaded since the sync began: {shown}")
+        unloaded = sorted(set(self._rpc("megarl_parameter_names")) - loaded)
+        if unloaded:
+            raise WeightUpdateError(f"vLLM loaded every tensor but not the parameters {unloaded[:20]}")
         if self._llm.reset_prefix_cache() is False:  # cached KV blocks were computed with the old weights
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-        logger.debug("weight sync complete: %d vLLM parameters", len(self._manifest))
-        self._loaded = set()
+        logger.debug("weight sync complete: %d tensors", len(self._shapes))
         self._ready = True
+
+    def _abort_update(self) -> None:
+        self._groups = LayerGroups(self._shapes)
+        if self._updating:
+            self._updating = False
+            self._rpc("finish_weight_update")
 
     # ---- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the KV cache and move the weights to host memory (level 1, see ``_SLEEP_LEVEL``)."""
+        """Free the KV cache and move the weights to host memory (level 1) where vLLM can sleep; elsewhere
+        only the engine's state changes (generation needs a new sync)."""
         if not self._weights_awake:
             return
-        if not self._kv_awake:  # CuMemAllocator.sleep unmaps every allocation: map the KV cache back first
-            self._llm.wake_up(tags=["kv_cache"])
-        self._llm.sleep(level=_SLEEP_LEVEL)
+        self._abort_update()
+        if self.sleep_frees_memory:
+            if not self._kv_awake:  # CuMemAllocator.sleep unmaps every allocation: map the KV cache back first
+                self._llm.wake_up(tags=["kv_cache"])
+            self._llm.sleep(level=_SLEEP_LEVEL)
         self._weights_awake = self._kv_awake = self._ready = False
-        self._loaded, self._pending = set(), FusedParts()
 
     def wake_up(self) -> None:
         """Bring the weights back (not the KV cache: :meth:`generate` wakes it) and begin a weight sync."""
         if not self._weights_awake:
-            self._llm.wake_up(tags=["weights"])
+            if self.sleep_frees_memory:
+                self._llm.wake_up(tags=["weights"])
             self._weights_awake = True
         self._ready = False
-        self._loaded, self._pending = set(), FusedParts()
+        self._abort_update()
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -244,7 +281,8 @@ class VLLMEngine:
         if not prompts:
             return to_rollout_output([], params.n, self.pad_token_id)
         if not self._kv_awake:  # after the weight sync, so the sync never holds KV memory (vllm#15254)
-            self._llm.wake_up(tags=["kv_cache"])
+            if self.sleep_frees_memory:
+                self._llm.wake_up(tags=["kv_cache"])
             self._kv_awake = True
         inputs = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         per_prompt = [self._sampling_params(params, i) for i in range(len(prompts))]
@@ -266,16 +304,17 @@ class VLLMEngine:
 
     @contextlib.contextmanager
     def _generation_rng(self, params: SamplingParams) -> Iterator[None]:
-        """Unseeded sampling draws from the device's default CUDA generator, which must be identical on
-        all ranks of the TP group (RESHARDING.md pitfall 10) and is the trainer's: seed it per call from
-        (engine seed, group, call count) inside a fork, restoring the training RNG state afterwards."""
+        """Seed the device's default generator per call (see the module docstring), restoring the training
+        RNG state afterwards. ``torch.manual_seed`` seeds the CPU and every CUDA generator; the fork restores
+        the CPU one and this process's CUDA device."""
         self._calls += 1
         if params.seed is not None:  # vLLM seeds one generator per request
             yield
             return
         seed = ((self._seed * 1_000_003 + self._group_leader) * 1_000_033 + self._calls) % 2**63
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-            torch.cuda.manual_seed(seed)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
             yield
 
     def _check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
@@ -297,72 +336,61 @@ class VLLMEngine:
 # ------------------------------------------------------------------------------------------- pure helpers
 
 
-def check_places(plan: ReshardPlan, world_rank: int) -> None:
-    """Raise LayoutError unless ``world_rank``'s rollout group in ``plan`` is the TP group vLLM builds for it:
-    global ranks ``[r - r % tp, r - r % tp + tp)`` with rollout TP rank ``r % tp`` (external_launcher)."""
-    tp = plan.rollout_tp
-    place = plan.places[world_rank]
-    group = [r for _, r in sorted((p.tp_rank, r) for r, p in enumerate(plan.places) if p.replica == place.replica)]
-    start = world_rank - world_rank % tp
-    if group == list(range(start, start + tp)):
-        return
-    train = plan.train
-    works = [g for g in range(1, train.world_size + 1) if train.world_size % g == 0 and _consecutive(
-        # the grouping make_plan chooses for rollout tp g
-        rollout_places(train, g, Grouping.HYBRID if (train.tp * train.pp) % g == 0 else Grouping.GATHER), g)]
-    raise LayoutError(
-        f"rollout tp={tp} does not fit vLLM with training layout {plan.train}: the resharding plan puts rank "
-        f"{world_rank} in rollout group {group} (TP rank {place.tp_rank}), but vLLM's external_launcher builds "
-        f"TP groups from consecutive global ranks, here {list(range(start, start + tp))} (TP rank "
-        f"{world_rank % tp}). Rollout tp values whose groups match on this layout: {works} (the training tp "
-        f"{train.tp} and 1 always do); the model's heads must also divide by it."
-    )
+def layer_key(name: str) -> str:
+    """The unit vLLM processes together: the decoder layer (outermost numbered segment, so a MoE layer's
+    experts stay with their layer), else the module (``model.embed_tokens``, ``model.norm``, ``lm_head``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name.rpartition(".")[0]
 
 
-def _consecutive(places: Sequence[RolloutPlace], tp: int) -> bool:
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for rank, p in enumerate(places):
-        groups.setdefault(p.replica, []).append((p.tp_rank, rank))
-    for members in groups.values():
-        members.sort()
-        start = members[0][1]
-        if start % tp or members != [(i, start + i) for i in range(tp)]:
-            return False
-    return True
+class LayerGroups:
+    """Holds HF tensors until every tensor of their layer (:func:`layer_key`) has arrived, checking each
+    name and shape against ``shapes`` (the tensors one sync delivers) on arrival."""
 
-
-class FusedParts:
-    """Holds the HF parts of fused vLLM parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj), which may
-    arrive in different buckets, until the whole group is there."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[str, torch.Tensor] = {}
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.shapes = dict(shapes)
+        self._members: dict[str, set[str]] = {}
+        for name in shapes:
+            self._members.setdefault(layer_key(name), set()).add(name)
+        self._waiting: dict[str, dict[str, torch.Tensor]] = {}
+        self._done: set[str] = set()
 
     def add(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors that can be loaded now: unfused ones, and every group completed by ``tensors``."""
+        """The tensors of every layer completed by ``tensors``, layer by layer."""
         ready = []
         for name, tensor in tensors:
-            group = _fused_group(name)
-            if group is None:
-                ready.append((name, tensor))
-                continue
-            self.waiting[name] = tensor
-            if all(n in self.waiting for n in group):
-                ready.extend((n, self.waiting.pop(n)) for n in group)
+            self._check(name, tensor)
+            key = layer_key(name)
+            waiting = self._waiting.setdefault(key, {})
+            waiting[name] = tensor
+            if len(waiting) == len(self._members[key]):
+                ready.extend(self._waiting.pop(key).items())
+                self._done |= self._members[key]
         return ready
 
-
-def check_manifest(params: dict[str, torch.Tensor], manifest: dict[str, tuple[int, ...]]) -> None:
-    """Raise WeightUpdateError unless every tensor names a vLLM parameter of this rank with its exact shape."""
-    for name, tensor in params.items():
-        expected = manifest.get(name)
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.shapes.get(name)
         if expected is None:
-            near = difflib.get_close_matches(name, list(manifest), n=1)
-            hint = f"; nearest vLLM parameter: {near[0]!r}" if near else ""
-            raise WeightUpdateError(f"no vLLM parameter {name!r} (built from this rank's shards){hint}")
+            near = difflib.get_close_matches(name, list(self.shapes), n=1)
+            hint = f"; nearest: {near[0]!r}" if near else ""
+            raise WeightUpdateError(f"no tensor {name!r} in this model's weight sync{hint}")
         if tuple(tensor.shape) != tuple(expected):
-            raise WeightUpdateError(f"vLLM parameter {name!r} on this rank has shape {tuple(expected)}, the shards "
-                                    f"give {tuple(tensor.shape)}: the plan and vLLM disagree on the split")
+            raise WeightUpdateError(f"tensor {name!r} must have the full HF shape {tuple(expected)}; "
+                                    f"found {tuple(tensor.shape)}")
+        if name in self._done or name in self._waiting.get(layer_key(name), {}):
+            raise WeightUpdateError(f"tensor {name!r} arrived twice in one weight sync")
+
+    @property
+    def waiting(self) -> list[str]:
+        """Names held for a layer that is not complete yet."""
+        return sorted(n for group in self._waiting.values() for n in group)
+
+    def missing(self) -> list[str]:
+        """Names not loaded yet (held ones included), in sync order."""
+        return [n for n in self.shapes if n not in self._done]
 
 
 def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> RolloutOutput:
@@ -423,14 +451,6 @@ def _finish_reason(completion: Any, prompt: int) -> str:
     return reason
 
 
-def _fused_group(name: str) -> tuple[str, ...] | None:
-    for pattern, parts in _FUSED_PARTS:
-        m = pattern.match(name)
-        if m:
-            return tuple(f"{m.group(1)}{part}{m.group(2)}" for part in parts)
-    return None
-
-
 # ------------------------------------------------------------------------------------------ environment
 
 
@@ -441,14 +461,12 @@ def _read_config(model_dir: Path) -> dict:
                           "directory has it); none found")
     cfg = json.loads(path.read_text())
     if cfg.get("quantization_config"):
-        raise UnsupportedModelError(f"{path} describes a quantized model; the vLLM rollout engine loads "
-                                    "unquantized weights only (it never calls process_weights_after_loading)")
+        raise UnsupportedModelError(f"{path} describes a quantized checkpoint; megarl streams the policy's "
+                                    "unquantized training weights into vLLM, so the rollout model must be unquantized")
     return cfg
 
 
 def _prepare_process(tp: int, gpu_memory_utilization: float) -> None:
-    if not torch.cuda.is_available():
-        raise ConfigError("the vLLM rollout engine needs a CUDA device; use rollout.backend=embedded on CPU")
     if not dist.is_initialized():
         raise ConfigError("the vLLM rollout engine joins this process's torch.distributed world "
                           "(external_launcher); initialise it first (megarl.parallel.init.init_distributed)")
@@ -458,18 +476,32 @@ def _prepare_process(tp: int, gpu_memory_utilization: float) -> None:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1]; found {gpu_memory_utilization}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core must run in this process
     os.environ["RANK"] = str(dist.get_rank())  # read by ExecutorWithExternalLauncher._distributed_args
-    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())  # the device vLLM's worker binds to
+    # the device vLLM's worker binds to; vLLM's CPU worker uses it for nothing but its name
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank())
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UnsupportedModelError(f"vLLM's CPU attention supports head_dim {supported}; this model has {head_dim}. "
+                                    "Use rollout.backend=embedded for it on CPU.")
 
 
 def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read at import: INFO lines would flood workers' logs
     try:
         import vllm
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
     except ImportError as e:
         raise MissingDependencyError("rollout.backend=vllm needs vLLM: `pip install megarl[vllm]` on a CUDA "
-                                     f"machine ({e})") from e
+                                     f"machine, `make install` (vLLM's CPU build) on CPU ({e})") from e
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     missing = [name for name in _REQUIRED_ENGINE_ARGS if name not in fields]
-    if missing:
-        raise MissingDependencyError(f"vLLM {getattr(vllm, '__version__', '?')} lacks EngineArgs {missing}; "
-                                     "megarl needs vLLM >= 0.10.2 (V1 engine with logprobs_mode)")
+    if missing or not hasattr(WeightTransferEngine, "start_weight_update"):
+        raise MissingDependencyError(f"vLLM {getattr(vllm, '__version__', '?')} lacks the weight-transfer interface "
+                                     f"megarl implements (EngineArgs missing: {missing}); megarl needs vLLM 0.32")
     return vllm

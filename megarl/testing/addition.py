@@ -71,3 +71,15 @@ def make_task(out_dir: str | Path, *, train_rows: int = 512, val_rows: int = 32,
     make_dataset(out_dir / "train.jsonl", train_rows, seed)
     make_dataset(out_dir / "val.jsonl", val_rows, seed + 1)
     return out_dir
+
+
+def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], **model_kwargs) -> int:
+    """What the addition examples' ``run.py`` do: build the task under ``task_dir``, train with ``config``
+    and ``key.path=value`` overrides, print the reward curve."""
+    from megarl.trainer.config import load_config
+    from megarl.trainer.trainer import run
+
+    make_task(task_dir, **model_kwargs)
+    history = run(load_config(config, overrides))
+    print("mean reward per step:", " ".join(f"{m['reward/mean']:.2f}" for m in history))
+    return 0

@@ -25,6 +25,7 @@ from megarl.controller import allocator
 from megarl.engine.config import EngineConfig, MicroBatchConfig, Precision
 from megarl.errors import ConfigError
 from megarl.parallel.layout import ParallelLayout
+from megarl.resharding.plan import check_vllm_groups
 from megarl.rewards.base import OnError
 from megarl.rollout.config import RolloutBackend
 
@@ -66,6 +67,7 @@ class RolloutSection:
     max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more
     offload_train_state: bool | None = None  # None: offload grads/optimizer/params around rollout on GPU only
     gpu_memory_utilization: float = 0.5  # vLLM: share of the GPU for weights + KV cache
+    kv_cache_mb: float | None = None  # vLLM: KV cache size (None: from gpu_memory_utilization on GPU, 1 GiB on CPU)
     max_model_len: int | None = None  # vLLM: prompt + response tokens (None: the model config's)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
 
@@ -275,9 +277,8 @@ def check_config(cfg: TrainConfig) -> None:
     if r.backend is RolloutBackend.EMBEDDED and r.tp != 1:
         raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.tp must be 1, found "
                           f"{r.tp}; use rollout.backend=vllm for tensor-parallel generation.")
-    if r.backend is RolloutBackend.VLLM and r.tp not in (1, layout.tp):
-        raise ConfigError(f"vLLM's tensor-parallel groups are consecutive ranks, so rollout.tp must be 1 or the "
-                          f"training tp ({layout.tp}); found {r.tp}.")
+    if r.backend is RolloutBackend.VLLM:
+        check_vllm_groups(layout, r.tp)
     if r.temperature == 0:
         raise ConfigError("rollout.temperature=0 (greedy) gives no exploration to learn from; use > 0 for training "
                           "(val_temperature may be 0).")

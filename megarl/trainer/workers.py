@@ -71,7 +71,7 @@ class Workers:
         rollout = RolloutConfig(  # logprob_check: rollout vs training log-probs, after generation or in the update
             backend=r.backend, tp=r.tp, dtype=r.dtype, bucket_mb=r.bucket_mb, max_batch_size=r.max_batch_size,
             logprob_check=True, max_logprob_abs_diff=r.max_logprob_abs_diff, offload_train_state=r.offload_train_state,
-            gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
+            gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
             enforce_eager=r.enforce_eager, seed=cfg.trainer.seed)
         policy = PolicyConfig(loss=a.policy_loss, entropy_coef=a.entropy_coef, temperature=r.temperature,
                               kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,

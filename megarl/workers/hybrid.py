@@ -33,7 +33,7 @@ from megarl.metrics import trace
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
-from megarl.resharding.plan import ReshardPlan, make_plan
+from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.transport import TransferStats, stream_weights
 from megarl.rollout.base import RolloutOutput, SamplingParams
 from megarl.rollout.config import RolloutBackend, RolloutConfig
@@ -50,7 +50,9 @@ class HybridRollout:
                  config: RolloutConfig, pad_token_id: int) -> None:
         self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
         self.dtype = getattr(torch, config.dtype)
-        self.plan = make_plan(spec, ctx.layout, config.tp)
+        # vLLM loads checkpoint-format tensors: every rank of a rollout group receives them whole
+        grouping = Grouping.GATHER if config.backend is RolloutBackend.VLLM else None
+        self.plan = make_plan(spec, ctx.layout, config.tp, grouping=grouping)
         self.place = self.plan.places[ctx.rank]
         self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan)
         self.rollout.sleep()
@@ -76,7 +78,8 @@ class HybridRollout:
         if offload:
             self.engine.offload(params=True, grads=False, optimizer=False)
         self.last_transfer = stats
-        return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start}
+        return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start,
+                                  "rollout/sleep_frees_memory": float(self.rollout.sleep_frees_memory)}
 
     @trace.spanned("to_train", cat="weight_sync")
     def to_train(self) -> dict[str, float]:
@@ -102,8 +105,7 @@ class HybridRollout:
         """:meth:`generate` for each of ``runs`` in turn (e.g. sampled responses, then a greedy baseline),
         all within one weight sync: one list of outputs per run."""
         metrics = self.to_rollout()
-        per_group = self.plan.num_replicas // self.ctx.layout.dp
-        local = self.place.replica % per_group
+        per_group, local = _local_replica(self.plan, self.ctx.rank)
         lo, hi = _share(len(prompts), per_group, local)
         start = time.perf_counter()
         mine = None
@@ -124,6 +126,13 @@ class HybridRollout:
         dist.all_gather_object(gathered, (local, mine), group=group)
         ordered = [outs for _, outs in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
         return [[outs[k] for outs in ordered] for k in range(len(runs))], metrics
+
+
+def _local_replica(plan: ReshardPlan, rank: int) -> tuple[int, int]:
+    """(rollout replicas inside ``rank``'s data-parallel replica, the index of ``rank``'s among them)."""
+    dp = plan.train.coords(rank).dp
+    mine = sorted({p.replica for r, p in enumerate(plan.places) if plan.train.coords(r).dp == dp})
+    return len(mine), mine.index(plan.places[rank].replica)
 
 
 def _share(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -151,15 +160,15 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
         return EmbeddedEngine(hf, dtype=dtype, pad_token_id=pad_token_id, device=ctx.device,
                               max_batch_size=config.max_batch_size)
     if config.backend is RolloutBackend.VLLM:
-        from megarl.rollout.vllm_engine import VLLMEngine, check_places
+        from megarl.rollout.vllm_engine import VLLMEngine
 
-        # vLLM's TP groups are consecutive global ranks: the plan's rollout groups must be the same ones
-        check_places(plan, ctx.rank)
-        start = ctx.rank - ctx.rank % config.tp
+        check_vllm_groups(ctx.layout, config.tp)  # vLLM's TP groups are consecutive ranks: the plan's GATHER groups
+        group = sorted((p.tp_rank, r) for r, p in enumerate(plan.places) if p.replica == plan.places[ctx.rank].replica)
+        kv_bytes = None if config.kv_cache_mb is None else int(config.kv_cache_mb * 2**20)
         return VLLMEngine.from_hf_config(
             hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
-            seed=config.seed, max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-            pad_token_id=pad_token_id, expected_tp_ranks=list(range(start, start + config.tp)))
+            kv_cache_bytes=kv_bytes, seed=config.seed, max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=[r for _, r in group])
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")
 
 

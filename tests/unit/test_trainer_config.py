@@ -51,7 +51,7 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("cluster.tp=1 data.batch_size=3", ConfigError, "divisible by the data-parallel size 2"),
     ("rollout.n=1", ConfigError, "rollout.n >= 2"),
     ("rollout.tp=2", ConfigError, "rollout.tp must be 1"),
-    ("rollout.backend=vllm cluster.tp=2 rollout.tp=4", ConfigError, "1 or the training tp"),
+    ("rollout.backend=vllm cluster.tp=2 rollout.tp=4", ConfigError, "positive divisor of the world size 2"),
     ("model.path=/nonexistent/model", ConfigError, "is not a directory"),
     ("trainer.val_every=5", None, None),  # valid: data.val is set
     # the example takes 2 mini-batches per batch: no update's forward can stand in for the old log-probs

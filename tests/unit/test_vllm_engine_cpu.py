@@ -1,16 +1,11 @@
-"""The pure parts of the vLLM rollout engine, on CPU without vLLM: output conversion, rollout-group
-check, fused-parameter buffering, manifest check, and the errors a CPU machine gets.
-
-The vLLM output objects below are data records with exactly the attributes of vLLM's
-``RequestOutput`` / ``CompletionOutput`` (vllm/outputs.py) and ``Logprob`` (vllm/logprobs.py) that
-:func:`to_rollout_output` reads; they stand for vLLM's data, not for any of its behaviour.
-Expectations are worked out by hand.
+"""The pure parts of the vLLM rollout engine, on CPU without an engine: output conversion (with vLLM's own
+output classes), vLLM's TP groups against a training layout, layer-complete buffering, and the errors a
+user gets before any engine starts. Expectations are worked out by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 
 import pytest
@@ -19,47 +14,20 @@ import torch
 from megarl.errors import ConfigError, LayoutError, MissingDependencyError, UnsupportedModelError
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
-from megarl.resharding.plan import make_plan
+from megarl.resharding.plan import Grouping, check_vllm_groups, make_plan
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, WeightUpdateError
-from megarl.rollout.vllm_engine import (
-    FusedParts,
-    VLLMEngine,
-    _import_vllm,
-    check_manifest,
-    check_places,
-    to_rollout_output,
-)
+from megarl.rollout.vllm_engine import LayerGroups, VLLMEngine, _import_vllm, layer_key, to_rollout_output
 from megarl.testing.tiny import tiny_config
+
+outputs = pytest.importorskip("vllm.outputs", reason="vLLM is not installed (make install brings its CPU build)")
+Logprob = pytest.importorskip("vllm.logprobs").Logprob
 
 PAD = 0
 
 
-@dataclasses.dataclass
-class Logprob:  # vllm/logprobs.py
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclasses.dataclass
-class CompletionOutput:  # vllm/outputs.py
-    index: int
-    text: str
-    token_ids: object
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:  # vllm/outputs.py (the attributes a generate() result carries)
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: object
-    outputs: list[CompletionOutput]
-    finished: bool = True
+def RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, completions):  # noqa: N802
+    return outputs.RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                 prompt_logprobs=prompt_logprobs, outputs=completions, finished=True)
 
 
 def _completion(index, tokens, lps, reason, extra=None, stop_reason=None):
@@ -70,7 +38,8 @@ def _completion(index, tokens, lps, reason, extra=None, stop_reason=None):
         if extra is not None:
             entry[extra[j][0]] = Logprob(extra[j][1], rank=1)
         positions.append(entry)
-    return CompletionOutput(index, "", tokens, sum(lps), positions, reason, stop_reason)
+    return outputs.CompletionOutput(index=index, text="", token_ids=tokens, cumulative_logprob=sum(lps),
+                                    logprobs=positions, finish_reason=reason, stop_reason=stop_reason)
 
 
 # ------------------------------------------------------------------------------------ to_rollout_output
@@ -131,102 +100,104 @@ def test_malformed_outputs_raise(completions, match):
         to_rollout_output([RequestOutput("0", None, [1], None, completions)], n=3, pad_token_id=PAD)
 
 
-# ----------------------------------------------------------------------------------------- check_places
-
-
-def _plan(tp, pp, dp, rollout_tp):
-    spec = spec_from_hf_config(tiny_config("llama").to_dict())  # 4 heads, 2 KV heads, 4 layers
-    return make_plan(spec, ParallelLayout(tp=tp, pp=pp, dp=dp), rollout_tp)
+# ------------------------------------------------------------------------------------ vLLM's TP groups
 
 
 @pytest.mark.parametrize("tp, pp, dp, rollout_tp", [
     (2, 1, 2, 2),  # rollout group = training TP group: [0, 1], [2, 3]
     (2, 2, 2, 2),  # PP and DP peers are 2 and 4 ranks away; TP groups stay consecutive
+    (4, 1, 1, 2),  # inside a training TP group: [0, 1], [2, 3] (checkpoint-format tensors need no striding)
     (4, 1, 1, 4),
     (2, 2, 2, 1),
-    (1, 2, 1, 2),  # TP1 x PP2, rollout tp 2: ranks 0 (stage 0) and 1 (stage 1), consecutive
+    (1, 2, 1, 2),  # TP1 x PP2, rollout tp 2: ranks 0 (stage 0) and 1 (stage 1)
+    (2, 2, 1, 4),  # DP1: the whole world is one replica
 ])
-def test_places_matching_vllm_pass_on_every_rank(tp, pp, dp, rollout_tp):
-    plan = _plan(tp, pp, dp, rollout_tp)
-    for rank in range(tp * pp * dp):
-        check_places(plan, rank)
+def test_consecutive_groups_inside_a_data_parallel_replica_pass(tp, pp, dp, rollout_tp):
+    check_vllm_groups(ParallelLayout(tp=tp, pp=pp, dp=dp), rollout_tp)
 
 
-def test_strided_hybridflow_group_is_refused():
-    # TP4 -> rollout tp 2 (k = 2): training TP rank t plays rollout TP rank t // 2 in micro-DP replica t % 2,
-    # so rank 0's group is {0, 2}; vLLM would build {0, 1}. Layout-compatible values: 1 and 4.
-    plan = _plan(4, 1, 1, 2)
+def test_group_across_data_parallel_replicas_is_refused():
+    # TP2 x PP2 x DP2 (rank = tp + 2 * (dp + 2 * pp)), rollout tp 4: vLLM's group {0, 1, 2, 3} holds DP
+    # replicas 0 and 1, which sample different prompts. Fitting values: 1 and 2 (divisors of the training tp).
     with pytest.raises(LayoutError) as err:
-        check_places(plan, 0)
+        check_vllm_groups(ParallelLayout(tp=2, pp=2, dp=2), 4)
     msg = str(err.value)
-    assert "rollout group [0, 2]" in msg and "here [0, 1]" in msg
-    assert "layout: [1, 4]" in msg
+    assert "ranks 0..3 belong to data-parallel replicas [0, 1]" in msg and "fit: [1, 2]" in msg
+    with pytest.raises(LayoutError, match="positive divisor of the world size 8"):
+        check_vllm_groups(ParallelLayout(tp=2, pp=2, dp=2), 3)
 
 
-def test_group_across_pipeline_stages_with_dp_is_refused():
-    # TP2 x PP2 x DP2, rollout tp 4: the plan joins stages 0 and 1 of one DP replica, ranks {0, 1, 4, 5}
-    # (rank = tp + 2 * (dp + 2 * pp)); vLLM would build {0, 1, 2, 3}. Works: 1, 2 (= training tp), 8 (gather).
-    plan = _plan(2, 2, 2, 4)
-    with pytest.raises(LayoutError) as err:
-        check_places(plan, 0)
-    msg = str(err.value)
-    assert "rollout group [0, 1, 4, 5]" in msg and "here [0, 1, 2, 3]" in msg
-    assert "layout: [1, 2, 8]" in msg
+def test_vllm_plan_sends_full_tensors_to_every_rank():
+    spec = spec_from_hf_config(tiny_config("llama").to_dict())
+    plan = make_plan(spec, ParallelLayout(tp=2, pp=2), 2, grouping=Grouping.GATHER)
+    assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (name, _), (lo, hi) in plan.dest.items():
+        assert (lo, hi) == (0, plan.tensor(name).length)
 
 
 # ------------------------------------------------------------------------------- weight-sync building blocks
 
 
-def test_fused_parts_wait_for_their_siblings_across_buckets():
-    parts = FusedParts()
-    t = {name: torch.full((1,), float(i)) for i, name in enumerate([
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.input_layernorm.weight",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-        "model.layers.0.self_attn.q_proj.bias"])}
-    first = parts.add([(n, t[n]) for n in ["model.layers.0.self_attn.k_proj.weight",
-                                           "model.layers.0.self_attn.q_proj.weight",
-                                           "model.layers.0.input_layernorm.weight",
-                                           "model.layers.0.mlp.up_proj.weight",
-                                           "model.layers.0.self_attn.q_proj.bias"]])
-    assert [n for n, _ in first] == ["model.layers.0.input_layernorm.weight"]
-    second = parts.add([(n, t[n]) for n in ["model.layers.0.mlp.gate_proj.weight",
-                                            "model.layers.0.self_attn.v_proj.weight"]])
-    assert [n for n, _ in second] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                                      "model.layers.0.self_attn.q_proj.weight",
-                                      "model.layers.0.self_attn.k_proj.weight",
-                                      "model.layers.0.self_attn.v_proj.weight"]
+def test_layer_key_is_the_decoder_layer_or_the_module():
+    assert layer_key("model.layers.3.self_attn.q_proj.bias") == "model.layers.3"
+    assert layer_key("model.layers.3.mlp.experts.7.up_proj.weight") == "model.layers.3"  # experts stay whole
+    assert layer_key("model.embed_tokens.weight") == "model.embed_tokens"
+    assert layer_key("lm_head.weight") == "lm_head"
+
+
+def _shapes():
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.1.input_layernorm.weight", "model.norm.weight"]
+    return {n: (i + 1,) for i, n in enumerate(names)}
+
+
+def test_layer_groups_release_whole_layers_only():
+    shapes = _shapes()
+    groups = LayerGroups(shapes)
+    t = {n: torch.zeros(s) for n, s in shapes.items()}
+    first = groups.add([(n, t[n]) for n in ["model.layers.0.self_attn.q_proj.bias", "model.norm.weight",
+                                            "model.layers.0.mlp.up_proj.weight"]])
+    assert [n for n, _ in first] == ["model.norm.weight"]
+    assert groups.waiting == ["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"]
+    second = groups.add([("model.layers.0.self_attn.q_proj.weight", t["model.layers.0.self_attn.q_proj.weight"])])
+    assert sorted(n for n, _ in second) == ["model.layers.0.mlp.up_proj.weight",
+                                            "model.layers.0.self_attn.q_proj.bias",
+                                            "model.layers.0.self_attn.q_proj.weight"]
     assert all(tensor is t[n] for n, tensor in second)
-    assert list(parts.waiting) == ["model.layers.0.self_attn.q_proj.bias"]  # k/v biases never came
+    assert groups.waiting == [] and groups.missing() == ["model.embed_tokens.weight",
+                                                         "model.layers.1.input_layernorm.weight"]
 
 
-def test_manifest_check_names_the_unknown_parameter_and_the_shape_mismatch():
-    manifest = {"model.layers.0.self_attn.qkv_proj.weight": (48, 64), "lm_head.weight": (320, 64)}
-    check_manifest({"lm_head.weight": torch.zeros(320, 64)}, manifest)
-    with pytest.raises(WeightUpdateError, match="nearest vLLM parameter: 'model.layers.0.self_attn.qkv_proj.weight'"):
-        check_manifest({"model.layers.0.self_attn.qkv_proj.weights": torch.zeros(48, 64)}, manifest)
-    with pytest.raises(WeightUpdateError, match=r"has shape \(320, 64\), the shards give \(300, 64\)"):
-        check_manifest({"lm_head.weight": torch.zeros(300, 64)}, manifest)
+def test_layer_groups_check_names_shapes_and_repeats():
+    shapes = _shapes()
+    groups = LayerGroups(shapes)
+    with pytest.raises(WeightUpdateError, match="nearest: 'model.layers.0.mlp.up_proj.weight'"):
+        groups.add([("model.layers.0.mlp.up_proj.weights", torch.zeros(4))])
+    with pytest.raises(WeightUpdateError, match=r"full HF shape \(6,\); found \(5,\)"):
+        groups.add([("model.norm.weight", torch.zeros(5))])
+    groups.add([("model.norm.weight", torch.zeros(6))])
+    with pytest.raises(WeightUpdateError, match="arrived twice"):
+        groups.add([("model.norm.weight", torch.zeros(6))])
 
 
 # ------------------------------------------------------------------------------------ errors on this machine
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_missing_vllm_says_how_to_install():
+def test_missing_vllm_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM sees on import
     with pytest.raises(MissingDependencyError, match=r"pip install megarl\[vllm\]"):
         _import_vllm()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_engine_without_cuda_points_to_the_embedded_engine(tmp_path):
-    (tmp_path / "config.json").write_text(tiny_config("llama").to_json_string())
-    with pytest.raises(ConfigError, match="backend=embedded"):
-        VLLMEngine(tmp_path)
-
-
-def test_engine_needs_an_unquantized_config(tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention applies without CUDA only")
+def test_engine_refuses_what_vllm_cannot_run_before_starting(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
+        VLLMEngine(tmp_path)
+    (tmp_path / "config.json").write_text(tiny_config("llama").to_json_string())  # head_dim 16
+    with pytest.raises(UnsupportedModelError, match=r"head_dim \[32, .*this model has 16.*backend=embedded"):
         VLLMEngine(tmp_path)
     cfg = tiny_config("llama").to_dict() | {"quantization_config": {"quant_method": "fp8"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
