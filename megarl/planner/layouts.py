@@ -35,7 +35,7 @@ from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner import memory
 from megarl.planner.memory import GB, Recompute, micro_batch_shape
-from megarl.resharding.plan import check_rollout_tp, make_plan
+from megarl.resharding.plan import Grouping, check_rollout_tp, check_vllm_groups, make_plan
 
 
 class Role(enum.Enum):
@@ -207,13 +207,11 @@ class LayoutPlan:
 
 def check_layout(spec: ModelSpec, cluster: Cluster, layout: ParallelLayout, rollout_tp: int) -> None:
     """Raise LayoutError unless the layout fills the cluster, divides the model and has a rollout tp
-    megarl's vLLM engine accepts (1 or the training tp: its TP groups are consecutive ranks)."""
+    megarl's vLLM engine accepts (its TP groups are consecutive ranks inside one data-parallel replica)."""
     layout.check_world_size(cluster.world_size)
     layout.check_model(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                        num_query_groups=spec.num_query_groups)
-    if rollout_tp not in (1, layout.tp):
-        raise LayoutError(f"rollout tp must be 1 or the training tp ({layout.tp}): vLLM's tensor-parallel groups are "
-                          f"consecutive ranks; found {rollout_tp}.")
+    check_vllm_groups(layout, rollout_tp)
     check_rollout_tp(spec, layout, rollout_tp)
 
 
@@ -282,7 +280,7 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
     """Per-rank bytes of one weight sync from the resharding plan, split by link, and the lower bound
     on its time: for every rank, max(receive, send) of intra-node bytes / NVLink + inter-node bytes /
     IB (RESHARDING.md 3(d) arithmetic), the slowest rank's."""
-    plan = make_plan(spec, layout, rollout_tp)
+    plan = make_plan(spec, layout, rollout_tp, grouping=Grouping.CONSECUTIVE)  # vLLM's groups
     size = memory.itemsize(rollout_dtype)
     world = layout.world_size
     recv = [[0, 0] for _ in range(world)]  # [intra, inter]

@@ -205,12 +205,11 @@ def kv_cache_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int, tokens: i
 
 def reshard_transient_bytes(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, *, param_dtype_bytes: int,
                             rollout_dtype_bytes: int, bucket_bytes: int) -> int:
-    """Extra memory of one weight sync (megarl.resharding.transport): the bucket cap, or the rollout shard
-    of the largest single tensor when that exceeds the cap (it travels alone), plus the pieces of the
-    largest Megatron parameter shard being split on the sending side."""
-    tensors = hf_tensors(spec, layout)
-    largest_dest = max((hi - lo) * t.row_elems for t in tensors
-                       for lo, hi in [dest_range(t, spec, rollout_tp, 0)]) * rollout_dtype_bytes
+    """Extra memory of one weight sync into vLLM (megarl.resharding.transport with ``full_tensors``): the
+    bucket cap, or the largest single HF tensor when that exceeds the cap (it travels alone, received into
+    a full-shape buffer), plus the pieces of the largest Megatron parameter shard being split on the
+    sending side. ``rollout_tp`` does not change it: vLLM's loaders take full-shape tensors at any tp."""
+    largest_dest = max(math.prod(t.shape) for t in hf_tensors(spec, layout)) * rollout_dtype_bytes
     largest_shard = max(max(s) for s in stage_parameter_shards(spec, layout)) * param_dtype_bytes
     return max(bucket_bytes, largest_dest) + largest_shard
 

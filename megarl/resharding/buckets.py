@@ -26,12 +26,13 @@ class Bucket:
     final: bool = True  # False: an early part of one tensor over the cap; its shard is complete after the last part
 
 
-def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucket]:
+def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int, *, full_tensors: bool = False) -> list[Bucket]:
     """Consecutive tensors of the plan grouped so that no rank's transient bytes in a bucket (its
     rollout shards, staging buffers, outgoing copies) exceed ``cap_bytes``. A tensor over the cap
     travels alone, in parts whose slabs are cut to fit the cap (its rollout shard is the only thing
-    larger than the cap that a rank ever holds). A pure function of the plan: every rank computes the
-    same buckets."""
+    larger than the cap that a rank ever holds). ``full_tensors``: receivers hold full-shape tensors
+    (see :func:`empty_dest`), counted whole. A pure function of the plan: every rank computes the same
+    buckets."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, found {cap_bytes}")
     ranks = range(plan.train.world_size)
@@ -42,7 +43,7 @@ def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int) -> list[Bucke
     current: list[HFTensor] = []
     load = dict.fromkeys(ranks, 0)
     for t in plan.tensors:
-        size = _transient_bytes(plan, t, by_tensor[t.name], itemsize, with_dest=True)
+        size = _transient_bytes(plan, t, by_tensor[t.name], itemsize, with_dest=True, full_tensors=full_tensors)
         if current and any(load[r] + size.get(r, 0) > cap_bytes for r in ranks):
             buckets.append(_bucket(current, by_tensor))
             current, load = [], dict.fromkeys(ranks, 0)
@@ -78,10 +79,15 @@ def _parts(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], cap: int, itemsize
 
 
 def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize: int, *,
-                     with_dest: bool) -> dict[int, int]:
-    """Per rank: staging for non-contiguous received slabs + outgoing copies (+ the rollout shard)."""
+                     with_dest: bool, full_tensors: bool = False) -> dict[int, int]:
+    """Per rank: staging for non-contiguous received slabs + outgoing copies (+ the rollout shard, or the
+    full tensor with ``full_tensors``)."""
     out: dict[int, int] = {}
     sent: set[tuple[int, int, int]] = set()
+    if with_dest and full_tensors:
+        for dst in {s.dst for s in slabs}:
+            out[dst] = t.length * t.row_elems * itemsize
+        with_dest = False
     for s in slabs:
         n = plan.slab_bytes(s, itemsize)
         if s.src != s.dst:
@@ -154,10 +160,19 @@ class LocalPieces:
 # ---------------------------------------------------------------------------------- receiving side
 
 
-def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype, device: torch.device | None = None
-               ) -> torch.Tensor:
-    """An uninitialised tensor for the range ``rng`` of ``t`` (the rollout shard), on ``device``."""
+def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype, device: torch.device | None = None, *,
+               full: bool = False) -> torch.Tensor:
+    """An uninitialised tensor for the range ``rng`` of ``t`` (the rollout shard), on ``device``.
+
+    ``full``: the whole HF shape instead, for engines whose loaders take checkpoint-format tensors and
+    read their own slice (vLLM's); the rows outside ``rng`` are never received and are NaN, so a loader
+    that read past its slice would poison the logits instead of silently using garbage."""
     shape = list(t.shape)
+    if full:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if t.dim is not None and rng != (0, t.length):
+            out.fill_(float("nan"))
+        return out
     if t.dim is not None:
         shape[t.dim] = rng[1] - rng[0]
     return torch.empty(shape, dtype=dtype, device=device)

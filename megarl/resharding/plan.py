@@ -18,8 +18,10 @@ Rollout places (which rollout replica and TP rank each training rank plays):
   and a rank's training shard lies inside its rollout shard (received bytes per rank
   ``M/TP_g - own shard``). When TP_g does not divide TP_t the model-parallel group is numbered
   TP-fastest and cut into consecutive rollout groups.
-* ``GATHER`` (otherwise): RESHARDING.md 3(a): every rank receives the full tensors it lacks and its
-  engine keeps its slice; rollout groups are consecutive global ranks.
+* ``CONSECUTIVE`` (otherwise, and vLLM's: its TP groups are consecutive global ranks): rollout group g is
+  global ranks ``[g*TP_g, (g+1)*TP_g)``, each rank receiving its rollout shard (no layout constraint,
+  but a rank's training shard need not lie inside its rollout shard, so more bytes move than with
+  ``HYBRID``).
 
 Sources: a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's own
 data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
@@ -44,7 +46,7 @@ VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 class Grouping(enum.Enum):
     HYBRID = "hybrid"
-    GATHER = "gather"
+    CONSECUTIVE = "consecutive"
 
 
 class Split(enum.Enum):
@@ -142,14 +144,14 @@ def make_plan(
 ) -> ReshardPlan:
     """The plan for moving ``spec``'s weights from ``train`` to rollout replicas of TP size ``rollout_tp``.
 
-    ``grouping``: None picks ``HYBRID`` where it applies; ``GATHER`` for engines that take full tensors
-    on every rank (vLLM's checkpoint-format weight loading)."""
+    ``grouping``: None picks ``HYBRID`` where it applies, else ``CONSECUTIVE``; engines with fixed TP groups
+    (vLLM) ask for ``CONSECUTIVE``."""
     check_rollout_tp(spec, train, rollout_tp)
     vp = padded_vocab or spec.padded_vocab_size(train.tp)
     hybrid_fits = (train.tp * train.pp) % rollout_tp == 0
     if grouping is Grouping.HYBRID and not hybrid_fits:
         raise LayoutError(f"the HYBRID grouping needs rollout tp {rollout_tp} to divide tp*pp = {train.tp * train.pp}")
-    grouping = grouping or (Grouping.HYBRID if hybrid_fits else Grouping.GATHER)
+    grouping = grouping or (Grouping.HYBRID if hybrid_fits else Grouping.CONSECUTIVE)
     tensors = tuple(hf_tensors(spec, train))
     places = tuple(rollout_places(train, rollout_tp, grouping))
     slabs: list[Slab] = []
@@ -157,7 +159,7 @@ def make_plan(
     for t in tensors:
         sources = [source_range(t, spec, train, tp, vp) for tp in range(train.tp)]
         for rank, place in enumerate(places):
-            lo, hi = (0, t.length) if grouping is Grouping.GATHER else dest_range(t, spec, rollout_tp, place.tp_rank)
+            lo, hi = dest_range(t, spec, rollout_tp, place.tp_rank)
             dest[(t.name, rank)] = (lo, hi)
             slabs.extend(_slabs_for(t, train, rank, lo, hi, sources))
     return ReshardPlan(train, rollout_tp, grouping, vp, tensors, places, tuple(slabs), dest)
@@ -247,7 +249,7 @@ def rollout_places(train: ParallelLayout, rollout_tp: int, grouping: Grouping) -
     mp = train.tp * train.pp
     for rank in range(train.world_size):
         c = train.coords(rank)
-        if grouping is Grouping.GATHER:
+        if grouping is Grouping.CONSECUTIVE:
             places.append(RolloutPlace(rank // rollout_tp, rank % rollout_tp))
             continue
         per_group = mp // rollout_tp

@@ -46,11 +46,14 @@ def stream_weights(
     bucket_bytes: int,
     stats: TransferStats | None = None,
     group: dist.ProcessGroup | None = None,
+    full_tensors: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield this rank's rollout shards bucket by bucket (HF names, ``dtype``, vocab trimmed).
 
     ``params``: global local-spec Megatron name -> this rank's shard (all its model chunks).
     ``rank``: this process's rank in ``group`` (the world the plan's layout describes).
+    ``full_tensors``: yield each shard inside a full-shape HF tensor (the rest NaN; see ``empty_dest``),
+    for engines that load checkpoint-format tensors; the bytes moved are the same.
     Every rank of the group must consume the whole iterator: buckets are collective.
     """
     stats = stats if stats is not None else TransferStats()
@@ -58,12 +61,12 @@ def stream_weights(
     itemsize = torch.empty((), dtype=dtype).element_size()
     device = next(iter(params.values())).device  # rollout shards live where the training shards do
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
-    for bucket in make_buckets(plan, bucket_bytes, itemsize):
+    for bucket in make_buckets(plan, bucket_bytes, itemsize, full_tensors=full_tensors):
         start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
         for t in bucket.tensors:
             if t.name not in dests and any(s.dst == rank for s in bucket.slabs if s.tensor == t.name):
-                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device)
-        _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group)
+                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device, full=full_tensors)
+        _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group, full_tensors)
         stats.seconds += time.perf_counter() - start
         trace.record(f"reshard bucket {stats.buckets}", start_ns, time.time_ns(), cat="reshard",
                      bytes_moved=stats.bytes_sent + stats.bytes_received - moved, tensors=len(bucket.tensors))
@@ -75,7 +78,7 @@ def stream_weights(
 
 
 def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dict[str, torch.Tensor], rank: int,
-              dtype: torch.dtype, itemsize: int, stats: TransferStats, group) -> None:
+              dtype: torch.dtype, itemsize: int, stats: TransferStats, group, full_tensors: bool) -> None:
     ops: list[dist.P2POp] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent: dict[tuple[str, int, int], torch.Tensor] = {}  # one contiguous copy per slab, however many peers
@@ -85,7 +88,7 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dic
         t = plan.tensor(s.tensor)
         nbytes = plan.slab_bytes(s, itemsize)
         if s.src == s.dst:  # cast straight into place
-            dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s).copy_(pieces.view(s))
+            dest_view(dests[s.tensor], t, _dest_start(plan, s.tensor, rank, full_tensors), s).copy_(pieces.view(s))
             stats.bytes_kept += nbytes
             continue
         if s.src == rank:
@@ -95,7 +98,7 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dic
             ops.append(dist.P2POp(dist.isend, sent[key], _peer(s.dst, group), group=group, tag=tag))
             stats.bytes_sent += nbytes
         else:
-            view = dest_view(dests[s.tensor], t, plan.dest[(s.tensor, rank)][0], s)
+            view = dest_view(dests[s.tensor], t, _dest_start(plan, s.tensor, rank, full_tensors), s)
             buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype, device=view.device)
             if buf is not view:
                 staged.append((view, buf))
@@ -106,6 +109,11 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dic
             req.wait()
     for view, buf in staged:
         view.copy_(buf)
+
+
+def _dest_start(plan: ReshardPlan, name: str, rank: int, full_tensors: bool) -> int:
+    """Where the receiving tensor starts along the split dimension: 0 for full-shape tensors."""
+    return 0 if full_tensors else plan.dest[(name, rank)][0]
 
 
 def _peer(rank_in_group: int, group) -> int:

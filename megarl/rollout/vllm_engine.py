@@ -24,11 +24,14 @@ measured on vLLM 0.32 (CPU build):
   holds each decoder layer's tensors until the layer is complete, so no layer is ever split across
   ``update_weights`` calls, whatever the bucket cap (vLLM's own grouping unit, ``layerwise_groups``).
 
-Checkpoint format means full HF tensors on every rank of a rollout TP group (vLLM's weight loaders
-take their slice), so a sync moves ``M`` bytes into every rank instead of ``M/TP_g``: the resharding
-plan for vLLM is the ``GATHER`` one, whose rollout groups are consecutive global ranks -- exactly vLLM's
-TP groups (vllm/distributed/parallel_state.py builds them as ``reshape(-1, DP, PP, TP)`` of the world it
-joins; it takes no rank permutation, so HybridFlow's strided groups cannot be vLLM's).
+Checkpoint format means full-shape HF tensors on every rank of a rollout TP group; vLLM's weight loaders
+narrow each to the rank's slice. The resharding plan moves only that slice (``M/TP_g`` per rank, as for a
+sharded target): the transport receives it into a full-shape buffer whose other rows are NaN, so a
+loader reading outside its slice would poison the logits instead of passing silently. The plan's
+rollout groups are ``CONSECUTIVE`` global ranks -- exactly vLLM's TP groups
+(vllm/distributed/parallel_state.py builds them as ``reshape(-1, DP, PP, TP)`` of the world it joins and
+takes no rank permutation, so HybridFlow's strided groups cannot be vLLM's); a group must lie inside one
+data-parallel replica (:func:`megarl.resharding.plan.check_vllm_groups`).
 
 Sleep: on CUDA, level 1 (weights to pinned host memory, KV cache dropped). Every sync rewrites all
 weights, so level 2 would save host memory, but it also drops buffers a weight stream does not rebuild
@@ -63,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.errors import ConfigError, LayoutError, MissingDependencyError, UnsupportedModelError
+from megarl.errors import ConfigError, LayoutError, MegarlError, MissingDependencyError, UnsupportedModelError
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import hf_tensors
@@ -76,6 +79,7 @@ _VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 _MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: vLLM raises 0 < T < 0.01 to 0.01
 _REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "kv_cache_memory_bytes")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
+_SHM_DIR = Path("/dev/shm")
 
 
 class _KnownNoise(logging.Filter):
@@ -108,6 +112,17 @@ class WeightReceiver:
         from vllm.distributed.parallel_state import get_tp_group
 
         return list(get_tp_group().ranks)
+
+    def megarl_shm_names(self) -> list[str]:
+        """Names of the shared-memory segments vLLM's CPU communicators created for this rank's groups."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        names = []
+        for group in (get_tp_group(), get_pp_group()):
+            name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+            if name is not None:
+                names.append(name)
+        return names
 
     def megarl_loaded(self) -> set[str]:
         """vLLM parameter names loaded since the current weight update began."""
@@ -157,7 +172,8 @@ class VLLMEngine:
                       weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
                       generation_config="vllm")  # ignore generation_config.json: no default top-k/eos from the model
         self._vllm = vllm
-        self._llm = vllm.LLM(**kwargs)
+        self._llm = _build_llm(vllm, kwargs)
+        _unlink_shm(self._rpc("megarl_shm_names"))
         self._rpc("init_weight_transfer_engine", {})
         self._groups = LayerGroups(self._shapes)
         self._check_names(self._rpc("megarl_parameter_names"), self._rpc("megarl_packed_modules"))
@@ -478,6 +494,30 @@ def _prepare_process(tp: int, gpu_memory_utilization: float) -> None:
     os.environ["RANK"] = str(dist.get_rank())  # read by ExecutorWithExternalLauncher._distributed_args
     # the device vLLM's worker binds to; vLLM's CPU worker uses it for nothing but its name
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank())
+
+
+def _build_llm(vllm: Any, kwargs: dict) -> Any:
+    try:
+        return vllm.LLM(**kwargs)
+    except RuntimeError as e:
+        if "create shm in SHMManager failed" not in str(e):
+            raise
+        stale = sorted(str(p) for p in _SHM_DIR.glob("*-cpushm_*"))
+        raise MegarlError(f"vLLM could not create its CPU communicator's shared memory ({e}): a vLLM engine on this "
+                          f"machine was killed while starting, or another job starts one now. Segments present: "
+                          f"{stale[:8]}; if no other vLLM job runs here, remove them and start again.") from e
+
+
+def _unlink_shm(names: Sequence[str]) -> None:
+    """Remove the names of vLLM's CPU shared-memory segments once every rank has mapped them (the mappings
+    live on). vLLM names them after the ranks alone, never unlinks them, and fails on an existing name, so
+    without this every run on a machine would break the next one (and a killed run every later one)."""
+    if not names:
+        return
+    dist.barrier()  # every rank of every group has joined its segments
+    for name in names:
+        for path in _SHM_DIR.glob(f"{name.lstrip('/')}_*"):
+            path.unlink(missing_ok=True)
 
 
 def _check_head_dim(head_dim: int) -> None:

@@ -50,9 +50,10 @@ class HybridRollout:
                  config: RolloutConfig, pad_token_id: int) -> None:
         self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
         self.dtype = getattr(torch, config.dtype)
-        # vLLM loads checkpoint-format tensors: every rank of a rollout group receives them whole
-        grouping = Grouping.GATHER if config.backend is RolloutBackend.VLLM else None
-        self.plan = make_plan(spec, ctx.layout, config.tp, grouping=grouping)
+        # vLLM's TP groups are consecutive ranks, and its loaders take checkpoint-format (full-shape) tensors,
+        # of which each rank receives only the slice it keeps
+        self.full_tensors = config.backend is RolloutBackend.VLLM
+        self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
         self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan)
         self.rollout.sleep()
@@ -71,7 +72,8 @@ class HybridRollout:
         stats = TransferStats()
         params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
         for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
-                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats):
+                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                     full_tensors=self.full_tensors):
             self.rollout.update_weights(bucket)
             bucket.clear()  # drop the shards as soon as the engine has copied them
         self.rollout.finish_weight_update()
@@ -162,7 +164,7 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
     if config.backend is RolloutBackend.VLLM:
         from megarl.rollout.vllm_engine import VLLMEngine
 
-        check_vllm_groups(ctx.layout, config.tp)  # vLLM's TP groups are consecutive ranks: the plan's GATHER groups
+        check_vllm_groups(ctx.layout, config.tp)  # vLLM's TP groups: the plan's CONSECUTIVE groups, in one DP replica
         group = sorted((p.tp_rank, r) for r, p in enumerate(plan.places) if p.replica == plan.places[ctx.rank].replica)
         kv_bytes = None if config.kv_cache_mb is None else int(config.kv_cache_mb * 2**20)
         return VLLMEngine.from_hf_config(

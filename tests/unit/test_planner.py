@@ -196,8 +196,9 @@ def test_layout_errors(llama70b):
         plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=2, pp=32, dp=1), 2)
     with pytest.raises(LayoutError, match="needs 32 processes"):
         plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=8, pp=4, dp=1), 8)
-    with pytest.raises(LayoutError, match="rollout tp must be 1 or the training tp"):
-        plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=8, pp=4, dp=2), 4)
+    plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=8, pp=4, dp=2), 4)  # inside a TP group
+    with pytest.raises(LayoutError, match=r"ranks 0..3 belong to data-parallel replicas \[0, 1\]"):
+        plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=2, pp=4, dp=8), 4)
 
 
 def test_propose_returns_only_fitting_layouts_cheapest_first(llama70b):

@@ -70,16 +70,20 @@ def test_hybrid_bytes_match_formula(tp, pp, dp, g):
         assert avg_part == pytest.approx(m_part / g - m_part / (tp * pp))
 
 
-def test_gather_bytes_match_formula():
+def test_consecutive_bytes_match_hand_count():
     spec = _spec(vocab_size=512, num_heads=4, num_kv_heads=4)
     layout = ParallelLayout(tp=2, pp=1, dp=2)
-    plan = make_plan(spec, layout, 4)  # 4 does not divide tp*pp = 2: per-tensor gather, 3(a)
-    assert plan.grouping is Grouping.GATHER
-    part, rep = _stage_bytes(spec, layout)
-    for rank in range(layout.world_size):
-        assert plan.received_bytes(rank, F32) == sum(part) - sum(part) // 2  # (T P - 1)/(T P) M, T P = 2
-        assert plan.dest_bytes(rank, F32) == sum(part) + sum(rep)  # full tensors; the engine keeps its slice
+    plan = make_plan(spec, layout, 4)  # 4 does not divide tp*pp = 2: consecutive groups [0, 1, 2, 3]
+    assert plan.grouping is Grouping.CONSECUTIVE
     assert [p.tp_rank for p in plan.places] == [0, 1, 2, 3]
+    part, rep = _stage_bytes(spec, layout)
+    quarter = sum(part) // 4
+    # rollout quarter r of every split tensor: ranks 0 (training half 0 of DP 0) and 3 (half 1 of DP 1) hold
+    # theirs; ranks 1 and 2 receive theirs from the holder in their own DP replica
+    assert [plan.received_bytes(r, F32) for r in range(4)] == [0, quarter, quarter, 0]
+    assert all(plan.dest_bytes(r, F32) == quarter + sum(rep) for r in range(4))
+    for s in plan.slabs:
+        assert layout.coords(s.src).dp == layout.coords(s.dst).dp
 
 
 def test_traffic_stays_inside_model_parallel_group():
@@ -192,6 +196,22 @@ def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g)
             assert torch.equal(got[name], want[name]), (rank, name)
     if tied:
         assert "lm_head.weight" not in shards[0]
+
+
+def test_full_tensor_buckets_count_whole_tensors():
+    # vLLM's receivers hold full-shape tensors even at rollout tp 2: a bucket's cap counts them whole. TP2 ->
+    # rollout tp 2: every rank keeps its own shard and nothing travels, so shard accounting counts half
+    spec = _spec(vocab_size=512)
+    plan = make_plan(spec, ParallelLayout(tp=2, pp=1), 2, grouping=Grouping.CONSECUTIVE)
+    cap = 100_000
+
+    def whole_bytes(buckets):
+        return [sum(math.prod(t.shape) * F32 for t in b.tensors) for b in buckets if b.final and len(b.tensors) > 1]
+
+    assert max(whole_bytes(make_buckets(plan, cap, F32))) > cap  # shard-sized accounting would overshoot
+    assert max(whole_bytes(make_buckets(plan, cap, F32, full_tensors=True))) <= cap
+    nan = empty_dest(plan.tensor("model.layers.0.mlp.up_proj.weight"), (0, 48), torch.float32, full=True)
+    assert nan.shape == plan.tensor("model.layers.0.mlp.up_proj.weight").shape and bool(nan.isnan().all())
 
 
 def test_buckets_respect_cap_and_order():

@@ -127,12 +127,10 @@ def test_group_across_data_parallel_replicas_is_refused():
         check_vllm_groups(ParallelLayout(tp=2, pp=2, dp=2), 3)
 
 
-def test_vllm_plan_sends_full_tensors_to_every_rank():
+def test_vllm_plan_groups_are_consecutive_ranks():
     spec = spec_from_hf_config(tiny_config("llama").to_dict())
-    plan = make_plan(spec, ParallelLayout(tp=2, pp=2), 2, grouping=Grouping.GATHER)
-    assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for (name, _), (lo, hi) in plan.dest.items():
-        assert (lo, hi) == (0, plan.tensor(name).length)
+    plan = make_plan(spec, ParallelLayout(tp=4, pp=1), 2, grouping=Grouping.CONSECUTIVE)
+    assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # HYBRID: strided
 
 
 # ------------------------------------------------------------------------------- weight-sync building blocks
