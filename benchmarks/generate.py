@@ -15,13 +15,18 @@ random ids (8-40 tokens):
 - ``mid-25M-long``: the same model, 4 prompts x n=8 = 32 samples of 512 tokens: long responses, where the KV cache
   dominates. Here ``engine-dynamic-cache`` (the engine with transformers' own ``DynamicLayer``, which grows by
   ``torch.cat`` and so copies the whole cache at every step) isolates what appending in place
-  (``megarl.rollout.kv_cache.GrowingLayer``) saves.
+  (``megarl.rollout.kv_cache.GrowingLayer``) saves;
+- ``mid-25M-early-stop``: the same model biased towards its stop token like ``tiny-early-stop``, 32 prompts x n=8 =
+  256 samples, max_new_tokens=64: a GRPO-sized batch whose samples mostly stop early.
 
 Variants, run alternately (one of each per round, rotating the order) after one warm-up round:
 ``engine`` (EmbeddedEngine, default max_batch_size=64: 64 rows decode at once, the others join as rows
 finish), ``engine-bs128`` (all 128 rows at once),
 ``hf`` (model.generate on the left-padded prompt batch, num_return_sequences=n; returns no
-log-probs) and ``hf+logprob`` (hf plus the extra teacher-forced forward TRL runs to get log-probs).
+log-probs), ``hf+logprob`` (hf plus the extra teacher-forced forward TRL runs to get log-probs), and
+``vllm-eager`` / ``vllm-compiled`` (megarl's VLLMEngine on vLLM's CPU build, without and with torch.compile; it
+runs in a child process, a torch.distributed world of one, driven over a pipe so that its runs alternate with
+the others'; its engine start-up and weight-sync seconds are reported once per case).
 Each run records wall and CPU seconds and the process's involuntary context switches ("preempted": on a
 machine shared with other work, OpenMP threads that lose their core spin and stall, inflating both times).
 Before each run the script waits (up to ``--max-wait`` s) for the 1-min load average to drop below
@@ -55,13 +60,16 @@ PRESSURE_LIMIT = 20.0  # % CPU pressure (PSI avg10) to wait below before each ro
 TARGET_EARLY_STOP = 1.5  # engine at least 1.5x faster than hf when most samples stop early; never slower otherwise
 MID_25M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_layers=6, num_heads=8, num_kv_heads=4)
 ALL_VARIANTS = ("engine", "engine-bs128", "hf", "hf+logprob")
+VLLM_VARIANTS = ("vllm-eager", "vllm-compiled")
 CASES = {
     "tiny-early-stop": dict(shape=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
                                        num_heads=4, num_kv_heads=2), stop=(1,), eos_bias=(3.0, 3.5),
                             prompts=16, max_new=64, variants=ALL_VARIANTS),
     "mid-25M-no-stop": dict(shape=MID_25M, stop=(), eos_bias=None, prompts=16, max_new=64, variants=ALL_VARIANTS),
     "mid-25M-long": dict(shape=dict(MID_25M, max_positions=600), stop=(), eos_bias=None, prompts=4, max_new=512,
-                         variants=("engine", "engine-dynamic-cache", "hf")),
+                         variants=("engine", "engine-dynamic-cache", "hf", *VLLM_VARIANTS)),
+    "mid-25M-early-stop": dict(shape=MID_25M, stop=(1,), eos_bias=(3.0, 3.5), prompts=32, max_new=64,
+                               variants=("engine", "hf", *VLLM_VARIANTS)),
 }
 
 
@@ -146,12 +154,75 @@ def hf_variant(model, prompts, stop, max_new: int, with_log_probs: bool) -> Call
 
 
 def timed(fn: Callable[[], dict]) -> dict:
-    """Result plus wall and CPU seconds and involuntary context switches (a sign of other load on the cores)."""
+    """Result plus wall and CPU seconds and involuntary context switches (a sign of other load on the cores); a
+    variant running in another process reports its own."""
     before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     result = fn()
     wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return dict(result, wall=wall, cpu=cpu, preempted=after.ru_nivcsw - before.ru_nivcsw, pressure=cpu_pressure())
+    return dict(wall=wall, cpu=cpu, preempted=after.ru_nivcsw - before.ru_nivcsw) | result | dict(
+        pressure=cpu_pressure())
+
+
+def _vllm_child(conn, config: dict, weights: str, prompts, stop, max_new: int, eager: bool) -> None:
+    """A world of one hosting a VLLMEngine; answers each seed from the pipe with one timed generate call."""
+    from safetensors.torch import load_file
+
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.testing.dist import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    init_distributed(ParallelLayout())
+    start = time.perf_counter()
+    engine = VLLMEngine.from_hf_config(config, tp=1, dtype=torch.float32, enforce_eager=eager, kv_cache_bytes=1 << 29,
+                                       max_model_len=max(map(len, prompts)) + max_new + 1)
+    startup = time.perf_counter() - start
+    tensors = load_file(weights)
+    syncs = []
+    for _ in range(2):  # the second sync is the steady state
+        start = time.perf_counter()
+        engine.wake_up()
+        engine.update_weights(list(tensors.items()))
+        engine.finish_weight_update()
+        syncs.append(time.perf_counter() - start)
+    conn.send(dict(startup=startup, sync=syncs))
+    while (seed := conn.recv()) is not None:
+        params = SamplingParams(n=N_SAMPLES, max_new_tokens=max_new, stop_token_ids=stop, seed=seed, **SAMPLING)
+        before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        out = engine.generate(prompts, params)
+        wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
+        conn.send(dict(tokens=int(out.response_lengths.sum()), stopped=out.finish_reasons.count("stop"), wall=wall,
+                       cpu=after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                       preempted=after.ru_nivcsw - before.ru_nivcsw))
+
+
+def vllm_variant(config, model, prompts, stop, max_new: int, eager: bool, setup: dict) -> Callable[[], dict]:
+    """VLLMEngine in a child process (vLLM keeps one engine's parallel state per process); ``setup`` receives its
+    start-up and weight-sync seconds."""
+    import multiprocessing
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    weights = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "model.safetensors"
+    save_file({n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"
+               or not config.tie_word_embeddings}, str(weights))
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_vllm_child, args=(child_conn, config.to_dict(), str(weights), prompts, stop, max_new,
+                                                 eager), daemon=True)
+    proc.start()
+    setup.update(conn.recv())
+    seed = iter(range(10**6))
+
+    def run() -> dict:
+        conn.send(next(seed))
+        return conn.recv()
+
+    return run
 
 
 def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> dict:
@@ -165,6 +236,10 @@ def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> d
         "hf": lambda: hf(with_log_probs=False),
         "hf+logprob": lambda: hf(with_log_probs=True),
     }
+    setup: dict[str, dict] = {"vllm-eager": {}, "vllm-compiled": {}}
+    vllm = functools.partial(vllm_variant, config, model, prompts, stop, CASES[name]["max_new"])
+    make |= {"vllm-eager": lambda: vllm(eager=True, setup=setup["vllm-eager"]),
+             "vllm-compiled": lambda: vllm(eager=False, setup=setup["vllm-compiled"])}
     variants = {v: make[v]() for v in CASES[name]["variants"]}
     names = list(variants)
     runs: dict[str, list[dict]] = {v: [] for v in names}
@@ -188,7 +263,7 @@ def bench_case(name: str, repeats: int, load_limit: float, max_wait: float) -> d
     keys = ("wall", "cpu", "tokens", "stopped", "preempted", "pressure")
     med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in names}
     return dict(name=name, params=params, prompt_lens=[len(p) for p in prompts], med=med, runs=runs,
-                loads=loads, discarded=discarded)
+                loads=loads, discarded=discarded, setup={v: s for v, s in setup.items() if s})
 
 
 def verdict(case: dict) -> str:
@@ -220,16 +295,21 @@ def render(info: dict, cases: list[dict]) -> str:
                   f"1-min load average before each run: {min(c['loads']):.2f}-{max(c['loads']):.2f}; "
                   f"{c['discarded']} runs discarded (CPU pressure > {PRESSURE_LIMIT:.0f}% right after them)", "",
                   "| variant | median wall s | min-max wall s | median CPU s | median preempted | median CPU pressure "
-                  "| tokens | stopped | hf wall / variant wall | log-probs |", "|" + "---|" * 10]
+                  "| tokens | stopped | tokens/s | hf wall / variant wall | log-probs |", "|" + "---|" * 11]
         hf = c["med"]["hf"]["wall"]
         for v, m in c["med"].items():
             walls = [r["wall"] for r in c["runs"][v]]
-            lp = "yes (from the sampling softmax)" if v.startswith("engine") else (
+            lp = "yes (from the sampling softmax)" if v.startswith(("engine", "vllm")) else (
                 "yes (extra forward)" if v == "hf+logprob" else "no (none without output_scores)")
             lines.append(f"| {v} | {m['wall']:.3f} | {min(walls):.3f}-{max(walls):.3f} | {m['cpu']:.3f} | "
                          f"{m['preempted']:.0f} | {m['pressure']:.0f}% | "
-                         f"{m['tokens']:.0f} | {m['stopped']:.0f} | {hf / m['wall']:.2f}x | {lp} |")
+                         f"{m['tokens']:.0f} | {m['stopped']:.0f} | {m['tokens'] / m['wall']:.0f} | "
+                         f"{hf / m['wall']:.2f}x | {lp} |")
         lines += ["", f"**{verdict(c)}** (default engine, wall-clock medians)", ""]
+        for v, st in c["setup"].items():
+            lines += [f"- {v}: engine start-up {st['startup']:.1f} s; weight sync {st['sync'][0]:.2f} s (first), "
+                      f"{st['sync'][1]:.2f} s (second)"]
+        lines += [""] if c["setup"] else []
     return "\n".join(lines)
 
 

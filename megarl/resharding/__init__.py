@@ -2,5 +2,5 @@
 
 ``plan`` (pure: who sends which HF slab to whom), ``buckets`` (pure torch: local HF pieces,
 size-capped buckets, assembly of rollout shards), ``transport`` (the collectives that execute a
-plan over the workers' own process group), ``vllm_layout`` (vLLM's fused per-rank parameters).
+plan over the workers' own process group).
 """

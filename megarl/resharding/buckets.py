@@ -84,9 +84,8 @@ def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize
     full tensor with ``full_tensors``)."""
     out: dict[int, int] = {}
     sent: set[tuple[int, int, int]] = set()
-    if with_dest and full_tensors:
-        for dst in {s.dst for s in slabs}:
-            out[dst] = t.length * t.row_elems * itemsize
+    if with_dest and full_tensors:  # every rank holds the full shape, even with an empty slice
+        out = dict.fromkeys(range(plan.train.world_size), t.length * t.row_elems * itemsize)
         with_dest = False
     for s in slabs:
         n = plan.slab_bytes(s, itemsize)

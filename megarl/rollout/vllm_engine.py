@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import glob
 import json
 import logging
 import os
@@ -516,7 +517,7 @@ def _unlink_shm(names: Sequence[str]) -> None:
         return
     dist.barrier()  # every rank of every group has joined its segments
     for name in names:
-        for path in _SHM_DIR.glob(f"{name.lstrip('/')}_*"):
+        for path in _SHM_DIR.glob(f"{glob.escape(name.lstrip('/'))}_*"):  # names hold "[0-1]"
             path.unlink(missing_ok=True)
 
 

@@ -8,6 +8,8 @@ vLLM samples with must be the updated ones).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,7 +58,9 @@ def _world(rank, world_size, ckpt, rollout_tp):
     rollout = RolloutConfig(backend=RolloutBackend.VLLM, tp=rollout_tp, dtype="float32", bucket_mb=0.01,
                             kv_cache_mb=32, max_model_len=64, enforce_eager=True, seed=5)
     role = PolicyRole(ctx, ckpt, engine, PolicyConfig(), rollout=rollout)
-    res: dict = {"frees": role.rollout.rollout.sleep_frees_memory}
+    res: dict = {"frees": role.rollout.rollout.sleep_frees_memory,
+                 # vLLM's CPU communicators' shared memory, by name: unlinked once mapped, or the next run fails
+                 "shm_left": sorted(p.name for p in Path("/dev/shm").glob("*-cpushm_*"))}
 
     # 1. greedy: every replica generates its share of the prompts
     greedy = role.generate(_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
@@ -140,6 +144,7 @@ def test_greedy_of_every_replica_equals_transformers(world, reference):
     assert metrics["rollout/logprob_abs_diff"] < 1e-5
     assert metrics["rollout/sleep_frees_memory"] == 0.0  # vLLM cannot sleep on CPU, and says so
     assert not any(r["frees"] for r in results)
+    assert all(r["shm_left"] == [] for r in results)
 
 
 def test_sampled_log_probs_match_a_transformers_forward(world, reference):

@@ -117,6 +117,13 @@ def _fp32_world(rank, world_size, model_dir):
                                                            stop_token_ids=(free[2],)))
     res["stop"] = {"free": free, "tokens": stopped.token_lists()[0], "reason": stopped.finish_reasons[0]}
     res["errors"] = _errors(engine, weights, torch.float32)
+    if torch.cuda.is_available():  # sleep level 1 gives the weights' and the KV cache's memory back
+        _sync(engine, weights, [list(weights)], torch.float32)
+        engine.generate(PROMPTS, greedy)
+        free = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        res["freed"] = torch.cuda.mem_get_info()[0] - free
+        res["weight_bytes"] = sum(t.numel() * 4 for t in weights.values())
     return res
 
 
@@ -221,7 +228,10 @@ def test_refusals_name_the_problem(fp32):
 
 
 def test_sleep_is_honest_about_memory(fp32):
-    assert fp32[1]["frees"] is torch.cuda.is_available()  # vLLM's CPU platform has no sleep mode
+    res = fp32[1]
+    assert res["frees"] is torch.cuda.is_available()  # vLLM's CPU platform has no sleep mode
+    if torch.cuda.is_available():
+        assert res["freed"] >= res["weight_bytes"]
 
 
 def test_bf16_rollout_within_transformers_own_bf16_gap(tiny_hf):

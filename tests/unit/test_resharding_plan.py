@@ -12,7 +12,6 @@ from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.buckets import LocalPieces, dest_view, empty_dest, make_buckets
 from megarl.resharding.plan import Grouping, Slab, make_plan
-from megarl.resharding.vllm_layout import vllm_params
 from megarl.testing.tiny import tiny_config
 
 F32 = 4
@@ -139,36 +138,24 @@ def _execute_in_memory(plan, spec, hf, dtype=torch.float32):
 
 
 def _vllm_by_hand(spec, hf, g, tp_g):
-    """What vLLM's QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear /
-    VocabParallelEmbedding hold on rank g (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py)."""
+    """The slice of every HF tensor that vLLM's QKVParallelLinear / MergedColumnParallelLinear /
+    RowParallelLinear / VocabParallelEmbedding weight loaders narrow a checkpoint tensor to on rank g
+    (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py): the part of the full-shape
+    tensor a sync must fill."""
     d, n_g = spec.head_dim, spec.num_query_groups
     out = {}
     for name, t in hf.items():
-        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "up_proj.weight")):
-            continue
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            kind = name.rsplit(".", 1)[1]
-            base = name[: -len(f"q_proj.{kind}")]
-            q = t.chunk(tp_g)[g]
-            if tp_g <= n_g:
-                k, v = hf[f"{base}k_proj.{kind}"].chunk(tp_g)[g], hf[f"{base}v_proj.{kind}"].chunk(tp_g)[g]
-            else:
-                head = g // (tp_g // n_g)
-                k = hf[f"{base}k_proj.{kind}"][head * d:(head + 1) * d]
-                v = hf[f"{base}v_proj.{kind}"][head * d:(head + 1) * d]
-            out[f"{base}qkv_proj.{kind}"] = torch.cat([q, k, v])
-        elif name.endswith("gate_proj.weight"):
-            base = name[: -len("gate_proj.weight")]
-            up = hf[f"{base}up_proj.weight"]
-            out[f"{base}gate_up_proj.weight"] = torch.cat([t.chunk(tp_g)[g], up.chunk(tp_g)[g]])
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) and tp_g > n_g:
+            head = g // (tp_g // n_g)  # vLLM replicates KV heads past the KV groups
+            out[name] = t[head * d:(head + 1) * d]
+        elif name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.weight", "k_proj.bias",
+                            "v_proj.bias", "gate_proj.weight", "up_proj.weight")):
+            out[name] = t.chunk(tp_g)[g]
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             out[name] = t.chunk(tp_g, dim=1)[g]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            per = math.ceil(spec.vocab_size / 64) * 64 // tp_g
-            rows = torch.zeros(per, t.shape[1])
-            part = t[g * per:(g + 1) * per]
-            rows[: part.shape[0]] = part
-            out[name] = rows
+            per = math.ceil(spec.vocab_size / 64) * 64 // tp_g  # org_vocab_start/end_index: 64-padded shards
+            out[name] = t[g * per:(g + 1) * per]
         else:
             out[name] = t
     return out
@@ -180,16 +167,17 @@ def _vllm_by_hand(spec, hf, g, tp_g):
     ("qwen2", True, 4, 2, 2, 2, 4),    # TP_g > KV heads: vLLM replicates KV heads; tied embedding sent once
     ("qwen2", False, 4, 2, 2, 2, 1),   # embedded engines: full tensors everywhere
 ])
-def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g):
+@pytest.mark.parametrize("grouping", [Grouping.HYBRID, Grouping.CONSECUTIVE])  # embedded engines, vLLM
+def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g, grouping):
     # V=300: Megatron pads to 512 (128 rows per TP4 rank, rank 3 empty), vLLM to 320 (160 per TP2 rank)
     spec = _spec(family, vocab_size=300, num_heads=heads, num_kv_heads=kv, hidden_size=64, tied=tied)
     hf = _hf_state(spec)
     layout = ParallelLayout(tp=tp, pp=pp, dp=1)
-    plan = make_plan(spec, layout, tp_g)
+    plan = make_plan(spec, layout, tp_g, grouping=grouping)
     shards = _execute_in_memory(plan, spec, hf)
     for rank in range(layout.world_size):
         place = plan.places[rank]
-        got = vllm_params(shards[rank], vocab_size=spec.vocab_size, rollout_tp=tp_g)
+        got = shards[rank]
         want = _vllm_by_hand(spec, hf, place.tp_rank, tp_g)
         assert set(got) == set(want)
         for name in want:
