@@ -22,6 +22,7 @@ TINY_MODELS = {
     "qwen2_rm": ("qwen2", dict(num_heads=4, num_kv_heads=2, scalar_head=True, tied=True)),
     # head_dim 32: vLLM's CPU attention has no kernel for the head_dim 16 of the models above
     "qwen2_vllm": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, tied=False)),
+    "qwen2_vllm_kv4": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4, tied=False)),
     "qwen2_vllm_tied": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                                       tied=True, num_layers=2)),
 }

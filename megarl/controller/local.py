@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from megarl.controller.handles import GroupOptions, RoleHandle, WorkerError
-from megarl.controller.role import Role, WorkerContext, call_role
+from megarl.controller.role import Role, WorkerContext, call_role, close_roles
 from megarl.errors import LayoutError
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
@@ -104,5 +104,5 @@ class LocalGroup:
         from megarl.parallel.init import destroy_distributed
 
         self.alive = False
-        self.roles.clear()
+        close_roles(self.roles)
         destroy_distributed()

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from megarl.controller.role import Role, WorkerContext, call_role
+from megarl.controller.role import Role, WorkerContext, call_role, close_roles
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
 
@@ -86,5 +86,5 @@ class WorkerProcess:
     def shutdown(self) -> None:
         from megarl.parallel.init import destroy_distributed
 
-        self.roles.clear()
+        close_roles(self.roles)
         destroy_distributed()

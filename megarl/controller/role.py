@@ -39,6 +39,16 @@ class Role:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
 
+    def close(self) -> None:
+        """Release what outlives the object (engines' process groups, shared memory); called once at shutdown."""
+
+
+def close_roles(roles: dict[str, Role]) -> None:
+    """Close and drop every hosted role (the worker's shutdown, before its process group goes)."""
+    for role in roles.values():
+        role.close()
+    roles.clear()
+
 
 def call_role(roles: dict[str, Role], role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Apply ``method`` (a function of the role's class) to the hosted instance, as a traced span."""

@@ -18,6 +18,10 @@ Phases of one PPO iteration on a colocated pool (megarl.workers.hybrid, RESHARDI
 * ``build``: once, when vLLM starts (it allocates weights and KV cache, then sleeps) with every
   engine already built, before the first optimizer step (Adam's moments do not exist yet).
 
+These are GPU phases (vLLM's CUDA sleep mode). On CPU (vLLM's CPU build) nothing sleeps or offloads:
+rollout weights and KV cache stay resident beside the full training state in every phase; the planner
+does not model that case.
+
 Text reports (what ``tools/plan.py`` prints) are formatted here too: strings out, nothing printed.
 Sizes are decimal GB, as in RESHARDING.md.
 """

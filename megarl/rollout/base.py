@@ -116,6 +116,8 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """Reference log-prob of ``tokens`` under ``softmax(logits / T)`` in float32 (``T=0`` counts as 1).

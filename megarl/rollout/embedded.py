@@ -291,6 +291,9 @@ class EmbeddedEngine:
 
     sleep_frees_memory = True
 
+    def close(self) -> None:
+        """Nothing outlives the engine object."""
+
     def sleep(self) -> None:
         """Free every parameter's storage (0 bytes); the KV cache only lives inside :meth:`generate`."""
         if not self._awake:

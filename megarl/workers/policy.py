@@ -80,6 +80,10 @@ class PolicyRole(Role):
             pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
             self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad)
 
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.rollout.close()
+
     def generate(self, prompts: Batch, params: SamplingParams, baseline: SamplingParams | None = None) -> Batch | None:
         """Sample ``params.n`` responses per prompt with the colocated rollout engine (current weights).
 

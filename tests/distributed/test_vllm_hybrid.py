@@ -1,5 +1,6 @@
-"""Megatron TP2xPP2 (4 gloo processes) -> vLLM rollout engines (vLLM's CPU build), through the policy's
-hybrid engine: rollout tp 1 (4 replicas) and rollout tp 2 (2 replicas).
+"""Megatron on 4 gloo processes -> vLLM rollout engines (vLLM's CPU build), through the policy's hybrid
+engine: TP2xPP2 -> rollout tp 1 (4 replicas) and rollout tp 2 (2 replicas), and TP4 -> rollout tp 2 (the
+layout whose HybridFlow grouping is strided, which vLLM cannot build: here its consecutive groups run).
 
 References: `transformers.generate` and a transformers forward on the source HF directory (greedy tokens,
 fp32 log-probs of sampled tokens), and the training model's own log-probs after real updates (the weights
@@ -37,7 +38,7 @@ def _rows(batch):  # results travel as JSON
     return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs")}
 
 
-def _world(rank, world_size, ckpt, rollout_tp):
+def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
@@ -48,7 +49,7 @@ def _world(rank, world_size, ckpt, rollout_tp):
     from megarl.workers.hybrid import RolloutConfig
     from megarl.workers.policy import PolicyConfig, PolicyRole
 
-    layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
+    layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
     init_distributed(layout)
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
     engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=0.05, clip_grad=0.0,
@@ -58,6 +59,7 @@ def _world(rank, world_size, ckpt, rollout_tp):
     rollout = RolloutConfig(backend=RolloutBackend.VLLM, tp=rollout_tp, dtype="float32", bucket_mb=0.01,
                             kv_cache_mb=32, max_model_len=64, enforce_eager=True, seed=5)
     role = PolicyRole(ctx, ckpt, engine, PolicyConfig(), rollout=rollout)
+    torch.distributed.barrier()  # every rank has unlinked its groups' segments
     res: dict = {"frees": role.rollout.rollout.sleep_frees_memory,
                  # vLLM's CPU communicators' shared memory, by name: unlinked once mapped, or the next run fails
                  "shm_left": sorted(p.name for p in Path("/dev/shm").glob("*-cpushm_*"))}
@@ -65,7 +67,8 @@ def _world(rank, world_size, ckpt, rollout_tp):
     # 1. greedy: every replica generates its share of the prompts
     greedy = role.generate(_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
     if greedy is not None:
-        res["greedy"] = [row[row != 0].tolist() for row in greedy["input_ids"]]  # prompts contain no 0
+        res["greedy"] = [row[: int(m.sum())].tolist() for row, m in zip(greedy["input_ids"], greedy["attention_mask"],
+                                                                          strict=True)]
         res["greedy_metrics"] = greedy.meta["metrics"]
 
     # 2. seeded sampling: reproducible; log-probs checked against transformers by the test
@@ -83,7 +86,7 @@ def _world(rank, world_size, ckpt, rollout_tp):
     role.rollout.to_train()
 
     # 4. real updates: after each, the next rollout's log-probs must equal the updated training model's
-    src = layout.rank_of(tp=0, pp=1, dp=0)
+    src = layout.rank_of(tp=0, pp=pp - 1, dp=0)
     steps = []
     for step in range(STEPS):
         batch = role.generate(_prompt_batch(), SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW,
@@ -107,33 +110,43 @@ def _world(rank, world_size, ckpt, rollout_tp):
     return res
 
 
+WORLDS = {  # name: (tiny model, training tp, pp, rollout tp)
+    "tp2pp2_rollout_tp1": ("qwen2_vllm", 2, 2, 1),
+    "tp2pp2_rollout_tp2": ("qwen2_vllm", 2, 2, 2),
+    "tp4_rollout_tp2": ("qwen2_vllm_kv4", 4, 1, 2),  # megatron-core TP4 needs 4 KV heads
+}
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request, tiny_hf, tmp_path_factory):
+    name, tp, pp, rollout_tp = WORLDS[request.param]
+    hf = tiny_hf(name)
+    ckpt = tmp_path_factory.mktemp("vllm_hybrid") / "mc"
+    convert_hf_to_megatron(hf, ckpt, tp=tp, pp=pp)
+    return rollout_tp, hf, run_world(_world, 4, str(ckpt), tp, pp, rollout_tp, timeout_s=1200)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tiny_hf, tmp_path_factory):
-    hf = tiny_hf("qwen2_vllm")
-    root = tmp_path_factory.mktemp("vllm_hybrid")
-    convert_hf_to_megatron(hf, root / "mc", tp=2, pp=2)
-    return hf, root / "mc"
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["rollout_tp1", "rollout_tp2"])
-def world(request, checkpoint):
-    hf, ckpt = checkpoint
-    return request.param, hf, run_world(_world, 4, str(ckpt), request.param, timeout_s=1200)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def references(tiny_hf):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
+    cache = {}
+
+    def get(hf):
+        if hf not in cache:
+            cache[hf] = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        return cache[hf]
+
+    return get
 
 
 def _collected(results, key):
     return [r[key] for r in results if key in r][0]  # the collect rank's batch (or the first reporting rank)
 
 
-def test_greedy_of_every_replica_equals_transformers(world, reference):
-    _, _, results = world
+def test_greedy_of_every_replica_equals_transformers(world, references):
+    _, hf, results = world
+    reference = references(hf)
     expected = []
     for p in PROMPTS:
         out = reference.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
@@ -147,8 +160,9 @@ def test_greedy_of_every_replica_equals_transformers(world, reference):
     assert all(r["shm_left"] == [] for r in results)
 
 
-def test_sampled_log_probs_match_a_transformers_forward(world, reference):
-    _, _, results = world
+def test_sampled_log_probs_match_a_transformers_forward(world, references):
+    _, hf, results = world
+    reference = references(hf)
     rows = {k: torch.tensor(v) for k, v in _collected(results, "sampled").items()}
     assert _collected(results, "same_seed_equal")
     with torch.no_grad():

@@ -39,8 +39,15 @@ def _run(task, out, **extra):
     return run(load_config(EXAMPLE, [f"{k}={v}" for k, v in (base | extra).items()]))
 
 
+def _shared_memory() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
 def test_grpo_on_vllm_learns_addition(ray_cluster, task, tmp_path):
+    before = _shared_memory()
     history = _run(task, tmp_path / "grpo")
+    # vLLM's TP-group message queue and CPU communicator segments are released when the workers shut down
+    assert not {n for n in _shared_memory() - before if n.startswith("psm_") or "cpushm" in n}
     rewards = [m["reward/mean"] for m in history]
     start, end = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
     print("GRPO on vLLM, mean reward per 10 steps:",
