@@ -82,6 +82,7 @@ _MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: vLLM raises 0 < T 
 _REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "kv_cache_memory_bytes")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
 _SHM_DIR = Path("/dev/shm")
+_CPU_BATCH_TOKENS = 4096  # tokens per engine step on CPU (vLLM's default there), at least max_model_len
 
 
 class _KnownNoise(logging.Filter):
@@ -166,13 +167,20 @@ class VLLMEngine:
         on_gpu = torch.cuda.is_available()
         if kv_cache_bytes is None and not on_gpu:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        # On CPU, vLLM rewinds a seeded request's generator after a partial (chunked) prefill through
+        # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): a seeded batch
+        # whose prompts exceed one step's token budget would crash. Whole prefills avoid that path.
+        cpu_scheduling = {} if on_gpu else dict(
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(_CPU_BATCH_TOKENS, max_model_len or int(cfg["max_position_embeddings"])))
         kwargs = dict(model=str(model_dir), tensor_parallel_size=tp, dtype=str(dtype).removeprefix("torch."),
                       seed=seed, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
                       enforce_eager=enforce_eager, max_model_len=max_model_len,
                       distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_frees_memory,
                       load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=f"{__name__}.WeightReceiver",
                       weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
-                      generation_config="vllm")  # ignore generation_config.json: no default top-k/eos from the model
+                      generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
+                      **cpu_scheduling)
         self._vllm = vllm
         self._llm = _build_llm(vllm, kwargs)
         _unlink_shm(self._rpc("megarl_shm_names"))

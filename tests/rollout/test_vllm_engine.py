@@ -109,7 +109,12 @@ def _fp32_world(rank, world_size, model_dir):
         a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
         res["sampled"][str(top_k)] = {"index": a.prompt_index.tolist(), "tokens": a.token_lists(),
                                  "log_probs": a.log_prob_lists(), "reproducible": a.token_lists() == b.token_lists()}
-    unseeded = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+    # more prompt tokens than one engine step takes (4096): vLLM would chunk the prefill, which crashes a
+    # seeded request on CPU; the engine prefills whole prompts there
+    many = [[(7 * i + j) % 290 + 5 for j in range(40)] for i in range(120)]
+    big = SamplingParams(n=2, temperature=1.0, max_new_tokens=2, seed=99)
+    res["many_reproducible"] = engine.generate(many, big).token_lists() == engine.generate(many, big).token_lists()
+    unseeded = SamplingParams(n=2, temperature=2.0, max_new_tokens=6)  # tied random model: near-certain at T=1
     res["unseeded"] = [engine.generate(PROMPTS, unseeded).token_lists() for _ in range(2)]
 
     free = engine.generate([PROMPTS[2]], greedy).token_lists()[0]
@@ -207,6 +212,10 @@ def test_sampled_log_probs_match_a_transformers_forward(fp32, reference, top_k):
 def test_unseeded_calls_differ(fp32):
     first, second = fp32[1]["unseeded"]
     assert first != second
+
+
+def test_seeded_batch_larger_than_one_engine_step(fp32):
+    assert fp32[1]["many_reproducible"]
 
 
 def test_stop_token_ends_the_row_and_stays_in_it(fp32):
