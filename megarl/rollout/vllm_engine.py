@@ -137,7 +137,8 @@ class VLLMEngine:
 
     ``model_dir`` holds the model's ``config.json`` (e.g. a Megatron checkpoint's ``hf/``); the tokenizer is
     never loaded (ids in, ids out) and weights start as vLLM's dummy init until the first sync, which takes
-    full HF-named tensors (every rank of a rollout TP group gets all of them; vLLM keeps its slice).
+    full-shape HF-named tensors on every rank of a rollout TP group; vLLM's loaders read only the rank's
+    slice (the hybrid engine's transport fills only that).
     ``expected_tp_ranks``: the global ranks of this rank's rollout group, verified against vLLM's TP group.
     ``kv_cache_bytes``: the KV cache size; None lets vLLM size it from ``gpu_memory_utilization`` on a GPU
     and uses :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the host's memory).
@@ -246,7 +247,7 @@ class VLLMEngine:
         try:
             self._rpc("update_weights", {"weights": ready})
         except (KeyError, ValueError, AssertionError, RuntimeError) as e:
-            self._abort_update()
+            self._end_update()
             raise WeightUpdateError(f"vLLM could not load {[n for n, _ in ready][:8]}...: "
                                     f"{type(e).__name__}: {e}") from e
         return {name for name, _ in ready}
@@ -256,7 +257,7 @@ class VLLMEngine:
         then vLLM finishes its layer-wise processing and the prefix cache is dropped."""
         waiting, missing = self._groups.waiting, self._groups.missing()
         loaded = self._rpc("megarl_loaded") if self._updating else set()
-        self._abort_update()  # ends vLLM's session in every case: layers that got nothing keep their weights
+        self._end_update()  # ends vLLM's session in every case: layers that got nothing keep their weights
         if waiting or missing:
             shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
             raise WeightUpdateError(f"incomplete weight update: {len(missing)} of {len(self._shapes)} tensors were "
@@ -269,7 +270,7 @@ class VLLMEngine:
         logger.debug("weight sync complete: %d tensors", len(self._shapes))
         self._ready = True
 
-    def _abort_update(self) -> None:
+    def _end_update(self) -> None:
         self._groups = LayerGroups(self._shapes)
         if self._updating:
             self._updating = False
@@ -293,7 +294,7 @@ class VLLMEngine:
         only the engine's state changes (generation needs a new sync)."""
         if not self._weights_awake:
             return
-        self._abort_update()
+        self._end_update()
         if self.sleep_frees_memory:
             if not self._kv_awake:  # CuMemAllocator.sleep unmaps every allocation: map the KV cache back first
                 self._llm.wake_up(tags=["kv_cache"])
@@ -307,7 +308,7 @@ class VLLMEngine:
                 self._llm.wake_up(tags=["weights"])
             self._weights_awake = True
         self._ready = False
-        self._abort_update()
+        self._end_update()
 
     # ---- generation ----------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def _prompt_batch():
 
 
 def _rows(batch):  # results travel as JSON
-    return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs")}
+    return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs", "old_log_probs")}
 
 
 def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
@@ -170,8 +170,12 @@ def test_sampled_log_probs_match_a_transformers_forward(world, references):
     ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, rows["input_ids"][:, 1:, None])[..., 0]
     mask = rows["response_mask"][:, 1:].bool()
     diff = (ref - rows["rollout_log_probs"][:, 1:].double()).abs()[mask]
-    # the mean is rollout/logprob_abs_diff's statistic; single tokens differ by up to ~1.2e-5 (fp32 kernels)
-    assert mask.sum() >= len(PROMPTS) * 2 and diff.mean() < 1e-5 and diff.max() < 5e-5, (diff.mean(), diff.max())
+    # fp32 noise floor on these tokens: megatron-core's own log-probs against the same transformers forward
+    floor = (ref - rows["old_log_probs"][:, 1:].double()).abs()[mask]
+    print(f"|vLLM - transformers| mean {diff.mean():.2e} max {diff.max():.2e}; "
+          f"|megatron-core - transformers| mean {floor.mean():.2e} max {floor.max():.2e}")
+    assert mask.sum() >= len(PROMPTS) * 2 and diff.mean() < 1e-5, diff.mean()
+    assert diff.max() < max(1e-5, 2 * floor.max()), (diff.max(), floor.max())
 
 
 def test_unseeded_sampling_is_fresh_and_equal_within_a_tp_group(world):
