@@ -161,6 +161,14 @@ class Batch:
         return _unpickle_batch, (tensors, len(self), self.non_tensors, self.meta)
 
 
+def prompt_batch(prompts: Sequence[Sequence[int]]) -> Batch:
+    """Token-id prompts as the rollout's input: ``prompt_ids`` right-padded with 0, and ``prompt_lengths``."""
+    ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts])})
+
+
 def _pack(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     t = t.detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)

@@ -30,7 +30,7 @@ import torch
 
 from megarl import algos
 from megarl.checkpoint import mcore_io
-from megarl.data.batch import Batch
+from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts, load_row_adapter
 from megarl.errors import ConfigError
 from megarl.metrics import trace
@@ -305,12 +305,8 @@ class Trainer:
 
 
 def _prompt_batch(records: list[PromptRecord]) -> Batch:
-    width = max(len(r.input_ids) for r in records)
-    ids = torch.zeros(len(records), width, dtype=torch.long)
-    for i, r in enumerate(records):
-        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
-    return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(r.input_ids) for r in records]),
-                            "prompt_uid": torch.arange(len(records))})
+    return prompt_batch([r.input_ids for r in records]).update(
+        Batch.from_dict({"prompt_uid": torch.arange(len(records))}))
 
 
 def _baseline_batch(batch: Batch) -> tuple[Batch, torch.Tensor]:

@@ -22,13 +22,9 @@ MAX_NEW = 6
 
 
 def _prompt_batch():
-    from megarl.data.batch import Batch
+    from megarl.data.batch import prompt_batch
 
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    for i, p in enumerate(PROMPTS):
-        ids[i, : len(p)] = torch.tensor(p)
-    return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in PROMPTS])})
+    return prompt_batch(PROMPTS)
 
 
 def _engine_state(role):

@@ -25,13 +25,9 @@ STEPS = 3
 
 
 def _prompt_batch():
-    from megarl.data.batch import Batch
+    from megarl.data.batch import prompt_batch
 
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    for i, p in enumerate(PROMPTS):
-        ids[i, : len(p)] = torch.tensor(p)
-    return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in PROMPTS])})
+    return prompt_batch(PROMPTS)
 
 
 def _rows(batch):  # results travel as JSON
