@@ -9,11 +9,13 @@ then the right digit, is the curve GRPO has to climb.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
 SPECIALS = ["<|pad|>", "<|end|>"]
 CHARS = list("0123456789+= ")
 
@@ -75,11 +77,11 @@ def make_task(out_dir: str | Path, *, train_rows: int = 512, val_rows: int = 32,
 
 def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], **model_kwargs) -> int:
     """What the addition examples' ``run.py`` do: build the task under ``task_dir``, train with ``config``
-    and ``key.path=value`` overrides, print the reward curve."""
+    and ``key.path=value`` overrides, log the reward curve."""
     from megarl.trainer.config import load_config
     from megarl.trainer.trainer import run
 
     make_task(task_dir, **model_kwargs)
     history = run(load_config(config, overrides))
-    print("mean reward per step:", " ".join(f"{m['reward/mean']:.2f}" for m in history))
+    logger.info("mean reward per step: %s", " ".join(f"{m['reward/mean']:.2f}" for m in history))
     return 0
