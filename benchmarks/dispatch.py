@@ -37,7 +37,7 @@ METHOD = """\
 - Local Ray (`num_cpus=4`, 2 GiB object store); a pool of 4 CPU slots (0.5 CPU) and one WorkerGroup per layout,
   one after the other; 4 plain actors (0.5 CPU, torch imported). Latency: the six cases interleaved (each once per
   round, untimed warm-up rounds first), round trips timed in the driver. `raw actor.call` = the same
-  `WorkerProcess.call` without megarl's driver code (`_submit`/`_gather`); `plain actor` = the floor.
+  `WorkerProcess.call` without megarl's driver code (`submit`/`gather`); `plain actor` = the floor.
 - Transfer, interleaved (every case once per iteration, after warm-up). *send*: `handle.dp(TransferRole.receive)`
   (pad, chunk, `ray.put` per DP shard, every rank of a DP rank reads it and sums x and id, owners return one row) vs
   owned copies of the same shards (cloned before timing) as dicts of torch tensors / numpy arrays, `ray.put` once
@@ -177,10 +177,10 @@ def bench_layout(name: str, plain: list, batch: Batch, args: argparse.Namespace)
         t1 = time.time()
         refs = [ray.put(s) for s in shards]
         t2 = time.time()
-        futures = {r: group._submit("xfer", r, TransferRole.receive, refs[d])
+        futures = {r: group.submit("xfer", r, TransferRole.receive, refs[d])
                    for d, ranks in enumerate(members) for r in ranks}
         t3 = time.time()
-        res = group._gather("xfer", futures, 300.0)
+        res = group.gather("xfer", futures, 300.0)
         t4 = time.time()
         out = Batch.concat([res[r] for r in dispatch.collect_ranks(group.layout)]).unpad(pad)
         t5 = time.time()

@@ -28,8 +28,8 @@ Same 2 cores for both: megarl runs 2 Ray worker processes (policy + colocated re
 thread each as Ray sets ``OMP_NUM_THREADS`` for 1-CPU actors, plus the
 driver); with ``--launcher local`` megarl runs policy and reference in the driver process with 2 torch
 threads, like TRL, which runs one process with 2 torch threads. megarl decodes all 256 rows at once
-(``rollout.max_batch_size=256``), as TRL generates the whole batch. Runs alternate (megarl, TRL, megarl, TRL, ...),
-each a fresh subprocess. Measured per run, after ``warmup`` steps (start-up excluded):
+(``rollout.engine.max_batch_size=256``), as TRL generates the whole batch. Runs alternate (megarl, TRL, megarl,
+TRL, ...), each a fresh subprocess. Measured per run, after ``warmup`` steps (start-up excluded):
 
 - step time: megarl's ``timing/step_s``; TRL's wall time from ``on_step_begin`` to ``on_step_end``
   (generation, rewards, reference log-probs, forward/backward of every micro-batch, optimizer step;
@@ -118,7 +118,7 @@ class TreeSampler(threading.Thread):
         super().__init__(daemon=True)
         import psutil
 
-        from megarl.controller.allocator import loaded
+        from megarl.host.allocator import loaded
 
         self._psutil, self._allocator, self.token, self.interval = psutil, loaded, token, interval
         self._stop_event = threading.Event()
@@ -174,7 +174,7 @@ class TreeSampler(threading.Thread):
         self.labels[pid] = label[:48]
         with contextlib.suppress(self._psutil.Error):
             self.thread_cpu[pid] = sorted((t.user_time + t.system_time for t in proc.threads()), reverse=True)
-        self.allocator[pid] = {"system": "glibc"}.get(name := self._allocator(pid), name)
+        self.allocator[pid] = {"system": "glibc"}.get(name := str(self._allocator(pid)), name)
 
     def busy_threads(self, pid: int) -> int:
         """Threads that used >= 15% of the busiest thread's CPU time (compute threads: OpenMP, main)."""
@@ -264,10 +264,12 @@ class RunResult:
 
 
 def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
-    cluster = (["cluster.launcher=local", "cluster.devices_per_node=1", "cluster.tp=1"] if case.launcher == "local"
-               else [f"cluster.tp={case.tp}"])
+    pool = "cluster.pools.main"
+    cluster = (["cluster.launcher=local", f"{pool}.devices_per_node=1", f"{pool}.tp=1"] if case.launcher == "local"
+               else [f"{pool}.tp={case.tp}"])
     return [*cluster, f"model.path={task / 'model'}", f"data.train={task / 'train.jsonl'}",
-            f"data.val={task / 'val.jsonl'}", "rollout.max_batch_size=256",  # all 16 x 16 rows at once, as TRL does
+            f"data.val={task / 'val.jsonl'}",
+            "rollout.engine.max_batch_size=256",  # all 16 x 16 rows at once, as TRL does
             f"trainer.output_dir={out}", f"trainer.total_steps={case.warmup + case.steps}", "trainer.save_every=0",
             "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1",
             f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}"]
@@ -348,7 +350,7 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
     token = uuid.uuid4().hex
     env = os.environ | {MARKER: token, "RAY_ADDRESS": "local", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false"}
-    rows = cfg.data.batch_size * cfg.rollout.n
+    rows = cfg.data.batch_size * cfg.rollout.sampling.n
     if side == "megarl":
         cmd = [sys.executable, "-m", "megarl.cli.main", "train", str(EXAMPLE), *megarl_overrides(task, case, out)]
     else:
@@ -702,11 +704,12 @@ def main() -> None:
     from transformers import AutoConfig
 
     from megarl.bench.report import cpu_description
-    from megarl.controller import allocator
+    from megarl.config.train import load_config
+    from megarl.host import allocator
     from megarl.testing.addition import make_task
-    from megarl.trainer.config import load_config
 
-    trl_env = {k: v for k, v in allocator.preload_env(args.trl_allocator).items() if k != allocator.MARKER}
+    trl_preload = allocator.preload_env(allocator.Allocator(args.trl_allocator))
+    trl_env = {k: v for k, v in trl_preload.items() if k != allocator.MARKER}
 
     if not Path(args.trl_python).is_file():
         raise SystemExit(f"{args.trl_python} not found; make the TRL venv (see benchmarks/requirements-trl.txt).")
@@ -728,7 +731,7 @@ def main() -> None:
         params = c.vocab_size * c.hidden_size + c.num_hidden_layers * layer + c.hidden_size  # tied LM head
         trl = trl_args(cfgs[name], case)
         micro = f"{trl['gradient_accumulation_steps']} x {trl['per_device_train_batch_size']}"
-        rows = cfgs[name].data.batch_size * cfgs[name].rollout.n
+        rows = cfgs[name].data.batch_size * cfgs[name].rollout.sampling.n
         seq = PROMPT_TOKENS + case.max_new_tokens
         cases[name] = dict(params=params, rows=rows, overrides=overrides, trl=trl, micro=micro,
                            flops=step_flops(c, rows, seq))

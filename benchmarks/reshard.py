@@ -5,7 +5,7 @@
 Megatron TP2xPP2 (4 gloo processes on this machine) -> (a) 4 embedded replicas (TP_g=1), transport
 alone and the full transition into the engines; (b) the TP_g=2 plan (transport alone). Measured in
 the same run: a plain ``all_gather`` of the same bytes over the same process group (raw bandwidth),
-bytes received per rank against the planner and against RESHARDING.md's formula, peak extra RSS
+bytes received per rank against the planner and against docs/resharding.md's formula, peak extra RSS
 per rank during the transition. Prints a table and writes benchmarks/results/reshard-<date>.md.
 """
 
@@ -54,7 +54,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     import torch
     import torch.distributed as dist
 
-    from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.controller.role import WorkerContext
     from megarl.engine.config import EngineConfig
     from megarl.engine.engine import MegatronEngine
@@ -71,7 +71,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
     init_distributed(layout)
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
-    hf_config = mcore_io.read_meta(ckpt).hf_config
+    hf_config = read_meta(ckpt).hf_config
     spec = spec_from_hf_config(hf_config)
     engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False)
     params = {n: p for c in engine.chunks for n, p in global_named_parameters(c)}
@@ -195,8 +195,8 @@ def _report(results, params, args, load) -> str:
     lines += [
         "",
         f"TP_g=2 (HybridFlow grouping, k=1: rollout TP group = training TP group, micro-DP = the PP pair): mean "
-        f"received {mean_g2:.4f} GB per rank; RESHARDING.md 3(b) M/TP_g - M/(T*P) = {m / 2 / gb - m / 4 / gb:.4f} GB "
-        "(differences: vocabulary rows where Megatron's TP2 padding to 152064 and vLLM's 64-padding cut at "
+        f"received {mean_g2:.4f} GB per rank; docs/resharding.md §3.2 M/TP_g - M/(T*P) = {m / 2 / gb - m / 4 / gb:.4f} "
+        "GB (differences: vocabulary rows where Megatron's TP2 padding to 152064 and vLLM's 64-padding cut at "
         "different rows, and replicated norms).",
         "",
         "| full transition into 4 embedded engines (incl. loading) | value |",

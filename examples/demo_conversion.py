@@ -23,6 +23,7 @@ from megarl.cli.common import run_cli
 
 def _forward_world(rank, world_size, ckpt, ids):
     from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.models.forward import forward_logits
     from megarl.models.provider import BuildOptions, build_model
     from megarl.models.spec import spec_from_hf_config
@@ -31,7 +32,7 @@ def _forward_world(rank, world_size, ckpt, ids):
 
     layout = ParallelLayout(tp=2, pp=2)
     init_distributed(layout)
-    spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
+    spec = spec_from_hf_config(read_meta(ckpt).hf_config)
     chunks = build_model(spec, layout, BuildOptions(init_weights=False))
     mcore_io.load_model(chunks, ckpt)
     logits = forward_logits(chunks, torch.tensor(ids), spec.vocab_size, micro_batch_size=1)

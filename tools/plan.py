@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("--recompute", default="selective", help="none, selective (or flash attention) or full")
     p.add_argument("--concurrent-seqs", type=int, default=256, help="sequences each rollout replica decodes at once")
     p.add_argument("--rollout-dtype", default="bfloat16")
-    p.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.bucket_mb")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.engine.bucket_mb")
     p.add_argument("--top", type=int, default=5, help="proposed layouts to list")
     args = p.parse_args()
 

@@ -174,7 +174,7 @@ class KLControllerType(enum.Enum):
 
 @dataclass(frozen=True)
 class KLControllerConfig:
-    kind: KLControllerType = KLControllerType.FIXED
+    kind: KLControllerType = KLControllerType.FIXED  # fixed or adaptive (PPO's controller)
     coef: float = 0.001  # initial (or fixed) coefficient
     target: float = 0.1  # adaptive only: the KL aimed for
     horizon: float = 10000.0  # adaptive only: samples over which the error is corrected

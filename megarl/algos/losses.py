@@ -33,7 +33,7 @@ class PolicyLoss(enum.Enum):
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss: PolicyLoss = PolicyLoss.PPO_CLIP
+    loss: PolicyLoss = PolicyLoss.PPO_CLIP  # ppo_clip or gspo (sequence-level ratio)
     clip_low: float = 0.2  # ratio kept >= 1 - clip_low
     clip_high: float = 0.2  # ratio kept <= 1 + clip_high (DAPO "clip-higher": 0.28)
     clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (Ye et al. 2020: 3.0); None = off

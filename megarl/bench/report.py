@@ -6,9 +6,9 @@ setup; output is a JSON-able dict and markdown. The step time is split into the 
 papers use; which trainer timer feeds which column:
 
 * generation  -- ``timing/generate_s`` (the rollout engine's decode, measured on the worker)
-* weight sync -- ``timing/to_rollout_s + timing/to_train_s`` (resharding into the rollout engine,
-  offload/reload around it)
-* log-probs   -- ``timing/old_log_probs_s`` (the training model's old log-probs, when recomputed)
+* weight sync -- ``timing/weight_sync_s + timing/to_train_s`` (the driver's weight-sync stage: resharding
+  into the rollout engine, offload around it; and the reload after generation)
+* log-probs   -- ``timing/old_log_probs_s`` (the driver's stage for the old log-probs, when recomputed)
 * reference, values, reward -- their driver stages
 * training    -- ``timing/update_policy_s + timing/update_critic_s``
 * other       -- advantages, bookkeeping (callbacks, memory peaks), validation and the rest of the
@@ -25,8 +25,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-DRIVER_STAGES = ("rollout", "reward", "reference", "values", "advantages", "update_critic", "update_policy",
-                 "bookkeeping", "validation")
+DRIVER_STAGES = ("weight_sync", "rollout", "old_log_probs", "reward", "reference", "values", "advantages",
+                 "update_critic", "update_policy", "bookkeeping", "validation")
 COLUMNS = ("generation", "weight_sync", "log_probs", "reference", "values", "reward", "training", "other")
 
 # dense bf16 tensor-core peak per GPU (vendor datasheets), matched against torch.cuda.get_device_name()
@@ -82,9 +82,9 @@ def _t(m: Mapping[str, float], stage: str) -> float:
 
 def breakdown(m: Mapping[str, float]) -> dict[str, float]:
     """One step's seconds per report column (see the module docstring)."""
-    gen, sync = _t(m, "generate"), _t(m, "to_rollout") + _t(m, "to_train")
+    gen, sync = _t(m, "generate"), _t(m, "weight_sync") + _t(m, "to_train")
     log_probs = _t(m, "old_log_probs")
-    rollout_rest = max(_t(m, "rollout") - gen - sync - log_probs, 0.0)
+    rollout_rest = max(_t(m, "rollout") - gen - _t(m, "to_train"), 0.0)
     return {
         "generation": gen, "weight_sync": sync, "log_probs": log_probs, "reference": _t(m, "reference"),
         "values": _t(m, "values"), "reward": _t(m, "reward"),

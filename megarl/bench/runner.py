@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from megarl.bench import report
-from megarl.checkpoint import mcore_io
+from megarl.checkpoint.format import read_meta
+from megarl.config.train import TrainConfig, load_config
+from megarl.controller.spec import Device
 from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.models.spec import ModelSpec, spec_from_hf_config
-from megarl.trainer.config import TrainConfig, load_config
 from megarl.trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
     collector = _Collector(options.warmup, options.trace_file is not None)
     trainer = _NoCheckpointTrainer(cfg, (collector,))
     try:
-        groups = list(trainer.workers.placement.groups.values())
+        groups = list(trainer.cluster.placement.groups.values())
         collector.groups = groups
         if options.warmup == 0:
             collector.start_tracing()
@@ -111,8 +112,8 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
                 g.set_tracing(False)
         from megarl.workers.policy import PolicyRole
 
-        ranks = [dataclasses.asdict(r) for r in trainer.workers.policy.all(PolicyRole.resources)]
-        spec = spec_from_hf_config(mcore_io.read_meta(trainer.workers.source).hf_config)
+        ranks = [dataclasses.asdict(r) for r in trainer.cluster.policy.all(PolicyRole.resources)]
+        spec = spec_from_hf_config(read_meta(trainer.cluster.source).hf_config)
     finally:
         trainer.close()
     _add_planned(ranks, spec, cfg)
@@ -128,7 +129,8 @@ def _setup(cfg: TrainConfig, spec: ModelSpec, config: str | Path, overrides: tup
            options: BenchmarkOptions, peak: float | None, peak_source: str) -> report.Setup:
     layout, r = cfg.cluster.layout(), cfg.rollout
     devices = layout.world_size
-    kind = torch.cuda.get_device_name(0) if cfg.cluster.device != "cpu" and torch.cuda.is_available() else "cpu"
+    on_gpu = cfg.cluster.pool().device is not Device.CPU and torch.cuda.is_available()
+    kind = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     return report.Setup(
         config=str(config), overrides=overrides, workload=options.workload, devices=devices, device_kind=kind,
         train_layout=f"TP{layout.tp} x PP{layout.pp} x DP{layout.dp}",
@@ -146,8 +148,9 @@ def _add_planned(ranks: list[dict[str, Any]], spec: ModelSpec, cfg: TrainConfig)
 
     layout, p = cfg.cluster.layout(), cfg.policy
     states = training_state_bytes(spec, layout, p.precision, p.optim.use_distributed_optimizer)
-    cluster = layouts.Cluster(nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.devices_per_node, gpu_mem_gb=1.0)
-    received = layouts.reshard_estimate(spec, layout, cfg.rollout.tp, cluster, cfg.rollout.dtype).per_rank_received
+    pool, rollout = cfg.cluster.pool(), cfg.rollout.engine
+    cluster = layouts.Cluster(nodes=pool.nodes, gpus_per_node=pool.devices_per_node, gpu_mem_gb=1.0)
+    received = layouts.reshard_estimate(spec, layout, rollout.tp, cluster, rollout.dtype.value).per_rank_received
     for r in ranks:
         s = states[r["coords"]["pp"]]
         r["planned"] = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "received": received[r["rank"]]}
@@ -156,13 +159,13 @@ def _add_planned(ranks: list[dict[str, Any]], spec: ModelSpec, cfg: TrainConfig)
 def _peak_flops(cfg: TrainConfig, peak_tflops: float | None) -> tuple[float | None, str]:
     if peak_tflops is not None:
         return peak_tflops * 1e12, f"{peak_tflops} TFLOP/s per device (given)"
-    if cfg.cluster.device != "cpu" and torch.cuda.is_available():
+    if cfg.cluster.pool().device is not Device.CPU and torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         for key, tflops in report.GPU_PEAK_TFLOPS.items():
             if key in name:
                 return tflops * 1e12, f"{name}: {tflops} dense bf16 TFLOP/s (datasheet)"
         return None, f"{name}: unknown peak; pass --peak-tflops for an MFU"
-    threads = max(1, round(cfg.cluster.cpus_per_device))
+    threads = max(1, round(cfg.cluster.pool().cpus_per_device))
     rate = measure_matmul_flops(threads)
     return rate, f"fp32 matmul rate measured on {threads} CPU thread(s) before the run: {rate / 1e9:.1f} GFLOP/s"
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from megarl.checkpoint import hf_io, mcore_io
 from megarl.checkpoint.atomic import atomic_directory, check_output_dir
+from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, CheckpointMeta, read_meta, write_meta
 from megarl.errors import CheckpointError, ConfigError, UnsupportedModelError
 from megarl.models import mapping
 from megarl.models.spec import ModelSpec, load_hf_config, spec_from_hf_config
@@ -92,21 +93,21 @@ def convert_hf_to_megatron(
                 params[m.mcore].copy_(full)
                 nbytes += full.numel() * params[m.mcore].element_size()
                 del full
-        mcore_io.save_model([model], tmp / mcore_io.WEIGHTS_SUBDIR, consume=True)
+        mcore_io.save_model([model], tmp / WEIGHTS_SUBDIR, consume=True)
         del model, params
-        (tmp / mcore_io.HF_SUBDIR).mkdir()
-        (tmp / mcore_io.HF_SUBDIR / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        hf_io.copy_aux_files(hf_dir, tmp / mcore_io.HF_SUBDIR)
+        (tmp / HF_SUBDIR).mkdir()
+        (tmp / HF_SUBDIR / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        hf_io.copy_aux_files(hf_dir, tmp / HF_SUBDIR)
         from megarl.parallel.mcore_compat import MCORE_VERSION
 
-        meta = mcore_io.CheckpointMeta(
+        meta = CheckpointMeta(
             hf_config=cfg,
             layout=layout,
             padded_vocab_size=padded,
             dtype=_dtype_name(str(model_dtype).removeprefix("torch.")),
             megatron_core_version=".".join(map(str, MCORE_VERSION)),
         )
-        mcore_io.write_meta(tmp, meta)
+        write_meta(tmp, meta)
     return ConversionSummary("HF -> Megatron", len(maps), nbytes, time.perf_counter() - start, Path(out_dir))
 
 
@@ -115,7 +116,7 @@ def convert_megatron_to_hf(
 ) -> ConversionSummary:
     """Write an HF directory (config.json, safetensors shards, tokenizer files) from a megarl checkpoint."""
     start = time.perf_counter()
-    meta = mcore_io.read_meta(mcore_dir)
+    meta = read_meta(mcore_dir)
     spec = spec_from_hf_config(meta.hf_config)
     metadata = mcore_io.tensors_metadata(mcore_dir)
     maps = mapping.tensor_maps(spec)
@@ -153,7 +154,7 @@ def convert_megatron_to_hf(
         config["dtype"] = meta.dtype
         config.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        hf_io.copy_aux_files(Path(mcore_dir) / mcore_io.HF_SUBDIR, tmp)
+        hf_io.copy_aux_files(Path(mcore_dir) / HF_SUBDIR, tmp)
     seconds = time.perf_counter() - start
     return ConversionSummary("Megatron -> HF", n_tensors, writer.total_bytes, seconds, Path(out_dir))
 

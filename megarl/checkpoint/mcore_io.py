@@ -1,11 +1,6 @@
-"""megarl's Megatron checkpoint directory: a megatron-core dist checkpoint plus metadata.
+"""The weights of megarl's Megatron checkpoint directory: megatron-core dist-checkpoint I/O.
 
-Layout of a checkpoint directory::
-
-    megarl_checkpoint.json   what wrote it: source HF config, layout, padded vocab, dtype, versions
-    hf/                      config.json + tokenizer files of the source model (for export, rollout)
-    weights/                 megatron-core dist_checkpointing (torch_dist) model checkpoint
-
+The directory layout, its metadata and file names are :mod:`megarl.checkpoint.format` (pure).
 The torch_dist format stores global tensors with sharding metadata, so a checkpoint written at one
 TP/PP loads into a model built at any other TP/PP (:func:`load_model`); vocabulary tensors whose
 padding differs between TP sizes load through megatron-core's shape-mismatch path (zero padded).
@@ -13,73 +8,16 @@ padding differs between TP sizes load through megatron-core's shape-mismatch pat
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import apply_factories
 
+from megarl.checkpoint.format import weights_dir
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
-from megarl.parallel.layout import ParallelLayout
-
-META_FILE = "megarl_checkpoint.json"
-HF_SUBDIR = "hf"
-WEIGHTS_SUBDIR = "weights"
-FORMAT_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointMeta:
-    hf_config: dict[str, Any]
-    layout: ParallelLayout  # the layout the checkpoint was written for (any layout can load it)
-    padded_vocab_size: int
-    dtype: str
-    megatron_core_version: str
-    format_version: int = FORMAT_VERSION
-
-    def to_json(self) -> str:
-        d = dataclasses.asdict(self)
-        d["layout"] = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "vpp": self.layout.vpp}
-        return json.dumps(d, indent=2, sort_keys=True) + "\n"
-
-
-def write_meta(ckpt_dir: Path, meta: CheckpointMeta) -> None:
-    (ckpt_dir / META_FILE).write_text(meta.to_json())
-
-
-def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
-    ckpt_dir = Path(ckpt_dir)
-    path = ckpt_dir / META_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{ckpt_dir} is not a megarl Megatron checkpoint ({META_FILE} is missing); pass a directory written "
-            "by tools/convert_hf_to_megatron.py or by megarl training."
-        )
-    try:
-        d = json.loads(path.read_text())
-        if d["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has format_version {d['format_version']}; this megarl reads version {FORMAT_VERSION}."
-            )
-        d["layout"] = ParallelLayout(**d["layout"])
-        return CheckpointMeta(**d)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is corrupt ({e!r}); restore it from the original conversion.") from e
-
-
-def weights_dir(ckpt_dir: str | Path) -> Path:
-    path = Path(ckpt_dir) / WEIGHTS_SUBDIR
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(
-            f"{path} holds no megatron-core dist checkpoint (metadata.json is missing); the checkpoint is "
-            "incomplete: convert or save it again."
-        )
-    return path
 
 
 def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:

@@ -8,12 +8,13 @@ from megarl.cli.common import run_cli
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.controller import allocator
-    from megarl.trainer.config import check_config, load_config
+    from megarl.config.train import check_config, load_config
+    from megarl.host import allocator
 
     cfg = load_config(args.config, args.overrides)
     check_config(cfg)  # config errors in ~2 s: before megatron-core and Ray are imported
-    allocator.exec_with(cfg.cluster.allocator)  # once: this command again, with tcmalloc/jemalloc preloaded
+    # once: this command again, with tcmalloc/jemalloc preloaded
+    allocator.exec_with(cfg.cluster.allocator)
 
     from megarl.trainer.trainer import run
 

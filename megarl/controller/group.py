@@ -13,22 +13,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megarl.controller.handles import GroupOptions, RoleHandle, WorkerError
+from megarl.controller.handles import RoleHandle, WorkerError
 from megarl.controller.pools import ResourcePool
 from megarl.controller.process import WorkerProcess
 from megarl.controller.role import Role, WorkerContext
+from megarl.controller.spec import GroupOptions
 from megarl.errors import LayoutError
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Role)
+P = ParamSpec("P")
 
 
 class WorkerGroup:
@@ -60,23 +62,24 @@ class WorkerGroup:
 
     def connect(self) -> None:
         """Wait for the actors, rendezvous and initialise torch.distributed + megatron-core on every rank."""
-        t = self.options.init_timeout_s
-        hosts = self._gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
-        port = self._gather("init", {0: self.actors[0].open_store.remote(t)}, t)[0]
+        t = self.options.timeouts.init_s
+        hosts = self.gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
+        port = self.gather("init", {0: self.actors[0].open_store.remote(t)}, t)[0]
         futures = {
             r: a.init_world.remote(hosts[0][0], port, self.layout, self.options.seed, t)
             for r, a in enumerate(self.actors)
         }
-        self.contexts = [ctx for _, ctx in sorted(self._gather("init", futures, t).items())]
+        self.contexts = [ctx for _, ctx in sorted(self.gather("init", futures, t).items())]
         logger.info("worker group %s: %d ranks, %s, %d node(s)", self.name, len(self.actors), self.layout,
                     len({c.node_id for c in self.contexts}))
 
-    def add_role(self, name: str, role_cls: type[R], *args: Any, **kwargs: Any) -> RoleHandle[R]:
+    def add_role(self, name: str, role_cls: Callable[Concatenate[WorkerContext, P], R], *args: P.args,
+                 **kwargs: P.kwargs) -> RoleHandle[R]:
         """Construct ``role_cls(ctx, *args, **kwargs)`` on every rank; return its typed handle."""
         if name in self.roles:
             raise ValueError(f"role {name!r} is already hosted by worker group {self.name!r}")
-        self._gather(name, {r: a.add_role.remote(name, role_cls, args, kwargs) for r, a in enumerate(self.actors)},
-                     self.options.init_timeout_s)
+        self.gather(name, {r: a.add_role.remote(name, role_cls, args, kwargs) for r, a in enumerate(self.actors)},
+                     self.options.timeouts.init_s)
         self.roles[name] = role_cls
         return RoleHandle(self, name, role_cls)
 
@@ -86,16 +89,16 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _put(self, obj: Any) -> ray.ObjectRef:
+    def put(self, obj: Any) -> ray.ObjectRef:
         return ray.put(obj)
 
-    def _submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+    def submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         if not self.alive:
             raise WorkerError(f"worker group {self.name!r} was torn down after an earlier failure",
                               role=role, rank=None)
         return self.actors[rank].call.remote(role, method, *args, **kwargs)
 
-    def _gather(self, role: str, futures: dict[int, ray.ObjectRef], timeout_s: float | None) -> dict[int, Any]:
+    def gather(self, role: str, futures: dict[int, ray.ObjectRef], timeout_s: float | None) -> dict[int, Any]:
         """Results by rank; on the first failure or at the deadline, kill the group and raise."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         rank_of = {ref: rank for rank, ref in futures.items()}
@@ -127,13 +130,13 @@ class WorkerGroup:
 
     def set_tracing(self, on: bool) -> None:
         """Turn span recording on or off in every rank (:mod:`megarl.metrics.trace`)."""
-        self._gather("trace", {r: a.set_tracing.remote(on) for r, a in enumerate(self.actors)},
-                     self.options.call_timeout_s)
+        self.gather("trace", {r: a.set_tracing.remote(on) for r, a in enumerate(self.actors)},
+                     self.options.timeouts.call_s)
 
     def drain_trace(self) -> list[list[dict[str, Any]]]:
         """Every rank's recorded spans since the last drain, by rank."""
-        res = self._gather("trace", {r: a.drain_trace.remote() for r, a in enumerate(self.actors)},
-                           self.options.call_timeout_s)
+        res = self.gather("trace", {r: a.drain_trace.remote() for r, a in enumerate(self.actors)},
+                           self.options.timeouts.call_s)
         return [res[r] for r in sorted(res)]
 
     def shutdown(self, kill: bool = False) -> None:

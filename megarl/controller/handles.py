@@ -1,10 +1,8 @@
 """What the driver holds of a worker group, whatever hosts it: typed role handles, pending calls,
 the group options and the error a failed call raises. No Ray here.
 
-A group (``WorkerGroup``: Ray actors; ``LocalGroup``: this process) provides ``layout``, ``options``,
-``world_size``, ``_submit(role, rank, method, *args)`` -> a future, ``_gather(role, futures, timeout)``
--> results by rank (raising :class:`WorkerError`), and ``_put(obj)`` -> what ``_submit`` accepts for a
-shared argument (a Ray object reference, or the object itself).
+Both kinds of worker group (``WorkerGroup``: Ray actors; ``LocalGroup``: this process) implement
+:class:`GroupLike`, the one protocol a handle relies on.
 
 Dispatch modes of :class:`RoleHandle`:
 
@@ -19,17 +17,19 @@ Each has an ``*_async`` twin returning a :class:`PendingCall`, so calls on indep
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from megarl.controller import dispatch
 from megarl.controller.role import Role
+from megarl.controller.spec import GroupOptions
 from megarl.data.batch import Batch
 from megarl.errors import MegarlError
+from megarl.parallel.layout import ParallelLayout
 
 R = TypeVar("R", bound=Role)
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class WorkerError(MegarlError, RuntimeError):
@@ -41,49 +41,76 @@ class WorkerError(MegarlError, RuntimeError):
         self.rank = rank
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupOptions:
-    seed: int = 1234
-    init_timeout_s: float = 300.0  # actor start-up + rendezvous
-    call_timeout_s: float | None = 3600.0  # None: wait forever
-    env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment for the workers
+class GroupLike(Protocol):
+    """What a role handle needs of a worker group, whatever hosts it."""
+
+    layout: ParallelLayout
+    options: GroupOptions
+
+    @property
+    def world_size(self) -> int: ...
+
+    def put(self, obj: Any) -> Any:
+        """What :meth:`submit` accepts for an argument shared by several ranks (put once)."""
+
+    def submit(self, role: str, rank: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start ``method(<role's instance on rank>, *args, **kwargs)``; a future for :meth:`gather`."""
+
+    def gather(self, role: str, futures: dict[int, Any], timeout_s: float | None) -> dict[int, Any]:
+        """Results by rank; raises :class:`WorkerError` (after tearing the group down) on a failure or timeout."""
 
 
 class PendingCall(Generic[T]):
     """Futures of one group call; :meth:`result` waits, fails fast on the first error."""
 
-    def __init__(self, group: Any, role: str, futures: dict[int, Any],
+    def __init__(self, group: GroupLike, role: str, futures: dict[int, Any],
                  finish: Callable[[dict[int, Any]], T]) -> None:
         self._group, self._role, self._futures, self._finish = group, role, futures, finish
 
     def result(self, timeout_s: float | None = ...) -> T:  # type: ignore[assignment]
-        timeout = self._group.options.call_timeout_s if timeout_s is ... else timeout_s
-        return self._finish(self._group._gather(self._role, self._futures, timeout))
+        timeout = self._group.options.timeouts.call_s if timeout_s is ... else timeout_s
+        return self._finish(self._group.gather(self._role, self._futures, timeout))
 
 
 class RoleHandle(Generic[R]):
-    """Typed calls on one role of a worker group. ``method`` is the role class's own function."""
+    """Typed calls on one role of a worker group. ``method`` is the role class's own function, so a type
+    checker follows each call's arguments and result (``handle.dp(PolicyRole.generate, prompts, params)``)."""
 
-    def __init__(self, group: Any, name: str, role_cls: type[R]) -> None:
+    def __init__(self, group: GroupLike, name: str, role_cls: type[R]) -> None:
         self.group, self.name, self.role_cls = group, name, role_cls
 
-    def all_async(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> PendingCall[list[T]]:
-        futures = {r: self.group._submit(self.name, r, method, *args, **kwargs) for r in range(self.group.world_size)}
+    def all_async(self, method: Callable[Concatenate[R, P], T], *args: P.args,
+                  **kwargs: P.kwargs) -> PendingCall[list[T]]:
+        futures = {r: self.group.submit(self.name, r, method, *args, **kwargs) for r in range(self.group.world_size)}
         return PendingCall(self.group, self.name, futures, lambda res: [res[r] for r in sorted(res)])
 
-    def one_async(self, rank: int, method: Callable[..., T], *args: Any, **kwargs: Any) -> PendingCall[T]:
-        futures = {rank: self.group._submit(self.name, rank, method, *args, **kwargs)}
+    def one_async(self, rank: int, method: Callable[Concatenate[R, P], T], *args: P.args,
+                  **kwargs: P.kwargs) -> PendingCall[T]:
+        futures = {rank: self.group.submit(self.name, rank, method, *args, **kwargs)}
         return PendingCall(self.group, self.name, futures, lambda res: res[rank])
 
-    def dp_async(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[Batch]:
+    def dp_async(self, method: Callable[Concatenate[R, Batch, P], Batch | None], batch: Batch, *args: P.args,
+                 **kwargs: P.kwargs) -> PendingCall[Batch]:
+        """Each DP rank's shard in, the owners' result rows back in sample order. A method may return
+        several rows per input row (k responses per prompt), grouped by input row: filler rows, which
+        come last, are dropped in proportion."""
         layout = self.group.layout
         shards, pad = batch.shard(layout.dp)
         futures = self._submit_shards(method, shards, args, kwargs)
         owners = dispatch.collect_ranks(layout)
-        return PendingCall(self.group, self.name, futures,
-                           lambda res: Batch.concat([res[r] for r in owners]).unpad(pad))
 
-    def dp_split_async(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> PendingCall[list[T]]:
+        def finish(res: dict[int, Any]) -> Batch:
+            out = Batch.concat([res[r] for r in owners])
+            per_row, rest = divmod(len(out), len(batch) + pad)
+            if rest:
+                raise ValueError(f"{self.name}.{method.__name__} returned {len(out)} rows for {len(batch) + pad} "
+                                 "input rows: not a whole number per input row")
+            return out.unpad(pad * per_row)
+
+        return PendingCall(self.group, self.name, futures, finish)
+
+    def dp_split_async(self, method: Callable[Concatenate[R, Batch, P], T], batch: Batch, *args: P.args,
+                       **kwargs: P.kwargs) -> PendingCall[list[T]]:
         """Like :meth:`dp_async` for calls that must not see filler rows (training steps): the batch is
         cut into ``dp`` equal shards (its size must divide) and each DP rank's owner result comes back."""
         layout = self.group.layout
@@ -93,20 +120,22 @@ class RoleHandle(Generic[R]):
 
     def _submit_shards(self, method: Callable, shards: Sequence[Batch], args: tuple, kwargs: dict) -> dict[int, Any]:
         """Shard ``d`` put once and sent to every rank of DP rank ``d``; the futures by rank."""
-        refs = [self.group._put(shard) for shard in shards]
-        return {rank: self.group._submit(self.name, rank, method, refs[d], *args, **kwargs)
+        refs = [self.group.put(shard) for shard in shards]
+        return {rank: self.group.submit(self.name, rank, method, refs[d], *args, **kwargs)
                 for d, ranks in enumerate(dispatch.dp_members(self.group.layout)) for rank in ranks}
 
-    def dp_split(self, method: Callable[..., T], batch: Batch, *args: Any, **kwargs: Any) -> list[T]:
+    def dp_split(self, method: Callable[Concatenate[R, Batch, P], T], batch: Batch, *args: P.args,
+                 **kwargs: P.kwargs) -> list[T]:
         return self.dp_split_async(method, batch, *args, **kwargs).result()
 
-    def all(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+    def all(self, method: Callable[Concatenate[R, P], T], *args: P.args, **kwargs: P.kwargs) -> list[T]:
         return self.all_async(method, *args, **kwargs).result()
 
-    def one(self, rank: int, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def one(self, rank: int, method: Callable[Concatenate[R, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         return self.one_async(rank, method, *args, **kwargs).result()
 
-    def dp(self, method: Callable[..., Batch], batch: Batch, *args: Any, **kwargs: Any) -> Batch:
+    def dp(self, method: Callable[Concatenate[R, Batch, P], Batch | None], batch: Batch, *args: P.args,
+           **kwargs: P.kwargs) -> Batch:
         return self.dp_async(method, batch, *args, **kwargs).result()
 
 

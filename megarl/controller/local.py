@@ -16,10 +16,11 @@ import logging
 import os
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from megarl.controller.handles import GroupOptions, RoleHandle, WorkerError
+from megarl.controller.handles import RoleHandle, WorkerError
 from megarl.controller.role import Role, WorkerContext, call_role, close_roles
+from megarl.controller.spec import GroupOptions
 from megarl.errors import LayoutError
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout
@@ -27,6 +28,7 @@ from megarl.parallel.layout import ParallelLayout
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Role)
+P = ParamSpec("P")
 
 
 class _Done:
@@ -36,7 +38,7 @@ class _Done:
         self.value, self.error, self.tb = None, None, ""
         try:
             self.value = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised by LocalGroup._gather as a WorkerError
+        except Exception as e:  # noqa: BLE001 - re-raised by LocalGroup.gather as a WorkerError
             self.error, self.tb = e, traceback.format_exc()
 
 
@@ -65,23 +67,24 @@ class LocalGroup:
     def world_size(self) -> int:
         return 1
 
-    def add_role(self, name: str, role_cls: type[R], *args: Any, **kwargs: Any) -> RoleHandle[R]:
+    def add_role(self, name: str, role_cls: Callable[Concatenate[WorkerContext, P], R], *args: P.args,
+                 **kwargs: P.kwargs) -> RoleHandle[R]:
         """Construct ``role_cls(ctx, *args, **kwargs)`` here; return its typed handle."""
         if name in self.roles:
             raise ValueError(f"role {name!r} is already hosted by worker group {self.name!r}")
         done = _Done(lambda: role_cls(self.contexts[0], *args, **kwargs))
-        self.roles[name] = self._gather(name, {0: done}, None)[0]
+        self.roles[name] = self.gather(name, {0: done}, None)[0]
         return RoleHandle(self, name, role_cls)
 
-    def _put(self, obj: Any) -> Any:
+    def put(self, obj: Any) -> Any:
         return obj
 
-    def _submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> _Done:
+    def submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> _Done:
         if not self.alive:
             raise WorkerError(f"worker group {self.name!r} was shut down", role=role, rank=None)
         return _Done(lambda: call_role(self.roles, role, method, *args, **kwargs))
 
-    def _gather(self, role: str, futures: dict[int, _Done], timeout_s: float | None) -> dict[int, Any]:
+    def gather(self, role: str, futures: dict[int, _Done], timeout_s: float | None) -> dict[int, Any]:
         for rank, done in futures.items():
             if done.error is not None:
                 e = done.error

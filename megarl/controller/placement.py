@@ -10,61 +10,21 @@ processes or device contexts. Roles on different pools are split. Pools start co
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
-from megarl.controller.handles import GroupOptions, RoleHandle
+from megarl.controller.handles import RoleHandle
 from megarl.controller.local import LocalGroup
-from megarl.controller.pools import Device, PoolConfig
-from megarl.controller.role import Role
+from megarl.controller.role import Role, WorkerContext
+from megarl.controller.spec import GroupOptions, PlacementConfig
 from megarl.errors import ConfigError
-from megarl.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from megarl.controller.group import WorkerGroup
     from megarl.controller.pools import ResourcePool
 
-
-@dataclasses.dataclass(frozen=True)
-class PoolSpec:
-    """A pool of devices and the megatron layout of the worker group on it (dp fills the pool)."""
-
-    nodes: int = 1
-    devices_per_node: int = 1
-    device: Device = Device.AUTO
-    cpus_per_device: float = 1.0
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ready_timeout_s: float = 60.0
-
-    def pool_config(self) -> PoolConfig:
-        return PoolConfig(nodes=self.nodes, devices_per_node=self.devices_per_node, device=self.device,
-                          cpus_per_device=self.cpus_per_device, ready_timeout_s=self.ready_timeout_s)
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout.for_world(self.nodes * self.devices_per_node, tp=self.tp, pp=self.pp, vpp=self.vpp)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    pools: dict[str, PoolSpec]
-    roles: dict[str, str]  # role name -> pool name
-
-    def __post_init__(self) -> None:
-        for role, pool in self.roles.items():
-            if pool not in self.pools:
-                near = difflib.get_close_matches(pool, list(self.pools), n=1)
-                raise ConfigError(
-                    f"role {role!r} is placed on pool {pool!r}, which is not defined"
-                    + (f"; did you mean {near[0]!r}?" if near else f"; defined pools: {sorted(self.pools)}")
-                )
-        unused = sorted(set(self.pools) - set(self.roles.values()))
-        if unused:
-            raise ConfigError(f"pools {unused} host no role; remove them or place a role on them.")
-        for spec in self.pools.values():
-            spec.layout()  # raises LayoutError when tp*pp does not divide the pool
+R = TypeVar("R", bound=Role)
+P = ParamSpec("P")
 
 
 class Placement:
@@ -86,7 +46,7 @@ class Placement:
 
         try:
             for name, spec in config.pools.items():
-                self.pools[name] = ResourcePool(name, spec.pool_config())
+                self.pools[name] = ResourcePool(name, spec)
             for name, spec in config.pools.items():  # launch every group's actors, then connect them
                 self.groups[name] = WorkerGroup(name, self.pools[name], spec.layout(), options, connect=False)
             for group in self.groups.values():
@@ -95,7 +55,8 @@ class Placement:
             self.shutdown()
             raise
 
-    def add_role(self, role: str, role_cls: type[Role], *args: Any, **kwargs: Any) -> RoleHandle:
+    def add_role(self, role: str, role_cls: Callable[Concatenate[WorkerContext, P], R], *args: P.args,
+                 **kwargs: P.kwargs) -> RoleHandle[R]:
         if role not in self.config.roles:
             raise ConfigError(f"role {role!r} has no placement; placed roles: {sorted(self.config.roles)}")
         return self.groups[self.config.roles[role]].add_role(role, role_cls, *args, **kwargs)

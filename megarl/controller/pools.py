@@ -9,49 +9,22 @@ Before reserving anything the pool checks the cluster's nodes can hold it and fa
 what was asked and what exists; a reservation that stays pending (resources held by others) fails
 after ``ready_timeout_s`` instead of hanging.
 
-Ray is imported where a pool is reserved, not at import: the config types (:class:`Device`,
-:class:`PoolConfig`) serve the local launcher too, which never loads Ray.
+Ray is imported where a pool is reserved, not at import. The pool's configuration
+(:class:`~megarl.controller.spec.PoolConfig`) lives in :mod:`megarl.controller.spec`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 from typing import TYPE_CHECKING
 
+from megarl.controller.spec import Device, PoolConfig
 from megarl.errors import ConfigError
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
-
-
-class Device(enum.Enum):
-    AUTO = "auto"  # GPU if the cluster has GPUs, else CPU slots
-    GPU = "gpu"
-    CPU = "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    nodes: int = 1
-    devices_per_node: int = 1
-    device: Device = Device.AUTO
-    cpus_per_device: float = 1.0  # CPU slot size (CPU pools) or CPUs reserved beside each GPU
-    ready_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.devices_per_node < 1:
-            raise ConfigError(f"a pool needs nodes >= 1 and devices_per_node >= 1, found {self.nodes}, "
-                              f"{self.devices_per_node}")
-        if self.cpus_per_device <= 0:
-            raise ConfigError(f"cpus_per_device must be > 0, found {self.cpus_per_device}")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
 
 
 class ResourcePool:

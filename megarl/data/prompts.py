@@ -40,17 +40,14 @@ class DataError(MegarlError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptDataConfig:
-    path: str  # a .jsonl or .parquet file of rows
+class PromptConfig:
+    """How rows become prompts (``data:`` in a run's YAML extends it with the files and batching)."""
+
     prompt_key: str = "prompt"  # the column holding a text prompt or a list of chat messages
-    max_prompt_length: int = 1024  # tokens (after the chat template); longer prompts are dropped and counted
-    apply_chat_template: bool = True  # False: encode text prompts plainly (chat-message prompts then fail)
-    shuffle: bool = True  # a fresh permutation every epoch
-    seed: int = 0  # epoch e is permuted by torch.Generator seeded with seed + e
+    max_prompt_length: int = 512  # tokens (after the chat template); longer prompts are dropped and counted
+    apply_chat_template: bool = True  # false: encode text prompts plainly (chat-message prompts then fail)
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("data path is empty; expected a .jsonl or .parquet file of prompts")
         if self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length must be >= 1 token, found {self.max_prompt_length}")
 
@@ -97,16 +94,16 @@ def load_row_adapter(spec: str) -> RowAdapter:
     return load_function(spec, "row adapter", ({},), "(row: dict) -> dict")
 
 
-def load_prompts(cfg: PromptDataConfig, tokenizer: PreTrainedTokenizerBase,
+def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBase,
                  adapter: RowAdapter | None = None) -> PromptDataset:
-    """Read ``cfg.path`` (each row through ``adapter`` first, when given), validate and tokenize every
+    """Read the file ``path`` (each row through ``adapter`` first, when given), validate and tokenize every
     row, drop (and count) over-long prompts."""
-    rows = read_rows(cfg.path)
+    rows = read_rows(path)
     if adapter is not None:
         rows = [(where, _adapt(adapter, row, where)) for where, row in rows]
     use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if cfg.apply_chat_template and not use_template:
-        logger.info("tokenizer has no chat template: text prompts from %s are encoded plainly", cfg.path)
+        logger.info("tokenizer has no chat template: text prompts from %s are encoded plainly", path)
     records: list[PromptRecord] = []
     num_filtered = 0
     for where, row in rows:
@@ -123,12 +120,12 @@ def load_prompts(cfg: PromptDataConfig, tokenizer: PreTrainedTokenizerBase,
         records.append(PromptRecord(len(records), prompt, _reward_text(prompt), input_ids, extra))
     if num_filtered:
         logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
-                       cfg.path, num_filtered, len(rows), cfg.max_prompt_length)
+                       path, num_filtered, len(rows), cfg.max_prompt_length)
     if not records:
-        raise DataError(f"{cfg.path}: no prompts left: all {len(rows)} rows are longer than "
+        raise DataError(f"{path}: no prompts left: all {len(rows)} rows are longer than "
                         f"max_prompt_length={cfg.max_prompt_length} tokens; raise it or shorten the prompts")
-    logger.info("loaded %d prompts from %s", len(records), cfg.path)
-    return PromptDataset(records, num_filtered, cfg.path)
+    logger.info("loaded %d prompts from %s", len(records), path)
+    return PromptDataset(records, num_filtered, path)
 
 
 def _adapt(adapter: RowAdapter, row: dict[str, Any], where: str) -> dict[str, Any]:

@@ -26,19 +26,19 @@ class Precision(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    optimizer: OptimizerName = OptimizerName.ADAM
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.0
+    optimizer: OptimizerName = OptimizerName.ADAM  # adam: AdamW (decoupled weight decay); sgd
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # floor of the decay
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's denominator epsilon
+    sgd_momentum: float = 0.0  # SGD only
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
-    lr_warmup_steps: int = 0
-    lr_decay: LRDecay = LRDecay.CONSTANT
+    lr_warmup_steps: int = 0  # linear warm-up from lr/W to lr over W optimizer steps
+    lr_decay: LRDecay = LRDecay.CONSTANT  # schedule after warm-up, from lr to min_lr
     lr_decay_steps: int = 1  # optimizer steps over which the LR decays (after warm-up)
-    use_distributed_optimizer: bool = True
+    use_distributed_optimizer: bool = True  # megatron-core's: optimizer state sharded over DP (Adam only)
     max_consecutive_nonfinite: int = 3  # skipped steps in a row (NaN/inf loss or grads) before aborting
 
     def __post_init__(self) -> None:
@@ -57,8 +57,8 @@ class MicroBatchConfig:
     greedily while ``size * longest <= max_tokens`` and ``size <= max_size``; each micro-batch is cut
     to its own longest sequence, so no compute is spent on padding beyond it."""
 
-    max_tokens: int = 8192
-    max_size: int = 64
+    max_tokens: int = 8192  # tokens per micro-batch (rows x longest row)
+    max_size: int = 64  # rows per micro-batch
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.max_size < 1:
@@ -79,8 +79,8 @@ class EngineConfig:
     optim: OptimConfig = OptimConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()  # forward-backward passes (updates)
     forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: see forward_batching
-    precision: Precision = Precision.FP32
-    seed: int = 1234
+    precision: Precision = Precision.FP32  # float32, or bfloat16 weights with fp32 main grads and optimizer state (GPU)
+    seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
 
     @property
     def forward_batching(self) -> MicroBatchConfig:

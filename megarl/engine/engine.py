@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
@@ -31,10 +32,12 @@ from megarl.engine import micro_batches
 from megarl.engine.config import EngineConfig, LRDecay, MicroBatchConfig, Precision
 from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
+from megarl.engine.results import StepResult
 from megarl.errors import MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
+from megarl.parallel.init import process_groups
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -58,8 +61,11 @@ class StepStats:
 
 class MegatronEngine:
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, config: EngineConfig, *,
-                 checkpoint_dir: str | None, trainable: bool, load_exclude: tuple[str, ...] = ()) -> None:
+                 checkpoint_dir: str | None, trainable: bool, load_exclude: tuple[str, ...] = (),
+                 groups: ProcessGroupCollection | None = None) -> None:
+        """``groups``: the process groups of ``layout`` (default: this process's, :func:`process_groups`)."""
         self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
+        self.groups = groups if groups is not None else process_groups()
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))
@@ -117,7 +123,7 @@ class MegatronEngine:
         b, s = batch["input_ids"].shape
         return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s).cpu() for k in outputs[0]}
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> StepResult:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
         _, mbs = self._micro_batches(batch, self.config.micro_batch)
         scale = len(mbs) * self.layout.dp
@@ -149,9 +155,9 @@ class MegatronEngine:
                     "(skipped); the run is diverging: lower the learning rate, check rewards and inputs for NaN."
                 )
         self.stats.steps += 1
-        metrics |= {"lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": float(self.stats.skipped_steps),
-                    "step_skipped": float(not finite)}
-        return metrics
+        loss, grad_norm = metrics.pop("loss"), metrics.pop("grad_norm")
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+                          step_skipped=not finite, skipped_steps=self.stats.skipped_steps, terms=metrics)
 
     # ---------------------------------------------------------------------------------- offload
 
@@ -255,10 +261,10 @@ class MegatronEngine:
         if parallel_state.is_pipeline_last_stage():
             keys = sorted(reduced[0])
             values = torch.stack([sum(r[k].double() for r in reduced) for k in keys])
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(values, group=self.groups.dp)
             shared = [dict(zip(keys, values.tolist(), strict=True))]
-        dist.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
+        pp = self.groups.pp
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         return dict(shared[0])
 
     def _all_finite(self, loss: float) -> bool:

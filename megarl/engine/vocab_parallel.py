@@ -175,16 +175,19 @@ def vocab_parallel_log_prob_entropy(
 
 
 def token_log_probs(
-    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-aligned (log p(input_ids[:, i] | input_ids[:, :i]), entropy of that distribution).
 
-    ``logits`` [b, s, V_local] from a causal LM (position i predicts token i+1). Position 0 has no
-    prediction and gets 0 in both outputs.
+    ``logits`` [b, s, V_local] from a causal LM (position i predicts token i+1), vocabulary-sharded over
+    the tensor-parallel ``group`` (None: megatron-core's). Position 0 has no prediction and gets 0 in
+    both outputs.
     """
     # Every position is evaluated (the last one against a dummy target, then dropped) because
     # logits[:, :-1] is not viewable as [tokens, V] and would cost a full copy of the logits.
     target = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
-    lp, ent = vocab_parallel_log_prob_entropy(logits, target, vocab_size=vocab_size, temperature=temperature)
+    lp, ent = vocab_parallel_log_prob_entropy(logits, target, vocab_size=vocab_size, temperature=temperature,
+                                              group=group)
     zero = lp.new_zeros(lp.shape[0], 1)
     return torch.cat([zero, lp[:, :-1]], dim=1), torch.cat([zero, ent[:, :-1]], dim=1)

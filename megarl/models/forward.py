@@ -13,10 +13,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megarl.parallel import cpu_compat
-
-cpu_compat.enable()
-
 
 def forward_logits(
     chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab_size: int, micro_batch_size: int = 1

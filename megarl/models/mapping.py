@@ -5,7 +5,7 @@ global layer index, local-spec module names), which HF tensors it is made of, ho
 and along which dimension tensor parallelism splits it. The same rules serve the offline
 conversion tools, online resharding and the tests. Pure module: torch only, no megatron-core.
 
-Layouts (see shared RESHARDING.md sections 1-2):
+Layouts (see docs/resharding.md §1-2):
 
 * ``linear_qkv``: per query group ``[q_0..q_{r-1}, k, v]`` blocks (GQA interleaving); a TP shard
   is a contiguous slice of whole groups.

@@ -12,8 +12,12 @@ on ``"cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchroniz
   (``current_device``, ``synchronize``, ``current_stream``, ``get_rng_state`` ...);
 * local copies for all-gathers over one-rank groups (see :func:`_gather_locally_on_one_rank`).
 
-It does nothing when CUDA is available, so GPU runs are never affected. Must not import
-megatron-core (it is applied before megatron-core is imported).
+It does nothing when CUDA is available, so GPU runs are never affected. A process enables it when
+it joins a torch.distributed world to run megatron-core (:func:`megarl.parallel.init.init_distributed`:
+workers, the local launcher's driver, conversion), never on import: the driver of a Ray run imports
+the role classes (and so megatron-core) but never runs megatron-core, and its own tensor math must
+not run under the redirection. Every patched call is looked up at call time, so enabling after
+megatron-core is imported works. Must not import megatron-core.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import random
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,18 @@ def comm_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def process_groups() -> ProcessGroupCollection:
+    """This process's megatron-core groups (tensor, pipeline, data and model parallel) as one object, which
+    the roles hand to the engine and the rollout explicitly (after :func:`init_distributed`)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "dp", "mp"])
 
 
 def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minutes: int = 30) -> None:

@@ -3,7 +3,9 @@
 megarl supports megatron-core 0.16.1 (what Python 3.11 resolves) through the current release
 (GPU clusters on Python 3.12). Every call whose signature or behaviour differs between those
 versions goes through a function here, so version checks never spread through the code base.
-Importing this module imports megatron-core (and applies the CPU compatibility layer first).
+Importing this module imports megatron-core; it does not switch on the CPU compatibility layer
+(:mod:`megarl.parallel.cpu_compat`): a process that runs megatron-core does, when it joins its world
+(:func:`megarl.parallel.init.init_distributed`), so a driver that only imports role classes stays as it was.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from megatron.core.models.gpt import gpt_layer_specs
 from torch.distributed.checkpoint.api import CheckpointException as _TorchCheckpointException
 
 from megarl.parallel import cpu_compat
-
-cpu_compat.enable()
 
 MCORE_VERSION: tuple[int, int, int] = (
     int(_mcore_info.MAJOR),

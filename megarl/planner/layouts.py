@@ -6,7 +6,7 @@ Pure module: no torch.distributed, no megatron-core, no Ray. Memory terms come f
 :mod:`megarl.planner.memory`; resharding bytes come from :func:`megarl.resharding.plan.make_plan`
 (the plan the transport executes), computed lazily because a 64-rank plan takes seconds.
 
-Phases of one PPO iteration on a colocated pool (megarl.workers.hybrid, RESHARDING.md section 4):
+Phases of one PPO iteration on a colocated pool (megarl.workers.hybrid, docs/resharding.md §4):
 
 * ``train``: policy and critic hold weights, gradients and optimizer state, the reference its
   weights; the rollout engine sleeps (weights on the host, KV cache freed). Policy and critic train
@@ -23,7 +23,7 @@ rollout weights and KV cache stay resident beside the full training state in eve
 does not model that case.
 
 Text reports (what ``tools/plan.py`` prints) are formatted here too: strings out, nothing printed.
-Sizes are decimal GB, as in RESHARDING.md.
+Sizes are decimal GB, as in docs/planner.md.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     gpu_mem_gb: float
-    intra_node_gbps: float = 300.0  # per GPU, NVLink (RESHARDING.md 3(d))
-    inter_node_gbps: float = 40.0  # per GPU, InfiniBand (RESHARDING.md 3(d))
+    intra_node_gbps: float = 300.0  # per GPU, NVLink (docs/resharding.md §3.4)
+    inter_node_gbps: float = 40.0  # per GPU, InfiniBand (docs/resharding.md §3.4)
     reserved_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
 
     def __post_init__(self) -> None:
@@ -94,9 +94,9 @@ class Workload:
     prompt_tokens: int = 512  # data.max_prompt_length
     response_tokens: int = 512  # rollout.max_new_tokens
     recompute: Recompute = Recompute.SELECTIVE
-    rollout_dtype: str = "bfloat16"  # rollout.dtype
+    rollout_dtype: str = "bfloat16"  # rollout.engine.dtype
     concurrent_seqs: int = 256  # sequences each rollout replica decodes at once (vLLM max_num_seqs)
-    bucket_mb: float = 64.0  # rollout.bucket_mb
+    bucket_mb: float = 64.0  # rollout.engine.bucket_mb
 
     def __post_init__(self) -> None:
         if Role.POLICY not in self.roles:
@@ -190,12 +190,14 @@ class LayoutPlan:
     def overrides(self) -> list[str]:
         """``key=value`` overrides of megarl's TrainConfig for this layout and workload."""
         w, lay = self.workload, self.layout
-        out = [f"cluster.nodes={self.cluster.nodes}", f"cluster.devices_per_node={self.cluster.gpus_per_node}",
-               f"cluster.tp={lay.tp}", f"cluster.pp={lay.pp}"]
+        pool = "cluster.pools.main"
+        out = [f"{pool}.nodes={self.cluster.nodes}", f"{pool}.devices_per_node={self.cluster.gpus_per_node}",
+               f"{pool}.tp={lay.tp}", f"{pool}.pp={lay.pp}"]
         if lay.vpp:
-            out.append(f"cluster.vpp={lay.vpp}")
-        out += [f"rollout.tp={self.rollout_tp}", "rollout.backend=vllm", f"rollout.dtype={w.rollout_dtype}",
-                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization:.2f}",
+            out.append(f"{pool}.vpp={lay.vpp}")
+        out += [f"rollout.engine.tp={self.rollout_tp}", "rollout.engine.backend=vllm",
+                f"rollout.engine.dtype={w.rollout_dtype}",
+                f"rollout.engine.gpu_memory_utilization={self.gpu_memory_utilization:.2f}",
                 f"rollout.max_new_tokens={w.response_tokens}", f"data.max_prompt_length={w.prompt_tokens}"]
         for role in (Role.POLICY, Role.CRITIC):
             if role in w.roles:
@@ -283,7 +285,7 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
                      rollout_dtype: str) -> ReshardEstimate:
     """Per-rank bytes of one weight sync from the resharding plan, split by link, and the lower bound
     on its time: for every rank, max(receive, send) of intra-node bytes / NVLink + inter-node bytes /
-    IB (RESHARDING.md 3(d) arithmetic), the slowest rank's."""
+    IB (docs/resharding.md §3.4 arithmetic), the slowest rank's."""
     plan = make_plan(spec, layout, rollout_tp, grouping=Grouping.CONSECUTIVE)  # vLLM's groups
     size = memory.itemsize(rollout_dtype)
     world = layout.world_size

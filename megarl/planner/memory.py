@@ -10,7 +10,7 @@ distributed optimizer's DP shards differ by padding only), so everything is give
 Training state per parameter a rank holds (megarl's engine: ``grad_reduce_in_fp32=True``):
 
 * bf16: weights 2 B, gradient buffer 4 B, optimizer 4 B fp32 master + 4 B x Adam moments
-  (= 12 B), divided by DP with the distributed optimizer (RESHARDING.md 3(d)).
+  (= 12 B), divided by DP with the distributed optimizer (docs/planner.md §3.1).
 * fp32: weights 4 B, gradients 4 B, optimizer 4 B x moments (the fp32 weights are the master copy).
 
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -47,7 +47,7 @@ from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import dest_range, hf_tensors
 
-GB = 1e9  # decimal gigabytes, as RESHARDING.md counts them (M = 141.1 GB for 70.55 B bf16 parameters)
+GB = 1e9  # decimal gigabytes, as docs/planner.md counts them (M = 141.1 GB for 70.55 B bf16 parameters)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -7,7 +7,7 @@ file. Sources, as published on huggingface.co:
 
 * ``llama3-8b``   meta-llama/Meta-Llama-3-8B/config.json   (transformers 4.40.0.dev0)
 * ``llama3-70b``  meta-llama/Meta-Llama-3-70B/config.json  (transformers 4.40.0.dev0); the
-  numbers RESHARDING.md 1.6 and 3(d) use (80 x 8192, 64/8 heads, FFN 28672, V 128256: 70.55 B)
+  numbers docs/resharding.md §1.6 and §3.4 use (80 x 8192, 64/8 heads, FFN 28672, V 128256: 70.55 B)
 * ``qwen2.5-7b``  Qwen/Qwen2.5-7B/config.json  (transformers 4.43.1)
 * ``qwen2.5-72b`` Qwen/Qwen2.5-72B/config.json (transformers 4.43.1). The -Instruct variants differ
   only in fields that do not change memory (rms_norm_eps 1e-6, max_position_embeddings 32768,

@@ -6,13 +6,13 @@ model spec). It imports torch only for dtypes: no process group, no megatron-cor
 Everything is expressed in *HF space*: the model's HF tensors (``q_proj``, ``gate_proj``,
 ``embed_tokens`` ... trimmed to the true vocabulary). Every HF tensor is either replicated or cut
 into contiguous ranges along one dimension, both by Megatron's tensor parallelism and by vLLM's
-(RESHARDING.md 2.1-2.2): q/k/v rows by whole query groups, gate/up rows per half, o/down columns,
+(docs/resharding.md §2.1-2.2): q/k/v rows by whole query groups, gate/up rows per half, o/down columns,
 vocabulary rows (Megatron: ``Vp/T`` per rank; vLLM: ``ceil(V/64)*64/G`` per rank). So a transfer
 is a :class:`Slab`: one range of one HF tensor from one rank to another.
 
 Rollout places (which rollout replica and TP rank each training rank plays):
 
-* ``HYBRID`` (TP_g divides TP_t*PP_t), the HybridFlow grouping (RESHARDING.md 3(b)): inside one
+* ``HYBRID`` (TP_g divides TP_t*PP_t), the HybridFlow grouping (docs/resharding.md §3.2): inside one
   data-parallel replica's model-parallel group, with k = TP_t/TP_g, training TP rank t plays
   rollout TP rank t // k and micro-DP replica (t mod k) + k*pp — so the rollout TP group is strided
   and a rank's training shard lies inside its rollout shard (received bytes per rank

@@ -10,7 +10,6 @@ parameter's converted pieces; never a second model copy.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Mapping
 
@@ -21,19 +20,7 @@ from megarl.metrics import trace
 from megarl.models.spec import ModelSpec
 from megarl.resharding.buckets import Bucket, LocalPieces, dest_view, empty_dest, make_buckets
 from megarl.resharding.plan import ReshardPlan
-
-
-@dataclasses.dataclass
-class TransferStats:
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_kept: int = 0  # copied locally (the rank already held them)
-    buckets: int = 0
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"reshard/{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "seconds"}
-        return out | {"timing/reshard_s": self.seconds}
+from megarl.resharding.stats import TransferStats
 
 
 def stream_weights(

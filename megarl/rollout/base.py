@@ -29,21 +29,15 @@ class WeightUpdateError(MegarlError, ValueError):
     """A weight sync that does not fit the rollout model: unknown name, wrong shape, or missing tensors."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample responses. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off.
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How each response is drawn (``rollout.sampling`` / ``rollout.validation`` in a run's YAML).
+    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` are off."""
 
-    A row finishes when it emits one of ``stop_token_ids`` (the stop token is part of the response,
-    as in vLLM) or after ``max_new_tokens`` tokens. ``seed=None`` draws fresh randomness.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0  # softmax temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus: the smallest set of tokens with this much probability; 1 = off
+    top_k: int = 0  # only the k most likely tokens; 0 = off
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,20 +45,37 @@ class SamplingParams:
             (self.temperature >= 0, "temperature", ">= 0 (0 = greedy)", self.temperature),
             (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 = off)", self.top_p),
             (self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k),
-            (self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1", self.max_new_tokens),
         ]
         for ok, name, expected, found in checks:
             if not ok:
-                raise ConfigError(f"SamplingParams.{name} must be {expected}; found {found!r}")
+                raise ConfigError(f"{type(self).__name__}.{name} must be {expected}; found {found!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(SamplingConfig):
+    """One generation call: how to sample (:class:`SamplingConfig`) and when a response ends.
+
+    A row finishes when it emits one of ``stop_token_ids`` (the stop token is part of the response,
+    as in vLLM) or after ``max_new_tokens`` tokens. ``seed=None`` draws fresh randomness.
+    """
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"SamplingParams.max_new_tokens must be an integer >= 1; found {self.max_new_tokens!r}")
         if not isinstance(self.stop_token_ids, tuple) or any(t < 0 for t in self.stop_token_ids):
             raise ConfigError(
                 f"SamplingParams.stop_token_ids must be a tuple of non-negative token ids; "
                 f"found {self.stop_token_ids!r}"
             )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass

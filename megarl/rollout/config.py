@@ -1,9 +1,11 @@
-"""How the policy's rollout engine is built and fed (typed config; pure: no engine imports)."""
+"""How the policy's rollout engine is built and fed (``rollout.engine`` in a run's YAML; pure: no engine imports)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+
+from megarl.engine.config import Precision
 
 
 class RolloutBackend(enum.Enum):
@@ -13,17 +15,15 @@ class RolloutBackend(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    backend: RolloutBackend = RolloutBackend.EMBEDDED
+    backend: RolloutBackend = RolloutBackend.EMBEDDED  # embedded: transformers in the worker; vllm: vLLM
     tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
-    dtype: str = "float32"  # dtype of the rollout weights ("bfloat16" on GPU)
+    dtype: Precision = Precision.FP32  # dtype of the rollout weights (bfloat16 on GPU)
     bucket_mb: float = 64.0  # resharding bucket cap per rank
-    max_batch_size: int = 64  # rows decoded at once per replica
-    logprob_check: bool = True  # compare rollout and training log-probs after every sync
-    max_logprob_abs_diff: float | None = None  # raise when the mean |difference| exceeds this
-    offload_train_state: bool | None = None  # None: only when training on a GPU (on CPU the host is the device)
+    max_batch_size: int = 64  # rows decoded at once per replica (embedded engine)
+    max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more (mean |diff|)
+    offload_train_state: bool | None = None  # null: offload grads/optimizer/params around rollout on GPU only
     # vLLM backend only
     gpu_memory_utilization: float = 0.5  # share of the GPU vLLM may take (weights + KV cache), free at build time
-    kv_cache_mb: float | None = None  # KV cache size; None: from gpu_memory_utilization on GPU, 1 GiB on CPU
+    kv_cache_mb: float | None = None  # KV cache size; null: from gpu_memory_utilization on GPU, 1 GiB on CPU
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
-    max_model_len: int | None = None  # prompt + response tokens; None: the model config's
-    seed: int = 0  # vLLM engine seed; unseeded sampling draws from it (same on every rank of a TP group)
+    max_model_len: int | None = None  # prompt + response tokens; null: the model config's

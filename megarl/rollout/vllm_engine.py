@@ -550,7 +550,7 @@ def _check_head_dim(head_dim: int) -> None:
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
         raise UnsupportedModelError(f"vLLM's CPU attention supports head_dim {supported}; this model has {head_dim}. "
-                                    "Use rollout.backend=embedded for it on CPU.")
+                                    "Use rollout.engine.backend=embedded for it on CPU.")
 
 
 def _import_vllm() -> Any:
@@ -559,7 +559,7 @@ def _import_vllm() -> Any:
         import vllm
         from vllm.distributed.weight_transfer.base import WeightTransferEngine
     except ImportError as e:
-        raise MissingDependencyError("rollout.backend=vllm needs vLLM: `pip install megarl[vllm]` on a CUDA "
+        raise MissingDependencyError("rollout.engine.backend=vllm needs vLLM: `pip install megarl[vllm]` on a CUDA "
                                      f"machine, `make install` (vLLM's CPU build) on CPU ({e})") from e
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     missing = [name for name in _REQUIRED_ENGINE_ARGS if name not in fields]

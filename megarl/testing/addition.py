@@ -78,7 +78,7 @@ def make_task(out_dir: str | Path, *, train_rows: int = 512, val_rows: int = 32,
 def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], **model_kwargs) -> int:
     """What the addition examples' ``run.py`` do: build the task under ``task_dir``, train with ``config``
     and ``key.path=value`` overrides, log the reward curve."""
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
     make_task(task_dir, **model_kwargs)

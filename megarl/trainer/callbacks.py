@@ -3,7 +3,9 @@
 A callback is any object with these two methods; the trainer calls them in order of registration.
 ``on_stage_end`` receives the step's working :class:`Batch` after ``rollout``, ``reward``,
 ``advantages`` and ``step`` (after the updates), so a callback can log samples, export data or
-raise to stop the run. Callbacks must not modify the batch. Pure protocol: no imports above ``data``.
+raise to stop the run; with ReMax also ``baseline``: the prompt-indexed batch of greedy responses
+(row ``i`` is prompt ``i``'s); and ``validation``: the scored validation samples. Callbacks must not
+modify the batch. Pure protocol: no imports above ``data``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from megarl.data.batch import Batch
 
-STAGES = ("rollout", "reward", "advantages", "step")
+STAGES = ("rollout", "baseline", "reward", "advantages", "step", "validation")
 
 
 @runtime_checkable

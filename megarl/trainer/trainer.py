@@ -1,19 +1,22 @@
-"""The RL fit loop: rollout (+ old log-probs) -> rewards -> reference -> values -> advantages -> updates.
+"""The RL fit loop: weight sync -> rollout -> (old log-probs) -> rewards -> reference -> values -> advantages
+-> updates.
 
-The driver holds the algorithm; workers (one colocated Ray pool: policy with its rollout engine,
-reference, critic, reward model) do the model work. Each stage is a named method run inside a named
-timer, and :meth:`Trainer.train_step` reads as the recipe. Everything checkable is checked before a
-worker starts (:func:`megarl.trainer.config.check_config`, the dataset, the reward function, the reward
-model's tokens: :func:`check_reward_model`). Checkpoints every ``save_every`` steps; a new run in the
-same output directory resumes from the latest one.
+The driver holds the algorithm; workers (the policy with its rollout engine, reference, critic, reward
+model: :class:`megarl.trainer.cluster.Cluster`) do the model work. Each stage is a named method run
+inside a named timer, and :meth:`Trainer.train_step` reads as the recipe. Everything checkable is
+checked before a worker starts (:func:`megarl.config.train.check_config`, the dataset, the reward
+function, the reward model's tokens: :func:`check_reward_model`); :func:`megarl.config.resolve.resolve`
+then makes every "auto" decision, and the run writes that config to ``<output_dir>/config.yaml``.
+Checkpoints every ``save_every`` steps; a new run in the same output directory resumes from the latest.
 
 Old log-probs (the PPO ratio's denominator) come from a training-model forward after generation only
-where ``algorithm.recomputes_old_log_probs``; otherwise the one policy update per batch stands in for
+where ``algorithm.recompute_old_log_probs``; otherwise the one policy update per batch stands in for
 them and reports ``rollout/logprob_abs_diff`` and ``actor/kl`` from its own forward at the same weights.
 
 A response's reward is ``reward.function_weight * function + reward_model.weight * reward model`` over
-the sources configured. ReMax samples one greedy response per prompt in the same weight sync as the
-sampled ones; its reward (same sources) is the prompt's baseline.
+the sources configured. ReMax samples one greedy response per prompt in the same rollout phase as the
+sampled ones; its reward (same sources) is the prompt's baseline. Validation (:meth:`Trainer.validate`)
+only samples and scores: no training forward, no checks that tie it to the training distribution.
 """
 
 from __future__ import annotations
@@ -29,19 +32,21 @@ from typing import Any
 import torch
 
 from megarl import algos
-from megarl.checkpoint import mcore_io
+from megarl.checkpoint import run as run_checkpoints
+from megarl.config.resolve import hf_files, resolve, sampling_params, stop_token_ids
+from megarl.config.train import TrainConfig, check_config, dump_config, to_plain
 from megarl.data.batch import Batch, prompt_batch
-from megarl.data.prompts import PromptDataConfig, PromptRecord, PromptSampler, load_prompts, load_row_adapter
+from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts, load_row_adapter
+from megarl.engine.results import mean_metrics
 from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 from megarl.rewards.base import score_samples
 from megarl.rewards.user import resolve_reward_function
-from megarl.rollout.base import SamplingParams
-from megarl.trainer import checkpoints
+from megarl.rollout.base import SamplingConfig, SamplingParams
+from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.callbacks import Callback
-from megarl.trainer.config import TrainConfig, check_config, dump_config, to_plain
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +71,10 @@ class StageTimer:
 class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> None:
         check_config(cfg)
+        cfg = resolve(cfg)
         self.cfg, self.callbacks = cfg, callbacks
         self.out = Path(cfg.trainer.output_dir)
-        self.tokenizer = _load_tokenizer(cfg)
+        self.tokenizer = _load_tokenizer(cfg.model.tokenizer)
         check_reward_model(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
@@ -77,22 +83,21 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         a = cfg.algorithm
         self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
+        self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
         self.step = 0
         self.out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.out / "config.yaml")
-        self.resume_from = checkpoints.latest(self.out) if cfg.trainer.resume else None
-        from megarl.trainer.workers import Workers  # Ray and the workers: only once the config is known good
+        self.resume_from = run_checkpoints.latest(self.out) if cfg.trainer.resume else None
+        from megarl.trainer.cluster import Cluster  # Ray and the workers: only once the config is known good
 
-        self.workers = Workers(cfg, self.out, self.tokenizer)
+        self.cluster = Cluster(cfg, self.out)
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
     def _load_data(self, path: str):
         d = self.cfg.data
-        cfg = PromptDataConfig(path=path, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                               apply_chat_template=d.apply_chat_template, shuffle=d.shuffle, seed=self.cfg.trainer.seed)
         adapter = load_row_adapter(d.row_adapter) if d.row_adapter else None
-        data = load_prompts(cfg, self.tokenizer, adapter)
+        data = load_prompts(path, d, self.tokenizer, adapter)
         if data.num_filtered:
             logger.warning("%s: %d prompts longer than %d tokens were dropped", path, data.num_filtered,
                            d.max_prompt_length)
@@ -126,27 +131,34 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()
+        a = self.cfg.algorithm
         records = self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
+        with timer("weight_sync"):
+            metrics = self.cluster.sync_weights().metrics()
         with timer("rollout"):
-            batch, metrics = self.rollout(records)
+            batch, baseline = self.rollout(records)
+            metrics |= self._rollout_metrics(batch)
+        if a.recompute_old_log_probs:
+            with timer("old_log_probs"):
+                metrics |= self.old_log_probs(batch)
         with timer("reward"):
-            metrics |= self.score(batch, records)
-        if self.cfg.algorithm.needs_reference:
+            metrics |= self.score(batch, records, baseline=baseline)
+        if a.needs_reference:
             with timer("reference"):
                 metrics |= self.reference_log_probs(batch)
-        if self.cfg.algorithm.needs_critic:
+        if a.needs_critic:
             with timer("values"):
                 self.values(batch)
         with timer("advantages"):
             metrics |= self.advantages(batch)
-        if self.cfg.algorithm.needs_critic:
+        if a.needs_critic:
             with timer("update_critic"):
                 metrics |= self.update_critic(batch)
         with timer("update_policy"):
             metrics |= self.update_policy(batch)
         with timer("bookkeeping"):  # callbacks and the workers' memory peaks: part of the step's time
             self._stage("step", batch)
-            metrics |= self.workers.memory_peaks()
+            metrics |= self.cluster.memory_peaks()
         tokens = float(batch["attention_mask"].sum())
         metrics |= timer.metrics() | {"batch/tokens": tokens, "batch/num_sequences": float(len(batch))}
         metrics["throughput/tokens_per_s"] = tokens / max(sum(timer.seconds.values()), 1e-9)
@@ -154,29 +166,48 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- stages
 
-    def rollout(self, records: list[PromptRecord], *, validation: bool = False) -> tuple[Batch, dict[str, float]]:
-        r = self.cfg.rollout
-        params = SamplingParams(
-            n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
-            top_p=1.0 if validation else r.top_p, top_k=0 if validation else r.top_k,
-            max_new_tokens=r.max_new_tokens, stop_token_ids=self.workers.stop_token_ids,
-            seed=self.cfg.trainer.seed * 1_000_003 + self.step,
-        )
-        baseline = (SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens,
-                                   stop_token_ids=self.workers.stop_token_ids)
-                    if self.cfg.algorithm.needs_greedy_baseline and not validation else None)  # ReMax
-        batch = self.workers.generate(_prompt_batch(records), params, baseline)
-        metrics = {k: v for k, v in batch.meta.pop("metrics").items()}
-        lengths = batch["response_lengths"].float()
-        metrics |= {"response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-                    "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
+    def rollout(self, records: list[PromptRecord]) -> tuple[Batch, Batch | None]:
+        """The step's responses (rows grouped by prompt) and, for ReMax, one greedy response per prompt
+        (prompt-indexed); the policy returns to training afterwards."""
+        prompts = _prompt_batch(records)
+        batch = self.cluster.generate(prompts, self._params(self.cfg.rollout.sampling))
+        baseline = None
+        if self.cfg.algorithm.needs_greedy_baseline:  # ReMax
+            greedy = SamplingConfig(temperature=0.0)
+            baseline = self.cluster.generate(prompts, self._params(greedy, seeded=False))
+            self._stage("baseline", baseline)
+        batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
         self._stage("rollout", batch)
-        return batch, metrics
+        return batch, baseline
 
-    def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward") -> dict[str, float]:
+    def _params(self, sampling: SamplingConfig, *, seeded: bool = True) -> SamplingParams:
+        seed = self.cfg.trainer.seed * 1_000_003 + self.step if seeded else None
+        return sampling_params(sampling, self.cfg.rollout, self.stop_token_ids, seed)
+
+    @staticmethod
+    def _rollout_metrics(batch: Batch) -> dict[str, float]:
+        lengths = batch["response_lengths"].float()
+        return batch.meta.pop("metrics") | {
+            "rollout/num_tokens": lengths.sum().item(), "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
+
+    def old_log_probs(self, batch: Batch) -> dict[str, float]:
+        """The training model's log-probs of the sampled tokens at the sampling weights (the PPO ratio's
+        denominator), compared with the rollout engine's (``rollout/logprob_abs_diff``)."""
+        lp = self.cluster.old_log_probs(batch.select("input_ids", "attention_mask"))["log_probs"]
+        batch.tensors["old_log_probs"] = lp
+        diff = logprob_abs_diff(lp, batch["rollout_log_probs"], batch["response_mask"])
+        limit = self.cfg.rollout.engine.max_logprob_abs_diff
+        if limit is not None and diff > limit:
+            raise mismatch_error(diff, limit)
+        return {"rollout/logprob_abs_diff": diff}
+
+    def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward",
+              baseline: Batch | None = None, stage: str | None = "reward") -> dict[str, float]:
         """``scores``: each row's reward, the weighted sum of its sources' scores (kept as ``function_scores``
-        and ``model_scores``); with baseline sequences in the batch (ReMax), ``baseline_scores``: the
-        reward of the row's prompt's baseline response, from the same sources."""
+        and ``model_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
+        ``baseline_scores``: the reward of the row's prompt's baseline response, from the same sources."""
         scores, parts, num_errors = self._rewards(batch, records)
         batch.tensors["scores"] = scores
         for source, values in parts.items():
@@ -187,14 +218,17 @@ class Trainer:
         if "model" in parts:  # the sources apart (unweighted)
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
             metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
-        if "baseline_input_ids" in batch.tensors.keys():  # noqa: SIM118 (TensorDict); ReMax training batches
-            greedy, prompt_row = _baseline_batch(batch)
-            baseline, _, baseline_errors = self._rewards(greedy, records)
-            batch.tensors["baseline_scores"] = baseline[prompt_row]
-            metrics[f"{prefix}/baseline_mean"] = baseline.mean().item()  # over prompts
+        if baseline is not None:
+            if not torch.equal(baseline["prompt_uid"], torch.arange(len(records))):
+                raise ValueError(f"a baseline is one response per prompt in prompt order; found prompt ids "
+                                 f"{baseline['prompt_uid'].tolist()[:8]} for {len(records)} prompts")
+            per_prompt, _, baseline_errors = self._rewards(baseline, records)
+            batch.tensors["baseline_scores"] = per_prompt[batch["prompt_uid"]]
+            metrics[f"{prefix}/baseline_mean"] = per_prompt.mean().item()  # over prompts
             num_errors += baseline_errors
         metrics[f"{prefix}/num_errors"] = float(num_errors)
-        self._stage("reward", batch)
+        if stage is not None:
+            self._stage(stage, batch)
         return metrics
 
     def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -214,21 +248,21 @@ class Trainer:
                                                     self.cfg.reward.error_score)
             total, num_errors = total + self.cfg.reward.function_weight * parts["function"], info.num_errors
         if self.cfg.reward_model is not None:
-            parts["model"] = self.workers.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
+            parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
             total = total + self.cfg.reward_model.weight * parts["model"]
         return total, parts, num_errors
 
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
-        ref = self.workers.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
+        ref = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
         batch.tensors["ref_log_probs"] = ref["log_probs"]
-        if not self.cfg.algorithm.recomputes_old_log_probs:
+        if not self.cfg.algorithm.recompute_old_log_probs:
             return {}  # no old log-probs: the update reports actor/kl from its forward at the same weights
         mask = batch["response_mask"]
         kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
         return {"actor/kl": algos.masked_mean(kl, mask).item()}
 
     def values(self, batch: Batch) -> None:
-        batch.tensors["values"] = self.workers.values(batch.select("input_ids", "attention_mask"))["values"]
+        batch.tensors["values"] = self.cluster.values(batch.select("input_ids", "attention_mask"))["values"]
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         a, mask = self.cfg.algorithm, batch["response_mask"]
@@ -254,16 +288,16 @@ class Trainer:
     def update_critic(self, batch: Batch) -> dict[str, float]:
         fields = ("input_ids", "attention_mask", "response_mask", "returns", "values")
         train = batch.select(*fields).update(Batch.from_dict({"old_values": batch["values"]}))
-        return _mean_metrics([self.workers.update_critic(mb) for mb in self._mini_batches(train)], "critic/")
+        return mean_metrics([self.cluster.update_critic(mb) for mb in self._mini_batches(train)], "critic/")
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.algorithm
-        old = "old_log_probs" if a.recomputes_old_log_probs else "rollout_log_probs"  # the latter: for the check
+        old = "old_log_probs" if a.recompute_old_log_probs else "rollout_log_probs"  # the latter: for the check
         fields = ["input_ids", "attention_mask", "response_mask", old, "advantages"]
         if a.kl_loss_coef:
             fields.append("ref_log_probs")
         train = batch.select(*fields)
-        return _mean_metrics([self.workers.update_policy(mb) for mb in self._mini_batches(train)], "actor/")
+        return mean_metrics([self.cluster.update_policy(mb) for mb in self._mini_batches(train)], "actor/")
 
     def _mini_batches(self, batch: Batch) -> Iterator[Batch]:
         a = self.cfg.algorithm
@@ -271,9 +305,16 @@ class Trainer:
             yield from batch.chunk(a.mini_batches)
 
     def validate(self) -> dict[str, float]:
+        """Sample the validation prompts with ``rollout.validation`` at the current weights and score them:
+        sampling only (no training forward, no log-prob check), so any temperature and ``n`` work."""
         records = self.val_data.records
-        batch, _ = self.rollout(records, validation=True)
-        return self.score(batch, records, prefix="val/reward")
+        self.cluster.sync_weights()
+        batch = self.cluster.generate(_prompt_batch(records), self._params(self.cfg.rollout.validation))
+        self.cluster.to_train()
+        batch.meta.pop("metrics")
+        metrics = self.score(batch, records, prefix="val/reward", stage=None)
+        self._stage("validation", batch)
+        return metrics
 
     def _stage(self, stage: str, batch: Batch) -> None:
         for cb in self.callbacks:
@@ -282,17 +323,17 @@ class Trainer:
     # --------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
-        tmp = checkpoints.begin(self.out, self.step)
-        self.workers.save(tmp, self.step)
+        tmp = run_checkpoints.begin(self.out, self.step)
+        self.cluster.save(tmp, self.step)
         state = {"step": self.step, "sampler": self.sampler.state_dict(),
                  "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
-        final = checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
+        final = run_checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
         logger.info("checkpoint written: %s", final)
         return final
 
     def _restore(self, ckpt: Path) -> None:
-        state = checkpoints.read_state(ckpt)
-        self.workers.load(ckpt)
+        state = run_checkpoints.read_state(ckpt)
+        self.cluster.load(ckpt)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         if self.kl_ctl is not None and state["kl_coef"] is not None:
@@ -301,29 +342,12 @@ class Trainer:
         logger.info("resumed from %s at step %d", ckpt, self.step)
 
     def close(self) -> None:
-        self.workers.shutdown()
+        self.cluster.shutdown()
 
 
 def _prompt_batch(records: list[PromptRecord]) -> Batch:
     return prompt_batch([r.input_ids for r in records]).update(
         Batch.from_dict({"prompt_uid": torch.arange(len(records))}))
-
-
-def _baseline_batch(batch: Batch) -> tuple[Batch, torch.Tensor]:
-    """The baseline sequences once per prompt (``input_ids``, ``attention_mask``, ``response_mask``,
-    ``prompt_uid``), and for each row of ``batch`` the index of its prompt's baseline in it."""
-    uid = batch["prompt_uid"]
-    prompts, prompt_row = torch.unique(uid, return_inverse=True)
-    first = torch.full((len(prompts),), len(uid)).scatter_reduce(0, prompt_row, torch.arange(len(uid)), "amin")
-    fields = {k: batch[f"baseline_{k}"][first] for k in ("input_ids", "attention_mask", "response_mask")}
-    return Batch.from_dict(fields | {"prompt_uid": uid[first]}), prompt_row
-
-
-def _mean_metrics(results: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Means over the updates, keys under ``prefix`` unless a worker named the namespace itself
-    (e.g. ``rollout/logprob_abs_diff`` measured by the policy update)."""
-    keys = results[0].keys()
-    return {(k if "/" in k else prefix + k): sum(r[k] for r in results) / len(results) for k in keys}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -333,19 +357,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in keep))
 
 
-def _hf_files(path: str) -> Path:
-    """Where a model directory's HF files (config.json, tokenizer) are: itself, or a megarl checkpoint's hf/."""
-    return Path(path) / mcore_io.HF_SUBDIR if (Path(path) / mcore_io.META_FILE).is_file() else Path(path)
-
-
-def _load_tokenizer(cfg: TrainConfig):
+def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_hf_files(cfg.model.tokenizer or cfg.model.path)))
+    return AutoTokenizer.from_pretrained(path)
 
 
 def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
-    """Before any worker starts: ``reward_model.path`` holds a reward model (one scalar output) that reads
+    """Before any worker starts: ``reward_model.model.path`` holds a reward model (one scalar output) that reads
     the policy's token ids as they are - its tokenizer maps every string to the same id as the policy's
     ``tokenizer`` and it embeds every id the policy can emit. Re-tokenization is not supported."""
     from transformers import AutoTokenizer
@@ -353,21 +372,22 @@ def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
     rm = cfg.reward_model
     if rm is None:
         return
-    rm_config = load_hf_config(_hf_files(rm.path))
+    rm_config = load_hf_config(hf_files(rm.model.path))
     if spec_from_hf_config(rm_config).head is not Head.SCALAR:
-        raise ConfigError(f"reward_model.path {rm.path} holds a {rm_config.get('architectures')} model, not a reward "
-                          "model: give an HF *ForSequenceClassification checkpoint with num_labels=1.")
-    policy_ids, rm_ids = int(load_hf_config(_hf_files(cfg.model.path))["vocab_size"]), int(rm_config["vocab_size"])
+        raise ConfigError(f"reward_model.model.path {rm.model.path} holds a {rm_config.get('architectures')} model, "
+                          "not a reward model: give an HF *ForSequenceClassification checkpoint with num_labels=1.")
+    policy_ids, rm_ids = int(load_hf_config(hf_files(cfg.model.path))["vocab_size"]), int(rm_config["vocab_size"])
     if rm_ids < policy_ids:
         raise ConfigError(f"the reward model embeds {rm_ids} token ids, the policy ({cfg.model.path}) emits up to "
                           f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for a reward "
                           "model is not supported).")
-    source = _hf_files(rm.tokenizer or rm.path)
+    source = hf_files(rm.model.tokenizer or rm.model.path)
     try:
         rm_vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
     except (OSError, ValueError) as e:
         raise ConfigError(f"no tokenizer could be loaded from {source} ({e}), so it cannot be checked that the reward "
-                          "model shares the policy's; set reward_model.tokenizer to its tokenizer directory.") from e
+                          "model shares the policy's; set reward_model.model.tokenizer to its tokenizer "
+                          "directory.") from e
     policy_vocab = tokenizer.get_vocab()
     if rm_vocab != policy_vocab:
         differ = sorted(t for t in rm_vocab.keys() | policy_vocab.keys() if rm_vocab.get(t) != policy_vocab.get(t))

@@ -9,32 +9,28 @@ scores each sequence at its last real token, as `transformers`' sequence classif
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megarl import algos
-from megarl.checkpoint import mcore_io
+from megarl.checkpoint.format import read_meta
+from megarl.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
-from megarl.engine.checkpoint import load_training_checkpoint, save_training_checkpoint
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
+from megarl.engine.results import StepResult
 from megarl.models.spec import Head, spec_from_hf_config
+from megarl.parallel.init import process_groups
 from megarl.workers.policy import global_normalizer
 
-
-@dataclasses.dataclass(frozen=True)
-class CriticConfig:
-    value_clip: float | None = 0.2  # None: unclipped value loss
-    aggregation: algos.LossAggregation = algos.LossAggregation.TOKEN_MEAN
+VALUE_LOSS_AGGREGATION = algos.LossAggregation.TOKEN_MEAN  # the value loss averages over every response token
 
 
 def _scalar_engine(ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, trainable: bool) -> MegatronEngine:
-    spec = spec_from_hf_config(mcore_io.read_meta(checkpoint_dir).hf_config)
+    spec = spec_from_hf_config(read_meta(checkpoint_dir).hf_config)
     exclude = ("output_layer.",) if spec.head is Head.LM else ()  # a causal LM: new head, LM head not loaded
     return MegatronEngine(spec.with_head(Head.SCALAR), ctx.layout, engine, checkpoint_dir=checkpoint_dir,
-                          trainable=trainable, load_exclude=exclude)
+                          trainable=trainable, load_exclude=exclude, groups=process_groups())
 
 
 def _token_values(output: torch.Tensor) -> torch.Tensor:
@@ -44,10 +40,11 @@ def _token_values(output: torch.Tensor) -> torch.Tensor:
 
 
 class CriticRole(Role):
-    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, critic: CriticConfig,
+    def __init__(self, ctx: WorkerContext, *, checkpoint_dir: str, engine: EngineConfig, value_clip: float | None,
                  trainable: bool = True) -> None:
+        """``value_clip``: the clipped value loss's range around the old values (None: unclipped)."""
         super().__init__(ctx)
-        self.critic = critic
+        self.value_clip = value_clip
         self.engine = _scalar_engine(ctx, checkpoint_dir, engine, trainable)
 
     def compute_values(self, batch: Batch) -> Batch | None:
@@ -55,16 +52,15 @@ class CriticRole(Role):
         out = self.engine.forward(batch, lambda o, mb: {"values": _token_values(o) * mb["attention_mask"]})
         return Batch.from_dict(out) if out is not None and self.ctx.is_collect_rank else None
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch) -> StepResult:
         """One optimizer step of the (clipped) value loss; needs ``old_values`` and ``returns``."""
-        cfg = self.critic
-        normalizer = global_normalizer(batch["response_mask"])
+        normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
 
         def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
             values = _token_values(output)
             mask = mb["response_mask"].to(values.dtype)
-            out = algos.value_loss(values, mb["old_values"], mb["returns"], mask, cfg.value_clip, cfg.aggregation,
-                                   normalizer)
+            out = algos.value_loss(values, mb["old_values"], mb["returns"], mask, self.value_clip,
+                                   VALUE_LOSS_AGGREGATION, normalizer)
             weight = mask.sum() / normalizer.token_count
             return out.loss, {"vf_loss": out.loss.detach(), "vf_clip_frac": out.clip_frac * weight}
 
@@ -80,7 +76,7 @@ class CriticRole(Role):
 
 
 class RewardModelRole(Role):
-    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig) -> None:
+    def __init__(self, ctx: WorkerContext, *, checkpoint_dir: str, engine: EngineConfig) -> None:
         super().__init__(ctx)
         self.engine = _scalar_engine(ctx, checkpoint_dir, engine, trainable=False)
 

@@ -1,16 +1,17 @@
 """The hybrid engine: a policy worker trains with Megatron and generates with a colocated rollout engine.
 
-One :meth:`HybridRollout.generate` call is one full transition cycle on every rank of the policy's
-world (all ranks must call it together):
+A rollout phase is three steps, each called on every rank of the policy's world together:
 
-1. train -> rollout: (GPU) offload gradients and optimizer state; wake the rollout engine; stream
-   the Megatron shards into it bucket by bucket along a :mod:`megarl.resharding` plan (no full model
-   copy is ever assembled besides the rollout engine's own weights); (GPU) offload the training params.
-2. each rollout replica generates its contiguous share of this data-parallel rank's prompts
-   (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index), once per
-   set of sampling parameters asked for (:meth:`HybridRollout.generate_many`: e.g. a greedy baseline);
-3. rollout -> train: the rollout engine sleeps (weights and cache freed); training state reloads;
+1. :meth:`HybridRollout.to_rollout` (train -> rollout, the weight sync): (GPU) offload gradients and
+   optimizer state; wake the rollout engine; stream the Megatron shards into it bucket by bucket along
+   a :mod:`megarl.resharding` plan (no full model copy is ever assembled besides the rollout engine's
+   own weights); (GPU) offload the training params.
+2. :meth:`HybridRollout.generate`, any number of times (training samples, a greedy baseline, an
+   evaluation set): each rollout replica generates its contiguous share of this data-parallel rank's
+   prompts (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index);
    the replicas' outputs are gathered over the model-parallel group in replica order.
+3. :meth:`HybridRollout.to_train` (rollout -> train): the rollout engine sleeps (weights and cache
+   freed where the platform allows); training state reloads.
 
 Owns the rollout engine and the plan; does not know about losses or the trainer.
 """
@@ -23,46 +24,43 @@ import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megarl.controller.role import WorkerContext
 from megarl.data.batch import Batch
 from megarl.engine.engine import MegatronEngine
-from megarl.errors import ConfigError, MegarlError
+from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
-from megarl.resharding.transport import TransferStats, stream_weights
+from megarl.resharding.stats import TransferStats
+from megarl.resharding.transport import stream_weights
 from megarl.rollout.base import RolloutOutput, SamplingParams
 from megarl.rollout.config import RolloutBackend, RolloutConfig
+from megarl.workers.results import WeightSync
 
 log = logging.getLogger(__name__)
 
 
-class RolloutMismatchError(MegarlError):
-    """Rollout log-probs disagree with the training model's: the weight sync or the mapping is broken."""
-
-
 class HybridRollout:
     def __init__(self, ctx: WorkerContext, spec: ModelSpec, hf_config: dict, engine: MegatronEngine,
-                 config: RolloutConfig, pad_token_id: int) -> None:
+                 config: RolloutConfig, pad_token_id: int, *, seed: int = 0) -> None:
         self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.dtype.value)
         # vLLM's TP groups are consecutive ranks, and its loaders take checkpoint-format (full-shape) tensors,
         # of which each rank receives only the slice it keeps
         self.full_tensors = config.backend is RolloutBackend.VLLM
         self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
-        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan)
+        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan, seed)
         self.rollout.sleep()
         self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
 
     # ------------------------------------------------------------------------------- transitions
 
     @trace.spanned("to_rollout", cat="weight_sync")
-    def to_rollout(self) -> dict[str, float]:
+    def to_rollout(self) -> WeightSync:
         """Train -> rollout: offload training state (GPU), stream weights into the woken rollout engine."""
         start = time.perf_counter()
         offload = self._offload_train_state()
@@ -80,16 +78,17 @@ class HybridRollout:
         if offload:
             self.engine.offload(params=True, grads=False, optimizer=False)
         self.last_transfer = stats
-        return stats.metrics() | {"timing/to_rollout_s": time.perf_counter() - start,
-                                  "rollout/sleep_frees_memory": float(self.rollout.sleep_frees_memory)}
+        return WeightSync(transfer=stats, seconds=time.perf_counter() - start,
+                          sleep_frees_memory=self.rollout.sleep_frees_memory)
 
     @trace.spanned("to_train", cat="weight_sync")
-    def to_train(self) -> dict[str, float]:
+    def to_train(self) -> float:
+        """Rollout -> train: the rollout engine sleeps, training state returns; its seconds."""
         start = time.perf_counter()
         self.rollout.sleep()
         if self._offload_train_state():
             self.engine.reload()
-        return {"timing/to_train_s": time.perf_counter() - start}
+        return time.perf_counter() - start
 
     def _offload_train_state(self) -> bool:
         configured = self.config.offload_train_state
@@ -98,36 +97,25 @@ class HybridRollout:
     # -------------------------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RolloutOutput], dict]:
-        """All replicas' outputs of this DP rank's prompts (same on every rank of the group), and metrics."""
-        outputs, metrics = self.generate_many(prompts, [params])
-        return outputs[0], metrics
-
-    def generate_many(self, prompts: list[list[int]],
-                      runs: list[SamplingParams]) -> tuple[list[list[RolloutOutput]], dict]:
-        """:meth:`generate` for each of ``runs`` in turn (e.g. sampled responses, then a greedy baseline),
-        all within one weight sync: one list of outputs per run."""
-        metrics = self.to_rollout()
+        """All replicas' outputs of this DP rank's prompts (same on every rank of the model-parallel group),
+        and metrics. Between :meth:`to_rollout` and :meth:`to_train`; every rank of the world calls it."""
         per_group, local = _local_replica(self.plan, self.ctx.rank)
         lo, hi = _share(len(prompts), per_group, local)
         start = time.perf_counter()
         mine = None
         if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
-            outs = []
-            for params in runs:
-                seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
-                with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
-                    outs.append(self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed)))
+            seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
+            with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
+                out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
             if self.place.tp_rank == 0:
-                mine = outs
-                for out in mine:
-                    out.prompt_index += lo
-        metrics["timing/generate_s"] = time.perf_counter() - start
-        metrics |= self.to_train()
-        group = parallel_state.get_model_parallel_group()
+                out.prompt_index += lo
+                mine = out
+        metrics = {"timing/generate_s": time.perf_counter() - start}
+        group = self.engine.groups.mp
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (local, mine), group=group)
-        ordered = [outs for _, outs in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
-        return [[outs[k] for outs in ordered] for k in range(len(runs))], metrics
+        ordered = [out for _, out in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
+        return ordered, metrics
 
 
 def _local_replica(plan: ReshardPlan, rank: int) -> tuple[int, int]:
@@ -145,7 +133,7 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
-                  plan: ReshardPlan):
+                  plan: ReshardPlan, seed: int):
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
 
@@ -154,7 +142,7 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
         if config.tp != 1:
             raise ConfigError(
                 f"the embedded rollout engine runs one full model per rank (rollout tp=1); found tp={config.tp}. "
-                "Set rollout.tp=1, or use rollout.backend=vllm for tensor-parallel generation."
+                "Set rollout.engine.tp=1, or use rollout.engine.backend=vllm for tensor-parallel generation."
             )
         cfg = dict(hf_config)
         model_type = cfg.pop("model_type")
@@ -169,7 +157,7 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
         kv_bytes = None if config.kv_cache_mb is None else int(config.kv_cache_mb * 2**20)
         return VLLMEngine.from_hf_config(
             hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_bytes=kv_bytes, seed=config.seed, max_model_len=config.max_model_len,
+            kv_cache_bytes=kv_bytes, seed=seed, max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=[r for _, r in group])
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")
 
@@ -215,23 +203,3 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
 
 def _pad_columns(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     return t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-
-def baseline_fields(prompts: list[list[int]], outputs: list[RolloutOutput], prompt_index: torch.Tensor,
-                    pad_token_id: int) -> Batch:
-    """Each training row's baseline sequence (``outputs``: one response per prompt, e.g. greedy), as
-    ``baseline_input_ids``, ``baseline_attention_mask`` and ``baseline_response_mask`` (layout of
-    :func:`rollout_batch`, own width): the row's prompt's baseline, by ``prompt_index``."""
-    rows = rollout_batch(prompts, outputs, pad_token_id)
-    if len(rows) != len(prompts):
-        raise ValueError(f"a baseline needs one response per prompt: {len(rows)} for {len(prompts)} prompts")
-    row_of_prompt = torch.empty(len(prompts), dtype=torch.long)
-    row_of_prompt[rows["prompt_index"]] = torch.arange(len(rows))
-    pick = row_of_prompt[prompt_index]
-    return Batch.from_dict({f"baseline_{k}": rows[k][pick] for k in ("input_ids", "attention_mask", "response_mask")})
-
-
-def logprob_abs_diff(training: torch.Tensor, rollout: torch.Tensor, response_mask: torch.Tensor) -> float:
-    """Mean |training - rollout| log-prob over response tokens (``rollout/logprob_abs_diff``)."""
-    mask = response_mask.to(torch.float64)
-    return float(((training.double() - rollout.double()).abs() * mask).sum() / mask.sum().clamp(min=1))

@@ -3,54 +3,36 @@
 Batch fields (right-padded rows, [B, S]): ``input_ids``, ``attention_mask`` (1 on prompt+response
 tokens), ``response_mask`` (1 on response tokens that count); for :meth:`update` also
 ``advantages`` and ``old_log_probs`` (token-aligned: entry i belongs to token i), or, without
-``PolicyConfig.recompute_old_log_probs``, ``rollout_log_probs`` instead. Results come back only from
+``AlgorithmConfig.recomputes_old_log_probs``, ``rollout_log_probs`` instead. Results come back only from
 each DP rank's owner (last PP stage, TP rank 0); other ranks return None.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megarl import algos
-from megarl.checkpoint import mcore_io
+from megarl.algos.config import AlgorithmConfig
+from megarl.checkpoint.format import read_meta
+from megarl.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
-from megarl.engine.checkpoint import load_training_checkpoint, save_training_checkpoint
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import MegatronEngine
+from megarl.engine.results import StepResult
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
-from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
-from megarl.parallel.init import comm_device
+from megarl.parallel.init import comm_device, process_groups
 from megarl.rollout.base import SamplingParams
-from megarl.workers.hybrid import (
-    HybridRollout,
-    RolloutConfig,
-    RolloutMismatchError,
-    baseline_fields,
-    logprob_abs_diff,
-    rollout_batch,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyConfig:
-    loss: algos.PolicyLossConfig = algos.PolicyLossConfig()
-    entropy_coef: float = 0.0
-    temperature: float = 1.0  # must equal the rollout temperature
-    kl_loss_coef: float = 0.0  # > 0: add coef * KL(policy || reference) to the loss (needs ``ref_log_probs``)
-    kl_estimator: algos.KLEstimator = algos.KLEstimator.K3
-    # True: generate() forwards the training model for ``old_log_probs``. False: it does not, and update()
-    # uses its own forward's detached log-probs as old (exact only when it is the sole optimizer step on
-    # a rollout batch: ratio 1) and compares them to ``rollout_log_probs`` there (rollout.logprob_check).
-    recompute_old_log_probs: bool = True
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.mismatch import mismatch_error
+from megarl.workers.hybrid import HybridRollout, rollout_batch
+from megarl.workers.results import WeightSync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,115 +50,107 @@ class RankResources:
 
 
 class PolicyRole(Role):
-    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, policy: PolicyConfig,
-                 trainable: bool = True, rollout: RolloutConfig | None = None) -> None:
+    """The policy: trains with Megatron (:meth:`update`) and, with ``rollout``, generates with a colocated
+    rollout engine. A rollout phase is :meth:`sync_weights` (train -> rollout), any number of
+    :meth:`generate` calls (sampling only: training, a ReMax baseline, evaluation), then :meth:`to_train`."""
+
+    def __init__(self, ctx: WorkerContext, *, checkpoint_dir: str, engine: EngineConfig, algorithm: AlgorithmConfig,
+                 temperature: float, rollout: RolloutConfig | None = None, seed: int = 0,
+                 trainable: bool = True) -> None:
         super().__init__(ctx)
-        hf_config = mcore_io.read_meta(checkpoint_dir).hf_config
+        hf_config = read_meta(checkpoint_dir).hf_config
         self.spec = spec_from_hf_config(hf_config)
-        self.policy = policy
-        self.engine = MegatronEngine(self.spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=trainable)
+        self.algorithm, self.temperature = algorithm, temperature
+        self.engine = MegatronEngine(self.spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=trainable,
+                                     groups=process_groups())
         self.rollout = None
         if rollout is not None:
             pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
-            self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad)
+            self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad, seed=seed)
 
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.rollout.close()
 
-    def generate(self, prompts: Batch, params: SamplingParams, baseline: SamplingParams | None = None) -> Batch | None:
-        """Sample ``params.n`` responses per prompt with the colocated rollout engine (current weights).
+    def sync_weights(self) -> WeightSync:
+        """Train -> rollout (collective): the rollout engine wakes up with the current training weights."""
+        return self._hybrid().to_rollout()
 
-        ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share).
-        Returns training rows (see :func:`megarl.workers.hybrid.rollout_batch`) grouped by prompt, plus
-        ``old_log_probs`` from the training model when ``rollout.logprob_check`` and
-        ``policy.recompute_old_log_probs`` are on (the PPO ratio's denominator, so the trainer need not
-        recompute it; otherwise :meth:`update` does the check); metrics in ``meta["metrics"]``.
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+        """Sample ``params.n`` responses per prompt with the synced rollout engine (collective; no training
+        forward, no checks: the same call serves training rollouts, baselines and evaluation).
 
-        ``baseline`` (one response per prompt, e.g. greedy for ReMax) is sampled after them in the same
-        weight sync; each row then carries its prompt's baseline sequence (``baseline_input_ids``, ...:
-        :func:`megarl.workers.hybrid.baseline_fields`). Baseline responses get no log-probs and no check.
+        ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share),
+        plus any per-prompt fields (e.g. a global prompt id), which are copied to each of the prompt's rows.
+        Returns training rows (:func:`megarl.workers.hybrid.rollout_batch`) grouped by prompt, with
+        ``rollout/*`` metrics in ``meta["metrics"]``, on each DP rank's owner (None elsewhere).
         """
-        if self.rollout is None:
-            raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
-        cfg = self.rollout.config
-        if cfg.logprob_check and params.temperature not in (0.0, self.policy.temperature):
-            raise ConfigError(
-                f"sampling temperature {params.temperature} differs from policy.temperature "
-                f"{self.policy.temperature}: training log-probs would be of another distribution. Set them equal."
-            )
         ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
-        if baseline is not None and baseline.n != 1:
-            raise ConfigError(f"a baseline is one response per prompt; found baseline n={baseline.n}.")
-        runs, metrics = self.rollout.generate_many(ids, [params] if baseline is None else [params, baseline])
-        pad = self.rollout.rollout.pad_token_id
-        batch = rollout_batch(ids, runs[0], pad)
-        if baseline is not None:
-            batch = batch.update(baseline_fields(ids, runs[1], batch["prompt_index"], pad))
+        outputs, metrics = self._hybrid().generate(ids, params)
+        batch = rollout_batch(ids, outputs, self.rollout.rollout.pad_token_id)
         per_prompt = [k for k in prompts.tensors.keys() if k not in ("prompt_ids", "prompt_lengths")]  # noqa: SIM118
-        if per_prompt:  # e.g. a global prompt id: copied to each of the prompt's responses
+        if per_prompt:
             batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
         metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
-        if cfg.logprob_check and self.policy.recompute_old_log_probs:
-            start = time.perf_counter()
-            with trace.span("old_log_probs", cat="log_probs"):
-                lp = self.compute_log_probs(batch.select("input_ids", "attention_mask"))
-            metrics["timing/old_log_probs_s"] = time.perf_counter() - start
-            if lp is not None:
-                batch = batch.update(Batch.from_dict({"old_log_probs": lp["log_probs"]}))
-                diff = logprob_abs_diff(lp["log_probs"], batch["rollout_log_probs"], batch["response_mask"])
-                metrics["rollout/logprob_abs_diff"] = diff
-                if cfg.max_logprob_abs_diff is not None and diff > cfg.max_logprob_abs_diff:
-                    raise _mismatch(diff, cfg.max_logprob_abs_diff)
         if not self.ctx.is_collect_rank:
             return None
         batch.meta["metrics"] = metrics
         return batch
 
+    def to_train(self) -> float:
+        """Rollout -> train (collective): the rollout engine sleeps, training state returns; its seconds."""
+        return self._hybrid().to_train()
+
+    def _hybrid(self) -> HybridRollout:
+        if self.rollout is None:
+            raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
+        return self.rollout
+
     def compute_log_probs(self, batch: Batch) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``."""
-        return _log_probs(self.engine, self.ctx, batch, self.policy.temperature)
+        return _log_probs(self.engine, self.ctx, batch, self.temperature)
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch) -> StepResult:
         """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together).
 
-        Without ``policy.recompute_old_log_probs`` this is the only step on the rollout batch, at the
-        weights that sampled it: this forward's detached log-probs are the old ones (ratio 1). With
-        ``rollout.logprob_check`` it then also reports ``rollout/logprob_abs_diff`` (global token mean)
-        and raises :class:`RolloutMismatchError` over ``max_logprob_abs_diff`` before the optimizer
-        step; with ``kl_loss_coef``, ``kl``: the token-mean KL(policy || reference) of these log-probs
-        (what the trainer otherwise reports from the old log-probs as ``actor/kl``).
+        Without ``algorithm.recomputes_old_log_probs`` this is the only step on the rollout batch, at the
+        weights that sampled it: this forward's detached log-probs are the old ones (ratio 1). With a
+        rollout engine it then also reports ``rollout/logprob_abs_diff`` (global token mean against the
+        batch's ``rollout_log_probs``) and raises :class:`~megarl.rollout.mismatch.RolloutMismatchError`
+        over the engine's ``max_logprob_abs_diff`` before the optimizer step; with ``kl_loss_coef``, ``kl``:
+        the token-mean KL(policy || reference) of these log-probs (what the trainer otherwise reports as
+        ``actor/kl``).
         """
-        cfg, vocab = self.policy, self.spec.vocab_size
-        normalizer = global_normalizer(batch["response_mask"])
-        check = self.rollout.config if self.rollout is not None and self.rollout.config.logprob_check else None
-        gap = (None if cfg.recompute_old_log_probs or check is None
-               else _RolloutGap(batch["response_mask"], normalizer, check.max_logprob_abs_diff))
+        a, vocab, temperature, tp = self.algorithm, self.spec.vocab_size, self.temperature, self.engine.groups.tp
+        recompute = a.recomputes_old_log_probs
+        normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
+        gap = (None if recompute or self.rollout is None
+               else _RolloutGap(batch["response_mask"], normalizer, self.rollout.config.max_logprob_abs_diff))
+        loss_cfg = a.policy_loss
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
-            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=cfg.temperature)
+            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
             mask = mb["response_mask"].to(lp.dtype)
-            old = mb["old_log_probs"] if cfg.recompute_old_log_probs else lp.detach()
-            out = algos.compute_policy_loss(cfg.loss, lp, old, mb["advantages"], mask, normalizer)
-            entropy = algos.aggregate_entropy(ent, mask, cfg.loss.aggregation, normalizer, cfg.loss.norm_constant)
-            loss = out.loss - cfg.entropy_coef * entropy if cfg.entropy_coef else out.loss
+            old = mb["old_log_probs"] if recompute else lp.detach()
+            out = algos.compute_policy_loss(loss_cfg, lp, old, mb["advantages"], mask, normalizer)
+            entropy = algos.aggregate_entropy(ent, mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
+            loss = out.loss - a.entropy_coef * entropy if a.entropy_coef else out.loss
             # token-mean metrics of this micro-batch, weighted so that they add up to global means
             weight = mask.sum() / normalizer.token_count
             metrics = {k: v * weight for k, v in out.metrics().items() if k != "loss"}
-            if cfg.kl_loss_coef:
-                kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, cfg.kl_estimator, cfg.loss.aggregation, normalizer,
-                                   cfg.loss.norm_constant)
-                loss = loss + cfg.kl_loss_coef * kl
+            if a.kl_loss_coef:
+                kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, a.kl_estimator, loss_cfg.aggregation, normalizer,
+                                   loss_cfg.norm_constant)
+                loss = loss + a.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
-                if not cfg.recompute_old_log_probs:
-                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], cfg.kl_estimator)
+                if not recompute:
+                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], a.kl_estimator)
                     metrics["kl"] = algos.masked_mean(per_token, mask) * weight
             if gap is not None:
                 metrics["rollout/logprob_abs_diff"] = gap.add(lp, mb["rollout_log_probs"], mask)
             return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
 
         return self.engine.train_step(batch, loss_fn)
-
 
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak host (and device) memory since the last call, then a new phase starts
@@ -208,8 +182,9 @@ class ReferenceRole(Role):
     def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, temperature: float = 1.0):
         super().__init__(ctx)
         self.temperature = temperature
-        spec = spec_from_hf_config(mcore_io.read_meta(checkpoint_dir).hf_config)
-        self.engine = MegatronEngine(spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=False)
+        spec = spec_from_hf_config(read_meta(checkpoint_dir).hf_config)
+        self.engine = MegatronEngine(spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=False,
+                                     groups=process_groups())
 
     def compute_log_probs(self, batch: Batch) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S] of the reference model (see PolicyRole)."""
@@ -217,10 +192,10 @@ class ReferenceRole(Role):
 
 
 def _log_probs(engine: MegatronEngine, ctx: WorkerContext, batch: Batch, temperature: float) -> Batch | None:
-    vocab = engine.spec.vocab_size
+    vocab, tp = engine.spec.vocab_size, engine.groups.tp
 
     def per_token(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature)
+        lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
         mask = mb["attention_mask"].to(lp.dtype)
         return {"log_probs": lp * mask, "entropy": ent * mask}
 
@@ -249,19 +224,12 @@ class _RolloutGap:
         if self.limit is not None and self.tokens >= self.shard_tokens > 0:
             mean = self.abs_sum / self.tokens
             if mean > self.limit:
-                raise _mismatch(mean, self.limit)
+                raise mismatch_error(mean, self.limit)
         return diff / self.total_tokens
 
 
-def _mismatch(diff: float, limit: float) -> RolloutMismatchError:
-    return RolloutMismatchError(
-        f"rollout log-probs differ from the training model's by {diff:.3g} on average (limit {limit}); the "
-        "weight sync or the name mapping is broken, or the rollout dtype is too coarse for this limit."
-    )
-
-
-def global_normalizer(response_mask: torch.Tensor) -> algos.LossNormalizer:
-    """Token and sequence counts over the whole batch (every DP rank's shard)."""
+def global_normalizer(response_mask: torch.Tensor, dp_group: dist.ProcessGroup) -> algos.LossNormalizer:
+    """Token and sequence counts over the whole batch (every DP rank's shard, summed over ``dp_group``)."""
     counts = algos.LossNormalizer.of(response_mask.double()).as_tensor().to(comm_device())
-    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(counts, group=dp_group)
     return algos.LossNormalizer.from_tensor(counts)

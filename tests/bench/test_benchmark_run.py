@@ -28,13 +28,13 @@ def _task_overrides(task: Path, model: Path) -> list[str]:
 
 
 def _check_planner(result: dict, tp: int, pp: int, *, precision: str = "float32") -> None:
-    from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.engine.config import Precision
     from megarl.models.spec import spec_from_hf_config
     from megarl.parallel.layout import ParallelLayout
     from megarl.planner import layouts, training_state_bytes
 
-    spec = spec_from_hf_config(mcore_io.read_meta(result["_checkpoint"]).hf_config)
+    spec = spec_from_hf_config(read_meta(result["_checkpoint"]).hf_config)
     layout = ParallelLayout.for_world(2, tp=tp, pp=pp)
     states = training_state_bytes(spec, layout, Precision(precision), distributed_optimizer=True)
     received = layouts.reshard_estimate(spec, layout, 1, layouts.Cluster(1, 2, 1.0), "float32").per_rank_received
@@ -107,8 +107,8 @@ def test_30m_pipeline_layout_agrees_with_planner(ray_cluster, tmp_path):
     model = make_model(tmp_path / "model30m", hidden_size=512, num_layers=8, intermediate_size=2048,
                        max_position_embeddings=128)
     overrides = _task_overrides(task, model) + [
-        "cluster.tp=1", "cluster.pp=2", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=4",
-        "algorithm.mini_batches=1"]
+        "cluster.pools.main.tp=1", "cluster.pools.main.pp=2", "data.batch_size=2", "rollout.sampling.n=2",
+        "rollout.max_new_tokens=4", "algorithm.mini_batches=1"]
     result = _run(tmp_path, "m30", EXAMPLE, overrides, warmup=0, iterations=1)
     assert result["setup"]["parameters"] > 25e6 and result["setup"]["train_layout"] == "TP1 x PP2 x DP1"
     assert {r["coords"]["pp"] for r in result["ranks"]} == {0, 1}

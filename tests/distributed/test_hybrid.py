@@ -7,6 +7,7 @@ checkpoint saved after one PPO update (weights after the update, bit-exact).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -31,18 +32,36 @@ def _engine_state(role):
     return {n: p.detach().clone() for n, p in role.rollout.rollout.model.state_dict().items()}
 
 
+def _from_collect_rank(obj, layout):
+    """The collect rank's object (a batch, log-probs), on every rank (DP1: every rank trains on the same rows)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=layout.rank_of(tp=0, pp=layout.pp - 1, dp=0))
+    return box[0]
+
+
+def _training_log_probs(role, rows, layout):
+    """The training model's log-probs of rollout rows (a collective forward, after ``to_train``) and their mean
+    |training - rollout| gap over response tokens (the rollout check), on every rank."""
+    from megarl.rollout.mismatch import logprob_abs_diff
+
+    lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
+    lp = _from_collect_rank(None if lp is None else lp["log_probs"], layout)
+    return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
+
+
 def _world(rank, world_size, ckpt, hf_dir, out_dir):
     from safetensors.torch import load_file
 
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.checkpoint.training import save_training_checkpoint
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
-    from megarl.engine.checkpoint import save_training_checkpoint
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.base import SamplingParams
-    from megarl.workers.hybrid import RolloutConfig
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.rollout.config import RolloutConfig
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
     init_distributed(layout)
@@ -51,49 +70,57 @@ def _world(rank, world_size, ckpt, hf_dir, out_dir):
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=64, max_size=4))
     rollout = RolloutConfig(bucket_mb=0.05)  # many small buckets
-    role = PolicyRole(ctx, ckpt, engine, PolicyConfig(), rollout=rollout)
+    # the update below takes its PPO ratio's denominator from old_log_probs (the training model's, recomputed)
+    role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(recompute_old_log_probs=True),
+                      temperature=1.0, rollout=rollout)
     res = {}
 
     # 1. weights after a sync equal the HF checkpoint bit-exactly, on every replica
-    metrics = role.rollout.to_rollout()
+    sync = role.sync_weights()
     hf = load_file(str(Path(hf_dir) / "model.safetensors"))
     state = _engine_state(role)
     res["weights_exact"] = set(state) >= set(hf) and all(torch.equal(state[n], hf[n]) for n in hf)
-    res["sync_metrics"] = metrics
-    role.rollout.to_train()
+    res["sync_metrics"] = sync.metrics()
+    role.to_train()
     res["asleep"] = all(p.untyped_storage().nbytes() == 0 for p in role.rollout.rollout.model.parameters())
 
     # 2. greedy generation, each replica a quarter of the prompts
+    role.sync_weights()
     greedy = role.generate(_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    role.to_train()
     if greedy is not None:
         res["greedy"] = [row[row != 0].tolist() for row in greedy["input_ids"]]  # prompts contain no 0
-        res["greedy_diff"] = greedy.meta["metrics"]["rollout/logprob_abs_diff"]
+    _, diff = _training_log_probs(role, _from_collect_rank(greedy, layout), layout)
+    if greedy is not None:
+        res["greedy_diff"] = diff
 
     # 3. sampling: n samples per prompt grouped by prompt; same seed -> same samples
     sampling = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=123)
+    role.sync_weights()
     a = role.generate(_prompt_batch(), sampling)
     b = role.generate(_prompt_batch(), sampling)
+    role.to_train()
+    rows = _from_collect_rank(a, layout)  # the collect rank's batch, to every rank
+    old, diff = _training_log_probs(role, rows, layout)
     if a is not None:
         res["prompt_index"] = a["prompt_index"].tolist()
         res["same_seed_equal"] = torch.equal(a["input_ids"], b["input_ids"])
-        res["sample_diff"] = a.meta["metrics"]["rollout/logprob_abs_diff"]
+        res["sample_diff"] = diff
 
     # 4. one PPO update on the sampled rows, then a fresh sync: weights = the update converted offline
-    full = [a]  # the collect rank's batch, to every rank (each DP rank trains on the same rows here)
-    torch.distributed.broadcast_object_list(full, src=layout.rank_of(tp=0, pp=1, dp=0))
-    rows = full[0]
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(rows["input_ids"].shape, generator=g) * rows["response_mask"]
-    train = rows.select("input_ids", "attention_mask", "response_mask", "old_log_probs").update(
-        Batch.from_dict({"advantages": adv}))
-    res["update"] = role.update(train)
+    train = rows.select("input_ids", "attention_mask", "response_mask").update(
+        Batch.from_dict({"old_log_probs": old, "advantages": adv}))
+    res["update"] = dataclasses.asdict(role.update(train))  # results travel as JSON
     save_training_checkpoint(role.engine, Path(out_dir) / "after_update", step=1, source_dir=ckpt)
+    role.sync_weights()
     after = role.generate(_prompt_batch(), sampling)
-    if after is not None:
-        res["after_diff"] = after.meta["metrics"]["rollout/logprob_abs_diff"]
-    role.rollout.to_rollout()
     torch.save(_engine_state(role), Path(out_dir) / f"rollout_rank{rank}.pt")
-    role.rollout.to_train()
+    role.to_train()
+    _, diff = _training_log_probs(role, _from_collect_rank(after, layout), layout)
+    if after is not None:
+        res["after_diff"] = diff
     return res
 
 
@@ -166,7 +193,7 @@ CAP_MB = 4
 
 
 def _memory_world(rank, world_size, ckpt):
-    from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.controller.role import WorkerContext
     from megarl.engine.config import EngineConfig
     from megarl.engine.engine import MegatronEngine
@@ -174,12 +201,13 @@ def _memory_world(rank, world_size, ckpt):
     from megarl.models.spec import spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.hybrid import HybridRollout, RolloutConfig
+    from megarl.rollout.config import RolloutConfig
+    from megarl.workers.hybrid import HybridRollout
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
     init_distributed(layout)
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
-    hf_config = mcore_io.read_meta(ckpt).hf_config
+    hf_config = read_meta(ckpt).hf_config
     spec = spec_from_hf_config(hf_config)
     engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False)
     hybrid = HybridRollout(ctx, spec, hf_config, engine, RolloutConfig(bucket_mb=CAP_MB), pad_token_id=0)

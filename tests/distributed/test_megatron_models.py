@@ -84,6 +84,7 @@ def _world(rank, world_size, cases):
     from pathlib import Path
 
     from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.models.forward import forward_logits
     from megarl.models.provider import BuildOptions, build_model, global_named_parameters, padded_vocab_size
     from megarl.models.spec import spec_from_hf_config
@@ -95,7 +96,7 @@ def _world(rank, world_size, cases):
         layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, vpp=vpp[0] if vpp else None)
         init_distributed(layout)
         threads = len(os.listdir("/proc/self/task"))  # OS threads, once megatron-core's groups exist
-        spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
+        spec = spec_from_hf_config(read_meta(ckpt).hf_config)
         opts = BuildOptions(init_weights=False)
         chunks = build_model(spec, layout, opts)
         mcore_io.load_model(chunks, ckpt)

@@ -65,13 +65,14 @@ def _hf_reference(hf_dir):
 
 
 def _world(rank, world_size, ckpt, old_log_probs):
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyConfig, PolicyRole, ReferenceRole
+    from megarl.workers.policy import PolicyRole, ReferenceRole
 
     ids, attn, resp, adv, _ = _batch_tensors()
     engine = EngineConfig(
@@ -87,10 +88,11 @@ def _world(rank, world_size, ckpt, old_log_probs):
         coords = layout.coords(rank)
         ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
         if name.startswith("ref"):  # forward-only passes micro-batched on their own: one row each
-            role = ReferenceRole(ctx, ckpt, dataclasses.replace(
-                engine, forward_micro_batch=MicroBatchConfig(max_tokens=1000, max_size=1)))
-        else:
-            role = PolicyRole(ctx, ckpt, engine, PolicyConfig())
+            role = ReferenceRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(
+                engine, forward_micro_batch=MicroBatchConfig(max_tokens=1000, max_size=1)), temperature=1.0)
+        else:  # the PPO ratio against the given old_log_probs
+            role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine,
+                              algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
         full = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
         calls: list[int] = []
         hook = role.engine.chunks[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
@@ -103,8 +105,7 @@ def _world(rank, world_size, ckpt, old_log_probs):
             train = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
                                      "old_log_probs": old, "advantages": adv})
             rows = train.chunk(layout.dp)[coords.dp]  # DP2: each rank half the rows (half the micro-batches)
-            metrics = role.update(rows)
-            res["metrics"] = metrics
+            res["update"] = dataclasses.asdict(role.update(rows))  # results travel as JSON
             if coords.dp == 0:
                 named = [(n, p) for c in role.engine.chunks for n, p in global_named_parameters(c)]
                 res["grads"] = {n: p.main_grad.tolist() for n, p in named}
@@ -136,7 +137,7 @@ def _nonfinite_steps(role, batch):
 
     bad = batch.update(Batch.from_dict({"advantages": batch["advantages"] * float("nan")}))
     before = [p.detach().clone() for c in role.engine.chunks for p in c.parameters()]
-    skipped = [role.update(bad)["skipped_steps"] for _ in range(2)]
+    skipped = [role.update(bad).skipped_steps for _ in range(2)]
     unchanged = all(torch.equal(a, p) for a, p in zip(before, (p for c in role.engine.chunks for p in c.parameters()),
                                                        strict=True))
     try:
@@ -203,6 +204,7 @@ def _gather(world, layout, key):
 
 @pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp2dp2"])
 def test_ppo_update_loss_gradients_and_sgd_step_match_reference(world, reference, hf_and_ckpt, layout):
+    from megarl.engine.results import StepResult
     from megarl.models import mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
 
@@ -210,7 +212,8 @@ def test_ppo_update_loss_gradients_and_sgd_step_match_reference(world, reference
     spec = spec_from_hf_config(load_hf_config(hf_and_ckpt[0]))
     maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
     for r in world:
-        assert abs(r[layout]["metrics"]["pg_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+        result = StepResult(**r[layout]["update"])
+        assert abs(result.terms["pg_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     for key, ref in (("grads", ref_grads), ("params", None)):
         shards, *_ = _gather(world, layout, key)
         assert set(shards) == set(maps)
@@ -241,6 +244,7 @@ def test_offload_reload_is_bit_identical_and_frees_storage(world):
 
 def test_tp1pp1dp1_update_in_a_world_of_one_matches_reference(hf_and_ckpt, reference):
     """The same update as a single process (TP1xPP1xDP1, all micro-batches on one rank)."""
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
@@ -249,7 +253,7 @@ def test_tp1pp1dp1_update_in_a_world_of_one_matches_reference(hf_and_ckpt, refer
     from megarl.models.spec import load_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.workers.policy import PolicyRole
 
     _, old, ref_loss, ref_grads, ref_weights = reference
     ids, attn, resp, adv, _ = _batch_tensors()
@@ -259,10 +263,11 @@ def test_tp1pp1dp1_update_in_a_world_of_one_matches_reference(hf_and_ckpt, refer
     engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, clip_grad=0.0,
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=40, max_size=4))
-    role = PolicyRole(ctx, str(hf_and_ckpt[1]), engine, PolicyConfig())
-    metrics = role.update(Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
-                                           "old_log_probs": old, "advantages": adv}))
-    assert abs(metrics["pg_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    role = PolicyRole(ctx, checkpoint_dir=str(hf_and_ckpt[1]), engine=engine,
+                      algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
+    result = role.update(Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
+                                          "old_log_probs": old, "advantages": adv}))
+    assert abs(result.terms["pg_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     spec = spec_from_hf_config(load_hf_config(hf_and_ckpt[0]))
     maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
     for name, p in global_named_parameters(role.engine.chunks[0]):

@@ -39,7 +39,7 @@ def _world(rank, world_size, rm_ckpt, lm_ckpt, old_values):
     from megarl.engine.config import EngineConfig, MicroBatchConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.critic import CriticConfig, CriticRole, RewardModelRole
+    from megarl.workers.critic import CriticRole, RewardModelRole
 
     layout = ParallelLayout(tp=2, pp=2)
     init_distributed(layout)
@@ -47,9 +47,10 @@ def _world(rank, world_size, rm_ckpt, lm_ckpt, old_values):
     engine = EngineConfig(micro_batch=MicroBatchConfig(max_tokens=24, max_size=4))
     ids, attn = _batch()
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": attn})
-    scores = RewardModelRole(ctx, rm_ckpt, engine).compute_scores(batch)
-    rm_values = CriticRole(ctx, rm_ckpt, engine, CriticConfig(), trainable=False).compute_values(batch)
-    lm_critic = CriticRole(ctx, lm_ckpt, engine, CriticConfig(), trainable=False)
+    scores = RewardModelRole(ctx, checkpoint_dir=rm_ckpt, engine=engine).compute_scores(batch)
+    rm_values = CriticRole(ctx, checkpoint_dir=rm_ckpt, engine=engine, value_clip=0.2,
+                           trainable=False).compute_values(batch)
+    lm_critic = CriticRole(ctx, checkpoint_dir=lm_ckpt, engine=engine, value_clip=0.2, trainable=False)
     lm_values = lm_critic.compute_values(batch)
     head = [c.output_layer.weight.tolist() for c in lm_critic.engine.chunks if c.post_process]
 
@@ -60,12 +61,12 @@ def _world(rank, world_size, rm_ckpt, lm_ckpt, old_values):
     sgd = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=LR, clip_grad=0.0,
                                          use_distributed_optimizer=False),
                        micro_batch=MicroBatchConfig(max_tokens=24, max_size=4))
-    critic = CriticRole(ctx, rm_ckpt, sgd, CriticConfig(value_clip=0.2))
-    metrics = critic.update(batch.update(Batch.from_dict({"response_mask": resp, "returns": returns,
+    critic = CriticRole(ctx, checkpoint_dir=rm_ckpt, engine=sgd, value_clip=0.2)  # token-mean value loss
+    result = critic.update(batch.update(Batch.from_dict({"response_mask": resp, "returns": returns,
                                                            "old_values": torch.tensor(old_values)})))
     named = [(n, p) for c in critic.engine.chunks for n, p in global_named_parameters(c)]
     return {
-        "vf_loss": metrics["vf_loss"],
+        "vf_loss": result.terms["vf_loss"],
         "coords": list(layout.coords(rank)),
         "params": {n: p.detach().tolist() for n, p in named},
         "scores": None if scores is None else scores["scores"].tolist(),

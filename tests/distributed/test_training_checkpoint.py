@@ -30,20 +30,23 @@ def _batch(seed):
 
 
 def _world(rank, world_size, model_ckpt, train_ckpt, mode):
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.checkpoint.training import load_training_checkpoint, save_training_checkpoint
     from megarl.controller.role import WorkerContext
-    from megarl.engine.checkpoint import load_training_checkpoint, save_training_checkpoint
     from megarl.engine.config import EngineConfig, OptimConfig
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, pp=2)
     init_distributed(layout)
     coords = layout.coords(rank)
     ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
     config = EngineConfig(optim=OptimConfig(lr=1e-2, lr_warmup_steps=1, lr_decay_steps=3, weight_decay=0.01))
-    role = PolicyRole(ctx, model_ckpt, config, PolicyConfig())
+    # the batch's old_log_probs are the PPO ratio's denominator (auto would stand the update's own forward in)
+    role = PolicyRole(ctx, checkpoint_dir=model_ckpt, engine=config,
+                      algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
 
     def step(seed):
         return role.update(_batch(seed).chunk(layout.dp)[coords.dp])
@@ -53,9 +56,9 @@ def _world(rank, world_size, model_ckpt, train_ckpt, mode):
         save_training_checkpoint(role.engine, train_ckpt, step=1, source_dir=model_ckpt)
     else:
         assert load_training_checkpoint(role.engine, train_ckpt) == 1
-    metrics = step(2)
+    result = step(2)
     params = {n: p.detach().tolist() for c in role.engine.chunks for n, p in global_named_parameters(c)}
-    return {"coords": list(coords), "params": params if coords.dp == 0 else None, "lr": metrics["lr"]}
+    return {"coords": list(coords), "params": params if coords.dp == 0 else None, "lr": result.lr}
 
 
 def _by_name(results):

@@ -34,16 +34,33 @@ def _rows(batch):  # results travel as JSON
     return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs", "old_log_probs")}
 
 
+def _from_collect_rank(obj, layout):
+    """The collect rank's object (a batch, log-probs), on every rank (DP1 here: all ranks hold the same rows)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=layout.rank_of(tp=0, pp=layout.pp - 1, dp=0))
+    return box[0]
+
+
+def _training_log_probs(role, rows, layout):
+    """The training model's log-probs of rollout rows (a collective forward, after ``to_train``) and their mean
+    |training - rollout| gap over response tokens (the rollout check), on every rank."""
+    from megarl.rollout.mismatch import logprob_abs_diff
+
+    lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
+    lp = _from_collect_rank(None if lp is None else lp["log_probs"], layout)
+    return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
+
+
 def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
-    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
+    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName, Precision
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.config import RolloutBackend
-    from megarl.workers.hybrid import RolloutConfig
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.rollout.config import RolloutBackend, RolloutConfig
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
     init_distributed(layout)
@@ -52,55 +69,62 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=64, max_size=4))
     # buckets of ~10 KB: every decoder layer (~250 KB) is cut into many buckets, q/k/v and their biases apart
-    rollout = RolloutConfig(backend=RolloutBackend.VLLM, tp=rollout_tp, dtype="float32", bucket_mb=0.01,
-                            kv_cache_mb=32, max_model_len=64, enforce_eager=True, seed=5)
-    role = PolicyRole(ctx, ckpt, engine, PolicyConfig(), rollout=rollout)
+    rollout = RolloutConfig(backend=RolloutBackend.VLLM, tp=rollout_tp, dtype=Precision.FP32, bucket_mb=0.01,
+                            kv_cache_mb=32, max_model_len=64, enforce_eager=True)
+    # the updates below take their PPO ratio's denominator from old_log_probs (the training model's, recomputed)
+    role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(recompute_old_log_probs=True),
+                      temperature=1.0, rollout=rollout, seed=5)
     torch.distributed.barrier()  # every rank has unlinked its groups' segments
     res: dict = {"frees": role.rollout.rollout.sleep_frees_memory,
                  # vLLM's CPU communicators' shared memory, by name: unlinked once mapped, or the next run fails
                  "shm_left": sorted(p.name for p in Path("/dev/shm").glob("*-cpushm_*"))}
 
     # 1. greedy: every replica generates its share of the prompts
+    sync = role.sync_weights()
     greedy = role.generate(_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    role.to_train()
+    _, diff = _training_log_probs(role, _from_collect_rank(greedy, layout), layout)
     if greedy is not None:
         res["greedy"] = [row[: int(m.sum())].tolist() for row, m in zip(greedy["input_ids"], greedy["attention_mask"],
                                                                           strict=True)]
-        res["greedy_metrics"] = greedy.meta["metrics"]
+        res["greedy_metrics"] = sync.metrics() | greedy.meta["metrics"] | {"rollout/logprob_abs_diff": diff}
 
     # 2. seeded sampling: reproducible; log-probs checked against transformers by the test
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=123)
+    role.sync_weights()
     a = role.generate(_prompt_batch(), sampling)
     b = role.generate(_prompt_batch(), sampling)
+    role.to_train()
+    old, _ = _training_log_probs(role, _from_collect_rank(a, layout), layout)
     if a is not None:
-        res["sampled"] = _rows(a)
+        res["sampled"] = _rows(a.update(Batch.from_dict({"old_log_probs": old})))
         res["same_seed_equal"] = torch.equal(a["input_ids"], b["input_ids"])
 
     # 3. unseeded sampling, straight from every rank's engine: equal within a TP group, fresh per call
-    role.rollout.to_rollout()
+    role.sync_weights()
     unseeded = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
     res["unseeded"] = [role.rollout.rollout.generate(PROMPTS, unseeded).token_lists() for _ in range(2)]
-    role.rollout.to_train()
+    role.to_train()
 
     # 4. real updates: after each, the next rollout's log-probs must equal the updated training model's
-    src = layout.rank_of(tp=0, pp=pp - 1, dp=0)
     steps = []
     for step in range(STEPS):
+        role.sync_weights()
         batch = role.generate(_prompt_batch(), SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW,
                                                               seed=1000 + step))
-        full = [batch]
-        torch.distributed.broadcast_object_list(full, src=src)
-        rows = full[0]
+        role.to_train()
+        rows = _from_collect_rank(batch, layout)
+        old, diff = _training_log_probs(role, rows, layout)
         if batch is not None:
-            steps.append(batch.meta["metrics"]["rollout/logprob_abs_diff"])
+            steps.append(diff)
         g = torch.Generator().manual_seed(step)
         adv = torch.randn(rows["input_ids"].shape, generator=g) * rows["response_mask"]
-        role.update(rows.select("input_ids", "attention_mask", "response_mask", "old_log_probs").update(
-            Batch.from_dict({"advantages": adv})))
+        role.update(rows.select("input_ids", "attention_mask", "response_mask").update(
+            Batch.from_dict({"old_log_probs": old, "advantages": adv})))
         moved = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
         if moved is not None:  # how far this update moved the policy on the rows it trained on
             mask = rows["response_mask"]
-            res.setdefault("moved", []).append(
-                float(((moved["log_probs"] - rows["old_log_probs"]).abs() * mask).sum() / mask.sum()))
+            res.setdefault("moved", []).append(float(((moved["log_probs"] - old).abs() * mask).sum() / mask.sum()))
     if steps:
         res["step_diffs"] = steps
     return res

@@ -71,13 +71,13 @@ def _params(engine):
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
 def test_nonfinite_gradient_with_a_finite_loss_skips_the_step(engine, poison):
     before, skipped = _params(engine), engine.stats.skipped_steps
-    metrics = engine.train_step(_batch(), _loss_fn(poison))
-    assert math.isfinite(metrics["loss"])
-    assert metrics["step_skipped"] == 1.0 and metrics["skipped_steps"] == skipped + 1
-    assert math.isnan(metrics["grad_norm"])
+    result = engine.train_step(_batch(), _loss_fn(poison))
+    assert math.isfinite(result.loss)
+    assert result.step_skipped is True and result.skipped_steps == skipped + 1
+    assert math.isnan(result.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, _params(engine), strict=True))
 
-    metrics = engine.train_step(_batch(), _loss_fn(None))  # a clean step is taken and resets the run
-    assert metrics["step_skipped"] == 0.0 and engine.stats.consecutive_skipped == 0
-    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    result = engine.train_step(_batch(), _loss_fn(None))  # a clean step is taken and resets the run
+    assert result.step_skipped is False and engine.stats.consecutive_skipped == 0
+    assert math.isfinite(result.grad_norm) and result.grad_norm > 0
     assert not all(torch.equal(a, b) for a, b in zip(before, _params(engine), strict=True))

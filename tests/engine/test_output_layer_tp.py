@@ -30,7 +30,7 @@ def _batch_tensors():
 
 
 def _world(rank, world_size, ckpt):
-    from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.engine.engine import MegatronEngine
@@ -42,7 +42,7 @@ def _world(rank, world_size, ckpt):
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=1)
     init_distributed(layout)
-    spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
+    spec = spec_from_hf_config(read_meta(ckpt).hf_config)
     config = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=0.1, clip_grad=0.0,
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=14))  # 2 micro-batches
@@ -59,9 +59,9 @@ def _world(rank, world_size, ckpt):
         return -(lp * mb["target_mask"]).sum() / count, {}
 
     lp = engine.forward(batch, per_token)["log_probs"] * attn
-    metrics = engine.train_step(batch, loss_fn)
+    result = engine.train_step(batch, loss_fn)
     grads = {n: p.main_grad.tolist() for n, p in global_named_parameters(engine.chunks[0])}
-    return {"tp": layout.coords(rank).tp, "log_probs": lp.tolist(), "loss": metrics["loss"], "grads": grads}
+    return {"tp": layout.coords(rank).tp, "log_probs": lp.tolist(), "loss": result.loss, "grads": grads}
 
 
 def _hf_reference(hf_dir):

@@ -17,6 +17,7 @@ pytestmark = [
 
 def _megatron_logits(ckpt, ids, *, use_te, dtype):
     from megarl.checkpoint import mcore_io
+    from megarl.checkpoint.format import read_meta
     from megarl.models.forward import forward_logits
     from megarl.models.provider import BuildOptions, build_model
     from megarl.models.spec import spec_from_hf_config
@@ -24,7 +25,7 @@ def _megatron_logits(ckpt, ids, *, use_te, dtype):
     from megarl.parallel.layout import ParallelLayout
 
     init_distributed(ParallelLayout())
-    spec = spec_from_hf_config(mcore_io.read_meta(ckpt).hf_config)
+    spec = spec_from_hf_config(read_meta(ckpt).hf_config)
     chunks = build_model(spec, ParallelLayout(), BuildOptions(dtype=dtype, init_weights=False, use_te=use_te))
     assert next(chunks[0].parameters()).device.type == "cuda"
     mcore_io.load_model(chunks, ckpt)

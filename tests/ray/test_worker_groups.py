@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
-from megarl.controller import allocator
 from megarl.controller.group import WorkerGroup
-from megarl.controller.handles import GroupOptions, WorkerError, wait_all
-from megarl.controller.placement import Placement, PlacementConfig, PoolSpec
-from megarl.controller.pools import Device, PoolConfig, ResourcePool
+from megarl.controller.handles import WorkerError, wait_all
+from megarl.controller.placement import Placement
+from megarl.controller.pools import ResourcePool
+from megarl.controller.spec import Device, GroupOptions, PlacementConfig, PoolConfig, PoolSpec, Timeouts
 from megarl.data.batch import Batch
 from megarl.errors import ConfigError
+from megarl.host import allocator
 from megarl.parallel.layout import ParallelLayout
 from megarl.testing.roles import EchoRole
 
@@ -34,7 +35,8 @@ def placement(ray_cluster):
         },
         roles={"policy": "main", "reference": "main", "critic": "critic"},
     )
-    p = Placement(config, GroupOptions(call_timeout_s=120, env=allocator.preload_env("auto")))
+    options = GroupOptions(timeouts=Timeouts(call_s=120), env=allocator.preload_env(allocator.Allocator.AUTO))
+    p = Placement(config, options)
     handles = {
         "policy": p.add_role("policy", EchoRole, scale=2.0),
         "reference": p.add_role("reference", EchoRole, scale=3.0),
@@ -78,7 +80,7 @@ def test_colocated_roles_share_processes_split_roles_do_not(placement):
 def test_workers_start_with_the_configured_allocator(placement):
     """cluster.allocator reaches Ray workers as LD_PRELOAD: the library is mapped into every worker."""
     _, handles = placement
-    _, lib = allocator.resolve("auto")  # jemalloc / tcmalloc if installed here, else glibc
+    _, lib = allocator.resolve(allocator.Allocator.AUTO)  # jemalloc / tcmalloc if installed here, else glibc
     for report in handles["policy"].all(EchoRole.report) + handles["critic"].all(EchoRole.report):
         if lib is None:
             assert not any("jemalloc" in n or "tcmalloc" in n for n in report.malloc_libs), report.malloc_libs
@@ -114,7 +116,7 @@ def test_async_calls_on_independent_groups_overlap(placement):
 def _dp2_group(name: str, role: str, **pool_kwargs):
     """A 2-rank DP group on its own pool (0.5 CPU per rank), released afterwards."""
     pool = ResourcePool(name, PoolConfig(cpus_per_device=0.5, **pool_kwargs))
-    group = WorkerGroup(name, pool, ParallelLayout(dp=2), GroupOptions(call_timeout_s=120))
+    group = WorkerGroup(name, pool, ParallelLayout(dp=2), GroupOptions(timeouts=Timeouts(call_s=120)))
     try:
         yield group, group.add_role(role, EchoRole)
     finally:

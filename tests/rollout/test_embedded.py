@@ -95,7 +95,7 @@ def assert_padding(out, pad: int = PAD) -> None:
 )
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        SamplingParams(**kwargs)
+        SamplingParams(**({"max_new_tokens": 4} | kwargs))
 
 
 @pytest.mark.parametrize("rope_scaling", [False, True])
@@ -150,7 +150,7 @@ def test_sampler_frequencies_and_log_probs():
     """4000 draws of each row: frequencies follow the renormalised nucleus (float64 reference), log-probs
     are the untruncated tempered log-softmax, and the same seed repeats the draws."""
     logits, temperature, top_p, draws = sampler_logits()[:3], 0.7, 0.9, 4000
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=0)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=64, seed=0)
     batch = logits.repeat_interleave(draws, 0)
     tokens, log_probs = sample_next(batch, params, torch.Generator().manual_seed(0))
     again, _ = sample_next(batch, params, torch.Generator().manual_seed(0))
@@ -297,7 +297,7 @@ def test_weight_update_errors(references):
     engine = EmbeddedEngine(config, pad_token_id=PAD)
     state = model.state_dict()
     with pytest.raises(WeightUpdateError, match="update_weights"):  # nothing loaded yet
-        engine.generate(PROMPTS, SamplingParams())
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
     missing = "model.layers.1.mlp.down_proj.weight"
     loaded = engine.update_weights((k, v) for k, v in state.items() if k != missing)
     assert loaded == set(state) - {missing}
@@ -311,7 +311,7 @@ def test_weight_update_errors(references):
     engine.finish_weight_update()
     assert engine.model.get_parameter(missing).dtype == torch.float32
     with pytest.raises(ConfigError, match="prompt 1 is empty"):
-        engine.generate([[3], []], SamplingParams())
+        engine.generate([[3], []], SamplingParams(max_new_tokens=4))
 
 
 def test_tied_lm_head_is_optional_but_shape_checked(references):

@@ -34,7 +34,7 @@ def task(tmp_path_factory):
 
 
 # one rank in the driver process (cluster.launcher=local): no worker start-up, both cores for one rank
-LOCAL = {"cluster.launcher": "local", "cluster.devices_per_node": 1, "cluster.tp": 1}
+LOCAL = {"cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
 
 
 def _overrides(task, out, **extra):
@@ -64,11 +64,12 @@ def test_grpo_with_reference_learns_addition(task, tmp_path):
 
 
 def test_ppo_with_critic_tp1pp2_learns(ray_cluster, task, tmp_path):
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
-    extra = {"cluster.tp": 1, "cluster.pp": 2, "algorithm.advantage.estimator": "gae", "algorithm.kl_loss_coef": 0,
-             "critic.optim.lr": "5e-3", "trainer.total_steps": 60, "trainer.save_every": 0, "trainer.val_every": 0}
+    extra = {"cluster.pools.main.tp": 1, "cluster.pools.main.pp": 2, "algorithm.advantage.estimator": "gae",
+             "algorithm.kl_loss_coef": 0, "critic.optim.lr": "5e-3", "trainer.total_steps": 60,
+             "trainer.save_every": 0, "trainer.val_every": 0}
     history = run(load_config(EXAMPLE, _overrides(task, tmp_path / "ppo", **extra)))
     start, end = _rise(history)
     print(f"PPO reward: first 10 steps {start:.3f}, last 20 steps {end:.3f}")
@@ -138,11 +139,11 @@ def test_local_launcher_matches_a_ray_worker(ray_cluster, task, tmp_path):
     """cluster.launcher=local (the driver hosts the one rank) computes what one Ray worker does: same
     seeds, one torch thread each, so the same samples, rewards, losses and gradient norms. It never
     imports Ray (Python's import log, PYTHONPROFILEIMPORTTIME, lists every module the run imported)."""
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
-    one_rank = {"cluster.devices_per_node": 1, "cluster.tp": 1, "trainer.total_steps": 3, "trainer.save_every": 0,
-                "trainer.val_every": 0}
+    one_rank = {"cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1, "trainer.total_steps": 3,
+                "trainer.save_every": 0, "trainer.val_every": 0}
     ray_history = run(load_config(EXAMPLE, _overrides(task, tmp_path / "ray", **one_rank)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1",
                                                                          "PYTHONPROFILEIMPORTTIME": "1"}

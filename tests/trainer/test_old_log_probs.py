@@ -20,7 +20,7 @@ from megarl.testing.dist import run_world
 pytestmark = [pytest.mark.dist]
 
 PROMPTS = [[[5, 17, 42], [8, 9], [100, 3, 4, 77, 12]], [[250], [31, 32, 33, 34], [60, 61, 7]]]  # per DP rank
-LIMIT = 0.05  # rollout.max_logprob_abs_diff of the skipping policy
+LIMIT = 0.05  # rollout.engine.max_logprob_abs_diff of the skipping policy
 SHIFT = 0.01  # the rollout log-probs are moved by SHIFT * N(0, 1): a known, allowed gap
 BAD_SHIFT = 1.0  # ... or by BAD_SHIFT * |N(0, 1)| + BAD_SHIFT: a gap over LIMIT
 
@@ -162,15 +162,16 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_addition_tiny
 
 
 def _run(task, out, recompute, steps):
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
     extra = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
              "trainer.output_dir": out, "trainer.tensorboard": "false", "trainer.total_steps": steps,
              "trainer.save_every": 1, "trainer.val_every": 0, "rollout.max_new_tokens": 4,
-             "rollout.max_logprob_abs_diff": 1e-4, "algorithm.mini_batches": 1,
+             "rollout.engine.max_logprob_abs_diff": 1e-4, "algorithm.mini_batches": 1,
              "algorithm.recompute_old_log_probs": recompute,
-             "cluster.launcher": "local", "cluster.devices_per_node": 1, "cluster.tp": 1}  # both paths in-process
+             # both paths in-process
+             "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
     cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in extra.items()])
     history = run(cfg)
     convert_megatron_to_hf(out / "checkpoints" / "step_000001" / "policy", out / "hf")

@@ -62,8 +62,8 @@ def make_reward_model(out: Path, seed: int = 3) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    from megarl.config.train import load_config
     from megarl.testing.addition import make_task
-    from megarl.trainer.config import load_config
     from megarl.trainer.trainer import run as train
 
     root = tmp_path_factory.mktemp("rm_remax")
@@ -71,13 +71,14 @@ def run(tmp_path_factory):
     rm = make_reward_model(root / "rm")
     extra = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
              "trainer.output_dir": root / "out", "trainer.tensorboard": "false", "trainer.total_steps": STEPS,
-             "trainer.save_every": 0, "trainer.val_every": 0, "data.batch_size": 8, "rollout.n": 4,
+             "trainer.save_every": 0, "trainer.val_every": 0, "data.batch_size": 8, "rollout.sampling.n": 4,
              "rollout.max_new_tokens": MAX_NEW, "algorithm.advantage.estimator": "remax",
              "algorithm.kl_loss_coef": 0, "algorithm.mini_batches": 1,
-             "reward.function_weight": FUNCTION_WEIGHT, "reward_model.path": rm, "reward_model.weight": MODEL_WEIGHT,
+             "reward.function_weight": FUNCTION_WEIGHT, "reward_model.model.path": rm,
+             "reward_model.weight": MODEL_WEIGHT,
              # policy and reward model in this process (no Ray workers to start): the scores do not depend on
              # how the roles are hosted (tests/distributed/test_scalar_heads.py scores at TP2 x PP2)
-             "cluster.launcher": "local", "cluster.devices_per_node": 1, "cluster.tp": 1}
+             "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
     cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in extra.items()])
     recorder = Recorder()
     history = train(cfg, callbacks=(recorder,))
@@ -132,26 +133,21 @@ def test_combined_scores_match_transformers_reward_model(run, step):
 
 @pytest.mark.parametrize("step", range(1, STEPS + 1))
 def test_baseline_scores_are_the_greedy_responses_rewards(run, step):
-    b = run["recorder"].batches["reward", step]
-    ids, attn, resp = b["baseline_input_ids"], b["baseline_attention_mask"], b["baseline_response_mask"]
-    expected, _, _ = _reference_rewards(run, ids, attn, resp)
-    assert (b["baseline_scores"].double() - expected).abs().max().item() < 1e-5
-    # every row of a prompt carries that prompt's (one) greedy response
-    prompts = {}
-    for uid, seq in zip(b["prompt_uid"].tolist(), _sequences(ids, attn, resp), strict=True):
-        assert prompts.setdefault(uid, seq[0].tolist()) == seq[0].tolist()
-    assert len(prompts) == 8
-    per_prompt = {uid: expected[b["prompt_uid"] == uid][0].item() for uid in prompts}
+    b, g = run["recorder"].batches["reward", step], run["recorder"].batches["baseline", step]
+    # one greedy response per prompt, prompt-indexed: row i is prompt i's
+    assert torch.equal(g["prompt_uid"], torch.arange(8))
+    per_prompt, _, _ = _reference_rewards(run, g["input_ids"], g["attention_mask"], g["response_mask"])
+    assert (b["baseline_scores"].double() - per_prompt[b["prompt_uid"]]).abs().max().item() < 1e-5
     m = run["recorder"].metrics[step]
-    assert math.isclose(m["reward/baseline_mean"], sum(per_prompt.values()) / len(per_prompt), abs_tol=1e-5)
+    assert math.isclose(m["reward/baseline_mean"], per_prompt.mean().item(), abs_tol=1e-5)
 
 
 def test_greedy_baseline_equals_transformers_greedy_generation(run):
     from transformers import AutoModelForCausalLM
 
-    b = run["recorder"].batches["rollout", 1]  # step 1 samples with the initial (HF) weights
+    b, g = run["recorder"].batches["rollout", 1], run["recorder"].batches["baseline", 1]  # step 1: the HF weights
     model = AutoModelForCausalLM.from_pretrained(str(run["task"] / "model"), dtype=torch.float32).eval()
-    seqs = _sequences(b["baseline_input_ids"], b["baseline_attention_mask"], b["baseline_response_mask"])
+    seqs = _sequences(g["input_ids"], g["attention_mask"], g["response_mask"])
     for _, prompt, response in seqs:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=1,
@@ -159,15 +155,17 @@ def test_greedy_baseline_equals_transformers_greedy_generation(run):
         assert out[0, len(prompt):].tolist() == response
     # the sampled responses are not all greedy ones (they are samples at temperature 1)
     sampled = _sequences(b["input_ids"], b["attention_mask"], b["response_mask"])
-    assert any(s[2] != g[2] for s, g in zip(sampled, seqs, strict=True))
+    greedy = [seqs[uid] for uid in b["prompt_uid"].tolist()]
+    assert all(s[1] == gr[1] for s, gr in zip(sampled, greedy, strict=True))  # the same prompts
+    assert any(s[2] != gr[2] for s, gr in zip(sampled, greedy, strict=True))
 
 
 @pytest.mark.parametrize("step", range(1, STEPS + 1))
 def test_remax_advantages_are_reward_minus_greedy_reward(run, step):
-    b = run["recorder"].batches["advantages", step]
+    b, g = run["recorder"].batches["advantages", step], run["recorder"].batches["baseline", step]
     scores, _, _ = _reference_rewards(run, b["input_ids"], b["attention_mask"], b["response_mask"])
-    baseline, _, _ = _reference_rewards(run, b["baseline_input_ids"], b["baseline_attention_mask"],
-                                        b["baseline_response_mask"])
+    per_prompt, _, _ = _reference_rewards(run, g["input_ids"], g["attention_mask"], g["response_mask"])
+    baseline = per_prompt[b["prompt_uid"]]
     mask = b["response_mask"].double()
     # outcome reward on the last response token, gamma 1: every response token's return is the score
     expected = (scores - baseline)[:, None] * mask

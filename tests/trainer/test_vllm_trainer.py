@@ -31,7 +31,7 @@ def task(tmp_path_factory):
 
 
 def _run(task, out, **extra):
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
     base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
@@ -59,7 +59,7 @@ def test_grpo_on_vllm_learns_addition(ray_cluster, task, tmp_path):
 
 
 def test_ppo_with_critic_on_two_vllm_replicas(ray_cluster, task, tmp_path):
-    history = _run(task, tmp_path / "ppo", **{"rollout.tp": 1, "algorithm.advantage.estimator": "gae",
+    history = _run(task, tmp_path / "ppo", **{"rollout.engine.tp": 1, "algorithm.advantage.estimator": "gae",
                                                "algorithm.kl_loss_coef": 0, "trainer.total_steps": 12,
                                                "trainer.val_every": 0})
     assert len(history) == 12 and "critic/vf_loss" in history[0]

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from megarl.controller import allocator
 from megarl.errors import ConfigError
+from megarl.host import allocator
+from megarl.host.allocator import Allocator
 
 
 @pytest.fixture
@@ -20,44 +21,46 @@ def libdir(tmp_path, monkeypatch):
 
 
 def test_resolution_and_environment(libdir, monkeypatch):
-    assert allocator.resolve("auto") == ("system", None)  # nothing installed: glibc, no error
-    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "system"}
+    assert allocator.resolve(Allocator.AUTO) == ("system", None)  # nothing installed: glibc, no error
+    assert allocator.preload_env(Allocator.AUTO) == {"MEGARL_ALLOCATOR": "system"}
     with pytest.raises(ConfigError, match=r"tcmalloc is not installed .*libtcmalloc-minimal4.*cluster.allocator=auto"):
-        allocator.resolve("tcmalloc")
+        allocator.resolve(Allocator.TCMALLOC)
     with pytest.raises(ConfigError, match="expected one of auto, system, tcmalloc, jemalloc, found 'mimalloc'"):
-        allocator.resolve("mimalloc")
+        Allocator("mimalloc")
+    assert Allocator("jemalloc") is Allocator.JEMALLOC
 
     je = libdir / "libjemalloc.so.2"
     je.write_bytes(b"")
-    assert allocator.resolve("auto") == ("jemalloc", je)  # tcmalloc is preferred but absent
+    assert allocator.resolve(Allocator.AUTO) == ("jemalloc", je)  # tcmalloc is preferred but absent
     monkeypatch.setenv("LD_PRELOAD", "/opt/user/libprofiler.so")  # the user's own preload stays, after ours
-    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "jemalloc", "MALLOC_CONF": allocator.JEMALLOC_CONF,
-                                             "LD_PRELOAD": f"{je} /opt/user/libprofiler.so"}
+    assert allocator.preload_env(Allocator.AUTO) == {"MEGARL_ALLOCATOR": "jemalloc",
+                                                     "MALLOC_CONF": allocator.JEMALLOC_CONF,
+                                                     "LD_PRELOAD": f"{je} /opt/user/libprofiler.so"}
     monkeypatch.setenv("MALLOC_CONF", "narenas:1")  # the user's jemalloc settings win
-    assert "MALLOC_CONF" not in allocator.preload_env("jemalloc")
+    assert "MALLOC_CONF" not in allocator.preload_env(Allocator.JEMALLOC)
 
     tc = libdir / "libtcmalloc_minimal.so.4"
     tc.write_bytes(b"")
     monkeypatch.setenv("LD_PRELOAD", f"{tc}")  # already preloaded: not twice
-    assert allocator.preload_env("auto") == {"MEGARL_ALLOCATOR": "tcmalloc", "LD_PRELOAD": str(tc)}
-    assert allocator.resolve("jemalloc") == ("jemalloc", je)  # named explicitly: that one
-    assert allocator.preload_env("system") == {"MEGARL_ALLOCATOR": "system"}
+    assert allocator.preload_env(Allocator.AUTO) == {"MEGARL_ALLOCATOR": "tcmalloc", "LD_PRELOAD": str(tc)}
+    assert allocator.resolve(Allocator.JEMALLOC) == ("jemalloc", je)  # named explicitly: that one
+    assert allocator.preload_env(Allocator.SYSTEM) == {"MEGARL_ALLOCATOR": "system"}
 
 
 PROBE = """
 import os, sys
-from megarl.controller import allocator
+from megarl.host import allocator
 print("started", flush=True)
-allocator.exec_with(sys.argv[1])
+allocator.exec_with(allocator.Allocator(sys.argv[1]))
 maps = open("/proc/self/maps").read()
 print(os.environ["MEGARL_ALLOCATOR"], allocator.loaded(), sys.argv[2] in maps, sep="\\n")
 """
 
 
-@pytest.mark.skipif(allocator.resolve("auto")[1] is None,
+@pytest.mark.skipif(allocator.resolve(Allocator.AUTO)[1] is None,
                     reason="neither jemalloc nor tcmalloc is installed (e.g. apt install libjemalloc2)")
 def test_exec_with_re_executes_once_with_the_library_mapped():
-    name, lib = allocator.resolve("auto")
+    name, lib = allocator.resolve(Allocator.AUTO)
     env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")}
 
     def probe(setting: str) -> list[str]:

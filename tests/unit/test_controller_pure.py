@@ -61,8 +61,7 @@ def test_batch_errors():
 
 
 def test_placement_config_from_dict_and_errors():
-    from megarl.controller.placement import PlacementConfig
-    from megarl.controller.pools import Device
+    from megarl.controller.spec import Device, PlacementConfig
 
     cfg = from_dict(PlacementConfig, {
         "pools": {"main": {"devices_per_node": 8, "tp": 4, "pp": 2, "device": "cpu"}},

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.checkpoint import mcore_io
 from megarl.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from megarl.checkpoint.format import read_meta
 
 
 def _read_all(hf_dir):
@@ -34,7 +35,7 @@ def test_roundtrip_bit_exact(tiny_hf, tmp_path, model, tp, pp):
         assert a[name].dtype == b[name].dtype, name
         assert torch.equal(a[name], b[name]), name
     assert s2.tensors == len(a) and s2.bytes == sum(t.numel() * t.element_size() for t in a.values())
-    meta = mcore_io.read_meta(tmp_path / "mc")
+    meta = read_meta(tmp_path / "mc")
     assert (meta.layout.tp, meta.layout.pp) == (tp, pp)
     assert meta.padded_vocab_size == 128 * tp * -(-300 // (128 * tp))  # Megatron-LM's padding rule
     assert s1.tensors == len(mcore_io.tensors_metadata(tmp_path / "mc")) or s1.tensors > 0

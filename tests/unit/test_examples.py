@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from megarl.data.prompts import DataError, PromptDataConfig, load_prompts
+from megarl.config.train import check_config, load_config
+from megarl.data.prompts import DataError, PromptConfig, load_prompts
 from megarl.parallel.layout import ParallelLayout
 from megarl.rewards import resolve_reward_function
 from megarl.rollout.config import RolloutBackend
-from megarl.trainer.config import check_config, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*/config.yaml"))
@@ -53,11 +53,11 @@ def test_gpu_layout_divides_the_model(name):
     (layers, heads, kv_heads), expected, gpus = GPU_EXAMPLES[name]
     cfg = load_config(EXAMPLES / name / "config.yaml")
     layout = cfg.cluster.layout()
-    assert layout == expected and layout.world_size == gpus == cfg.cluster.nodes * cfg.cluster.devices_per_node
+    assert layout == expected and layout.world_size == gpus == cfg.cluster.pool().world_size
     layout.check_model(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
-    r = cfg.rollout
-    assert r.backend is RolloutBackend.VLLM and r.dtype == "bfloat16"
-    assert cfg.policy.precision.value == "bfloat16" and cfg.cluster.device == "gpu"
+    r = cfg.rollout.engine
+    assert r.backend is RolloutBackend.VLLM and r.dtype.value == "bfloat16"
+    assert cfg.policy.precision.value == "bfloat16" and cfg.cluster.pool().device.value == "gpu"
     # vLLM builds TP groups from consecutive ranks; the training tp (and 1) always match the plan's groups
     assert r.tp in (1, layout.tp)
     ParallelLayout(tp=r.tp).check_model(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
@@ -117,7 +117,7 @@ def test_gsm8k_prep_output_loads_and_scores(prep, tmp_path):
     from megarl.testing.tiny import make_tokenizer
 
     prep.convert_file(_write_parquet(tmp_path / "raw.parquet", RAW), tmp_path / "train.parquet")
-    data = load_prompts(PromptDataConfig(path=str(tmp_path / "train.parquet"), max_prompt_length=10_000),
+    data = load_prompts(str(tmp_path / "train.parquet"), PromptConfig(max_prompt_length=10_000),
                         make_tokenizer())
     assert len(data) == 3 and data.num_filtered == 0
     reward = resolve_reward_function("gsm8k")  # what the examples' reward.function names

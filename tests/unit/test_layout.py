@@ -20,7 +20,7 @@ def test_coords_match_megatron_default_order_hand_worked():
 
 
 def test_layers_of_stage_with_and_without_vpp():
-    # RESHARDING.md 2.3: L=80, P=4, v=2 -> stage 0 holds layers 0-9 and 40-49
+    # docs/resharding.md §2.3: L=80, P=4, v=2 -> stage 0 holds layers 0-9 and 40-49
     layout = ParallelLayout(tp=1, pp=4, dp=1, vpp=2)
     assert list(layout.layers_of_stage(80, 0, 0)) == list(range(0, 10))
     assert list(layout.layers_of_stage(80, 0, 1)) == list(range(40, 50))

@@ -1,6 +1,6 @@
 """Layout planner: per-device memory, resharding bytes and proposals against hand arithmetic.
 
-References are independent of the planner: the worked example of RESHARDING.md 3(d) and section 4
+References are independent of the planner: the worked example of docs/resharding.md §3.4 and §4
 (Llama-3-70B, TP8 x PP4 x DP2 -> rollout TP8; the doc counts 70.55 B parameters, decimal GB), the
 closed-form resharding volume ``M/TP_g - M/(T*P)`` on a model where it is exact, and per-token
 activation bytes written out by hand.
@@ -47,7 +47,7 @@ def llama70b():
 
 @pytest.fixture(scope="module")
 def plan_3d(llama70b):
-    """RESHARDING.md 3(d): TP8 x PP4 x DP2 on 64 GPUs, rollout TP8 (resharding computed once here)."""
+    """docs/resharding.md §3.4: TP8 x PP4 x DP2 on 64 GPUs, rollout TP8 (resharding computed once here)."""
     p = plan_layout(llama70b, CLUSTER_70B, POLICY_ONLY, ParallelLayout(tp=8, pp=4, dp=2), 8, "Llama-3-70B")
     _ = p.reshard
     return p
@@ -61,7 +61,7 @@ def _gb(n: float) -> float:
 
 
 def test_presets_are_the_published_configs():
-    """Spot values of the hub config.json files (RESHARDING.md 1.6 table for two of them)."""
+    """Spot values of the hub config.json files (docs/resharding.md §1.6 table for two of them)."""
     assert preset_names() == ["llama3-70b", "llama3-8b", "qwen2.5-72b", "qwen2.5-7b"]
     l70, q7 = preset_spec("llama3-70b"), preset_spec("qwen2.5-7b")
     assert (l70.num_layers, l70.hidden_size, l70.ffn_hidden_size) == (80, 8192, 28672)
@@ -69,7 +69,7 @@ def test_presets_are_the_published_configs():
     assert (q7.num_layers, q7.hidden_size, q7.ffn_hidden_size, q7.num_attention_heads, q7.num_query_groups) == (
         28, 3584, 18944, 28, 4)
     assert q7.qkv_bias and not q7.tie_word_embeddings
-    # published parameter counts: 8.03 B, 70.55 B (RESHARDING.md 3(d)), 7.62 B, 72.71 B
+    # published parameter counts: 8.03 B, 70.55 B (docs/resharding.md §3.4), 7.62 B, 72.71 B
     counts = {n: round(preset_spec(n).num_parameters() / 1e9, 2) for n in preset_names()}
     assert counts == {"llama3-8b": 8.03, "llama3-70b": 70.55, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71}
 
@@ -79,7 +79,7 @@ def test_unknown_preset_lists_the_valid_ones():
         preset_spec("llama3-7b")
 
 
-# ------------------------------------------------------------------------------- RESHARDING.md 3(d)
+# ------------------------------------------------------------------------ docs/resharding.md §3.4
 
 
 def test_worked_example_3d_memory(llama70b, plan_3d):
@@ -132,16 +132,17 @@ def test_worked_example_section_4_refit_budget(plan_3d):
 
 
 def test_overrides_load_as_the_layout(plan_3d):
-    from megarl.trainer.config import load_config
+    from megarl.config.train import load_config
 
     over = plan_3d.overrides()
-    assert {"cluster.tp=8", "cluster.pp=4", "rollout.tp=8", "cluster.nodes=8", "cluster.devices_per_node=8"} <= set(
-        over)
+    pool = "cluster.pools.main"
+    assert {f"{pool}.tp=8", f"{pool}.pp=4", "rollout.engine.tp=8", f"{pool}.nodes=8",
+            f"{pool}.devices_per_node=8"} <= set(over)
     cfg = load_config(None, over)
     assert cfg.cluster.layout() == ParallelLayout(tp=8, pp=4, dp=2)
-    assert cfg.rollout.tp == 8 and cfg.policy.precision is Precision.BF16
+    assert cfg.rollout.engine.tp == 8 and cfg.policy.precision is Precision.BF16
     assert cfg.policy.micro_batch.max_tokens == 2048 and cfg.rollout.max_new_tokens == cfg.data.max_prompt_length == 512
-    assert 0 < cfg.rollout.gpu_memory_utilization < 1
+    assert 0 < cfg.rollout.engine.gpu_memory_utilization < 1
 
 
 # --------------------------------------------------------------------------------------- activations
@@ -211,7 +212,7 @@ def test_propose_returns_only_fitting_layouts_cheapest_first(llama70b):
     assert not any(tp < 4 for tp, _, _ in found) and not any(g == 1 for _, _, g in found)  # 141 GB rollout copy
     costs = [(p.layout.tp * p.layout.pp, -p.rollout_tp, p.layout.pp) for p in plans]
     assert costs == sorted(costs)
-    # with the critic too, TP8xPP4 still fits (the DESIGN.md scale target), with little headroom
+    # with the critic too, TP8xPP4 still fits (the scale target of docs/design.md §8), with little headroom
     full = {(p.layout.tp, p.layout.pp) for p in propose(llama70b, CLUSTER_70B, Workload())}
     assert (8, 4) in full and (8, 2) not in full
 
@@ -266,7 +267,8 @@ def test_cli_reports_not_fitting_with_the_reason():
     )
     assert proc.returncode == 0, proc.stderr
     assert "NOT FITTING" in proc.stdout and "policy weights 141.1 GB" in proc.stdout
-    assert "overrides: cluster.nodes=8 cluster.devices_per_node=8 cluster.tp=1 cluster.pp=1" in proc.stdout
+    assert ("overrides: cluster.pools.main.nodes=8 cluster.pools.main.devices_per_node=8 cluster.pools.main.tp=1 "
+            "cluster.pools.main.pp=1") in proc.stdout
 
 
 def _run_cli(monkeypatch, capsys, *args):
@@ -291,4 +293,4 @@ def test_cli_proposes_when_no_layout_is_given(monkeypatch, capsys):
                             "--gpu-mem-gb", "80", "--roles", "policy,reference")
     assert code == 0
     assert "fitting layouts, cheapest first" in out and "best:" in out and "FITS" in out
-    assert "overrides: cluster.nodes=1 cluster.devices_per_node=8" in out
+    assert "overrides: cluster.pools.main.nodes=1 cluster.pools.main.devices_per_node=8" in out

@@ -14,7 +14,7 @@ import torch
 
 from megarl.data.prompts import (
     DataError,
-    PromptDataConfig,
+    PromptConfig,
     PromptSampler,
     load_prompts,
 )
@@ -68,13 +68,13 @@ def _check_records(dataset, rows, tokenizer):
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_round_trip_text_and_chat(tmp_path, tokenizer, fmt):
     write = _write_jsonl if fmt == "jsonl" else _write_parquet
-    text = load_prompts(PromptDataConfig(str(write(tmp_path / f"text.{fmt}", TEXT_ROWS))), tokenizer)
+    text = load_prompts(str(write(tmp_path / f"text.{fmt}", TEXT_ROWS)), PromptConfig(), tokenizer)
     _check_records(text, TEXT_ROWS, tokenizer)
     assert text[0].text == "What is 1 + 1?"
     assert text.records[1].row == {"answer": "9", "level": 2}  # extra columns pass through, types kept
     # the template wraps a text prompt as one user message and appends the generation prompt
     assert tokenizer.decode(text[0].input_ids) == "<|user|>What is 1 + 1?<|end|><|assistant|>"
-    chat = load_prompts(PromptDataConfig(str(write(tmp_path / f"chat.{fmt}", CHAT_ROWS))), tokenizer)
+    chat = load_prompts(str(write(tmp_path / f"chat.{fmt}", CHAT_ROWS)), PromptConfig(), tokenizer)
     _check_records(chat, CHAT_ROWS, tokenizer)
     assert [r.text for r in chat.records] == ["2 + 3 = ?", "def add(a, b):"]  # the last user message
     assert chat.select([1, 0])[0].row == {"answer": "return a + b"}
@@ -84,27 +84,27 @@ def test_jsonl_mixes_text_and_chat(tmp_path, tokenizer):
     rows = [TEXT_ROWS[0], CHAT_ROWS[0]]
     path = tmp_path / "mixed.jsonl"
     path.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")  # blank lines are skipped
-    _check_records(load_prompts(PromptDataConfig(str(path)), tokenizer), rows, tokenizer)
+    _check_records(load_prompts(str(path), PromptConfig(), tokenizer), rows, tokenizer)
 
 
 def test_plain_encoding_without_template(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS)
-    dataset = load_prompts(PromptDataConfig(str(path), apply_chat_template=False), tokenizer)
+    dataset = load_prompts(str(path), PromptConfig(apply_chat_template=False), tokenizer)
     assert [r.input_ids for r in dataset.records] == [tokenizer.encode(r["prompt"]) for r in TEXT_ROWS]
     no_template = make_tokenizer()
     no_template.chat_template = None
-    dataset = load_prompts(PromptDataConfig(str(path)), no_template)
+    dataset = load_prompts(str(path), PromptConfig(), no_template)
     assert dataset[2].input_ids == tokenizer.encode(TEXT_ROWS[2]["prompt"])
     chat = _write_jsonl(tmp_path / "c.jsonl", [TEXT_ROWS[0], CHAT_ROWS[0]])
     with pytest.raises(ConfigError, match=r"c\.jsonl:2: column 'prompt' holds chat messages, but apply_chat_template"):
-        load_prompts(PromptDataConfig(str(chat), apply_chat_template=False), tokenizer)
+        load_prompts(str(chat), PromptConfig(apply_chat_template=False), tokenizer)
     with pytest.raises(ConfigError, match="c.jsonl:2: .*the tokenizer has no chat template"):
-        load_prompts(PromptDataConfig(str(chat)), no_template)
+        load_prompts(str(chat), PromptConfig(), no_template)
 
 
 def test_custom_prompt_key(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "q.jsonl", [{"question": "1 + 1 =", "prompt": "not the prompt"}])
-    dataset = load_prompts(PromptDataConfig(str(path), prompt_key="question"), tokenizer)
+    dataset = load_prompts(str(path), PromptConfig(prompt_key="question"), tokenizer)
     assert dataset[0].text == "1 + 1 =" and dataset[0].row == {"prompt": "not the prompt"}
 
 
@@ -114,13 +114,13 @@ def test_filtering_is_counted(tmp_path, tokenizer, caplog):
     assert len(set(lengths)) == 3
     path = _write_jsonl(tmp_path / "p.jsonl", TEXT_ROWS)
     with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
-        dataset = load_prompts(PromptDataConfig(str(path), max_prompt_length=limit), tokenizer)
+        dataset = load_prompts(str(path), PromptConfig(max_prompt_length=limit), tokenizer)
     kept = [r["prompt"] for r, n in zip(TEXT_ROWS, lengths, strict=True) if n <= limit]
     assert [r.prompt for r in dataset.records] == kept and dataset.num_filtered == 1
     assert [r.index for r in dataset.records] == [0, 1]
     assert f"dropped 1 of 3 prompts longer than max_prompt_length={limit}" in caplog.text
     with pytest.raises(DataError, match=r"no prompts left: all 3 rows are longer than max_prompt_length=2"):
-        load_prompts(PromptDataConfig(str(path), max_prompt_length=2), tokenizer)
+        load_prompts(str(path), PromptConfig(max_prompt_length=2), tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -139,26 +139,26 @@ def test_malformed_jsonl_rows(tmp_path, tokenizer, bad_line, pattern):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(TEXT_ROWS[0]) + "\n" + bad_line + "\n")
     with pytest.raises(DataError, match=pattern):
-        load_prompts(PromptDataConfig(str(path)), tokenizer)
+        load_prompts(str(path), PromptConfig(), tokenizer)
 
 
 def test_malformed_parquet_and_files(tmp_path, tokenizer):
     rows = [{"prompt": "fine", "answer": "1"}, {"prompt": None, "answer": "2"}]
     path = _write_parquet(tmp_path / "bad.parquet", rows)
     with pytest.raises(DataError, match=r"bad\.parquet row 1: column 'prompt' must be .*found None"):
-        load_prompts(PromptDataConfig(str(path)), tokenizer)
+        load_prompts(str(path), PromptConfig(), tokenizer)
     with pytest.raises(ConfigError, match=r"unknown extension '\.csv'; expected one of \['\.jsonl', '\.parquet'\]"):
-        load_prompts(PromptDataConfig(str(tmp_path / "data.csv")), tokenizer)
+        load_prompts(str(tmp_path / "data.csv"), PromptConfig(), tokenizer)
     with pytest.raises(ConfigError, match="missing.jsonl' does not exist"):
-        load_prompts(PromptDataConfig(str(tmp_path / "missing.jsonl")), tokenizer)
+        load_prompts(str(tmp_path / "missing.jsonl"), PromptConfig(), tokenizer)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="holds no rows"):
-        load_prompts(PromptDataConfig(str(tmp_path / "empty.jsonl")), tokenizer)
+        load_prompts(str(tmp_path / "empty.jsonl"), PromptConfig(), tokenizer)
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
-        load_prompts(PromptDataConfig(str(tmp_path / "junk.parquet")), tokenizer)
+        load_prompts(str(tmp_path / "junk.parquet"), PromptConfig(), tokenizer)
     with pytest.raises(ConfigError, match="max_prompt_length must be >= 1"):
-        PromptDataConfig("x.jsonl", max_prompt_length=0)
+        PromptConfig(max_prompt_length=0)
 
 
 # ---- sampler ------------------------------------------------------------------------------------
@@ -233,16 +233,16 @@ def test_row_adapter_contract(tmp_path):
     tok = make_tokenizer()
     adapter = load_row_adapter(f"{tmp_path / 'adapt.py'}:gsm8k")
     assert isinstance(adapter, RowAdapter)
-    ds = load_prompts(PromptDataConfig(path=str(data)), tok, adapter)
+    ds = load_prompts(str(data), PromptConfig(), tok, adapter)
     assert [r.text for r in ds.records] == ["1+1?", "2+2?"]
     assert ds.records[1].row == {"answer": "#### 4", "src": "g"}
     expected = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
                                        tokenize=False)
     assert ds.records[1].input_ids == tok.encode(expected)
     with pytest.raises(DataError, match=r"raw.jsonl:1: the row adapter raised KeyError"):
-        load_prompts(PromptDataConfig(path=str(data)), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:broken"))
+        load_prompts(str(data), PromptConfig(), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:broken"))
     with pytest.raises(DataError, match="returned a list, expected a dict"):
-        load_prompts(PromptDataConfig(path=str(data)), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:not_a_dict"))
+        load_prompts(str(data), PromptConfig(), tok, load_row_adapter(f"{tmp_path / 'adapt.py'}:not_a_dict"))
     with pytest.raises(ConfigError, match="cannot be called as"):
         (tmp_path / "two.py").write_text("def f(a, b):\n    return a\n")
         load_row_adapter(f"{tmp_path / 'two.py'}:f")

@@ -1,4 +1,4 @@
-"""Resharding plan without any process group: byte counts against RESHARDING.md's formulas, and
+"""Resharding plan without any process group: byte counts against docs/resharding.md's formulas, and
 every rank's rollout shard against vLLM's layout sliced by hand from the HF tensors."""
 
 import math
@@ -47,7 +47,7 @@ def _stage_bytes(spec, layout):
 @pytest.mark.parametrize("tp, pp, dp, g", [(2, 2, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2), (2, 2, 2, 2), (4, 1, 1, 1),
                                            (1, 4, 1, 2)])
 def test_hybrid_bytes_match_formula(tp, pp, dp, g):
-    # V=512: no vocabulary padding on either side, so RESHARDING.md 3(b) holds exactly
+    # V=512: no vocabulary padding on either side, so docs/resharding.md §3.2 holds exactly
     spec = _spec(vocab_size=512, num_heads=4, num_kv_heads=4)
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
     plan = make_plan(spec, layout, g)
@@ -97,7 +97,7 @@ def test_hybridflow_groups_are_strided():
     spec = _spec(num_heads=8, num_kv_heads=4, hidden_size=64)
     layout = ParallelLayout(tp=4, pp=1, dp=1)
     plan = make_plan(spec, layout, 2)
-    # RESHARDING.md 3(b): k = 2; rank t plays rollout rank t // 2 in micro-DP replica t % 2
+    # docs/resharding.md §3.2: k = 2; rank t plays rollout rank t // 2 in micro-DP replica t % 2
     assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 

@@ -65,7 +65,7 @@ def test_unsupported_features_raise():
 
 def test_padded_vocab_matches_megatron_lm_rule():
     spec = spec_from_hf_config(tiny_config("llama", vocab_size=128256).to_dict())
-    # RESHARDING.md 1.4 worked numbers: Llama-3 V=128256, TP=8, D=128 -> 129024
+    # docs/resharding.md §1.4 worked numbers: Llama-3 V=128256, TP=8, D=128 -> 129024
     assert spec.padded_vocab_size(8) == 129024
     assert spec.padded_vocab_size(1) == 128256
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megarl.config.train import TrainConfig, check_config, dump_config, load_config
 from megarl.errors import ConfigError, LayoutError
 from megarl.trainer.callbacks import STAGES, Callback
-from megarl.trainer.config import TrainConfig, check_config, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "grpo_addition_tiny" / "config.yaml"
@@ -31,9 +31,9 @@ def _overrides(task, **extra):
 
 
 def test_example_config_loads_with_overrides(task):
-    cfg = load_config(EXAMPLE, _overrides(task, **{"policy.optim.lr": "1e-4", "rollout.n": "4"}))
-    assert cfg.policy.optim.lr == 1e-4 and cfg.rollout.n == 4  # "1e-4" parsed as a float, not a string
-    assert cfg.algorithm.advantage.estimator.value == "grpo" and cfg.cluster.tp == 2
+    cfg = load_config(EXAMPLE, _overrides(task, **{"policy.optim.lr": "1e-4", "rollout.sampling.n": "4"}))
+    assert cfg.policy.optim.lr == 1e-4 and cfg.rollout.sampling.n == 4  # "1e-4" parsed as a float, not a string
+    assert cfg.algorithm.advantage.estimator.value == "grpo" and cfg.cluster.pool().tp == 2
     check_config(cfg)
 
 
@@ -45,13 +45,15 @@ def test_resolved_config_round_trips(task, tmp_path):
 
 @pytest.mark.parametrize("override, error, match", [
     ("policy.optim.lrr=1", ConfigError, "did you mean 'lr'"),
-    ("rollout.temprature=1", ConfigError, "did you mean 'temperature'"),
+    ("rollout.sampling.temprature=1", ConfigError, "did you mean 'temperature'"),
+    ("rollout.n=4", ConfigError, "unknown config key 'rollout.n'"),
     ("algorithm.advantage.estimator=ppo", ConfigError, "is not one of"),
-    ("cluster.tp=3", LayoutError, "not divisible by tp"),
-    ("cluster.tp=1 data.batch_size=3", ConfigError, "divisible by the data-parallel size 2"),
-    ("rollout.n=1", ConfigError, "rollout.n >= 2"),
-    ("rollout.tp=2", ConfigError, "rollout.tp must be 1"),
-    ("rollout.backend=vllm cluster.tp=2 rollout.tp=4", ConfigError, "positive divisor of the world size 2"),
+    ("cluster.pools.main.tp=3", LayoutError, "not divisible by tp"),
+    ("cluster.pools.main.tp=1 data.batch_size=3", ConfigError, "divisible by the data-parallel size 2"),
+    ("rollout.sampling.n=1", ConfigError, "rollout.sampling.n >= 2"),
+    ("rollout.engine.tp=2", ConfigError, "rollout.engine.tp must be 1"),
+    ("rollout.engine.backend=vllm cluster.pools.main.tp=2 rollout.engine.tp=4", ConfigError,
+     "positive divisor of the world size 2"),
     ("model.path=/nonexistent/model", ConfigError, "is not a directory"),
     ("trainer.val_every=5", None, None),  # valid: data.val is set
     # the example takes 2 mini-batches per batch: no update's forward can stand in for the old log-probs
@@ -60,13 +62,14 @@ def test_resolved_config_round_trips(task, tmp_path):
      ConfigError, "kl_penalty subtracts"),
     ("algorithm.recompute_old_log_probs=false algorithm.mini_batches=1", None, None),
     ("oops", ConfigError, "key.path=value"),
-    ("cluster.launcher=threads", ConfigError, "'ray' or 'local'"),
-    ("cluster.allocator=mimalloc", ConfigError, "expected one of auto, system, tcmalloc, jemalloc"),
+    ("cluster.launcher=threads", ConfigError, r"'threads' is not one of \['ray', 'local'\]"),
+    ("cluster.allocator=mimalloc", ConfigError,
+     r"'mimalloc' is not one of \['auto', 'system', 'tcmalloc', 'jemalloc'\]"),
     ("cluster.allocator=system", None, None),
     ("policy.optim.optimizer=sgd", ConfigError, "distributed optimizer supports Adam only"),
     ("policy.optim.optimizer=sgd policy.optim.use_distributed_optimizer=false", None, None),
     ("cluster.launcher=local", ConfigError, "nodes x devices_per_node = 2"),  # the example has 2 devices
-    ("cluster.launcher=local cluster.devices_per_node=1 cluster.tp=1", None, None),
+    ("cluster.launcher=local cluster.pools.main.devices_per_node=1 cluster.pools.main.tp=1", None, None),
 ])
 def test_bad_config_is_named(task, override, error, match):
     overrides = [*_overrides(task), *override.split()]
@@ -85,7 +88,7 @@ def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
     bad_rows.write_text('{"question": "1+1=", "answer": "2"}\n')
     cases = [
         (["policy.optim.lrr=1"], "did you mean 'lr'"),
-        (["cluster.tp=3"], "not divisible by tp"),
+        (["cluster.pools.main.tp=3"], "not divisible by tp"),
         ([f"data.train={bad_rows}"], "prompt"),
         (["model.path=/nonexistent/model"], "is not a directory"),
     ]
@@ -118,14 +121,14 @@ def test_callbacks_are_a_protocol():
 
     assert isinstance(Recorder(), Callback)
     assert not isinstance(Incomplete(), Callback)
-    assert STAGES == ("rollout", "reward", "advantages", "step")
+    assert STAGES == ("rollout", "baseline", "reward", "advantages", "step", "validation")
 
 
 def test_defaults_live_in_the_dataclasses():
     cfg = TrainConfig()
     plain = yaml.safe_load(yaml.safe_dump({"trainer": {"total_steps": 3}}))
     assert load_config(None, [f"trainer.total_steps={plain['trainer']['total_steps']}"]).trainer.total_steps == 3
-    assert cfg.rollout.n == 4 and cfg.trainer.resume is True
+    assert cfg.rollout.sampling.n == 4 and cfg.trainer.resume is True
 
 
 @pytest.mark.parametrize("extra, recomputes", [
@@ -159,7 +162,7 @@ def _reward_model_dir(out, *, vocab_size=None, tokenizer="addition", architectur
 
 
 @pytest.mark.parametrize("override, match", [
-    ("reward_model.path=/nonexistent/rm", "reward_model.path '/nonexistent/rm' is not a directory"),
+    ("reward_model.model.path=/nonexistent/rm", "reward_model.model.path '/nonexistent/rm' is not a directory"),
     ("reward.function=null", "no reward source"),
     ("reward.function_weight=.nan", "reward.function_weight must be a finite number"),
 ])
@@ -170,11 +173,11 @@ def test_bad_reward_config_is_named(task, override, match):
 
 def test_reward_model_alone_is_a_reward_source(task, tmp_path):
     rm = _reward_model_dir(tmp_path / "rm")
-    cfg = load_config(EXAMPLE, [*_overrides(task), "reward.function=null", f"reward_model.path={rm}",
-                                "reward_model.weight=0.5", "reward_model.micro_batch.max_tokens=256"])
+    cfg = load_config(EXAMPLE, [*_overrides(task), "reward.function=null", f"reward_model.model.path={rm}",
+                                "reward_model.weight=0.5", "reward_model.engine.forward_micro_batch.max_tokens=256"])
     check_config(cfg)
     assert cfg.reward.function is None and cfg.reward_model.weight == 0.5
-    assert cfg.reward_model.engine().forward_batching.max_tokens == 256  # a reward model only runs forward
+    assert cfg.reward_model.engine.forward_batching.max_tokens == 256  # a reward model only runs forward
     assert TrainConfig().reward_model is None and TrainConfig().reward.function_weight == 1.0
 
 
@@ -195,7 +198,7 @@ def test_reward_model_must_share_the_policys_tokens(task, tmp_path, kind, match)
     else:
         _reward_model_dir(rm, architecture="Qwen2ForCausalLM")
     out = tmp_path / "out"
-    cfg = load_config(EXAMPLE, [*_overrides(task), f"reward_model.path={rm}", f"trainer.output_dir={out}"])
+    cfg = load_config(EXAMPLE, [*_overrides(task), f"reward_model.model.path={rm}", f"trainer.output_dir={out}"])
     check_config(cfg)  # the paths are fine; the tokens are not
     with pytest.raises(ConfigError, match=match):
         Trainer(cfg)

@@ -1,4 +1,4 @@
-"""Training checkpoints: model + optimizer + LR schedule + RNG, saved with dist-checkpointing.
+"""A role's training checkpoint: model + optimizer + LR schedule + RNG, saved with dist-checkpointing.
 
 A training checkpoint directory has the same layout as a converted one (``megarl_checkpoint.json``,
 ``hf/``, ``weights/``), so it loads into any TP/PP layout for inference and converts back to HF with
@@ -16,20 +16,24 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint import mcore_io
 from megarl.checkpoint.atomic import check_output_dir
+from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
+
+if TYPE_CHECKING:
+    from megarl.engine.engine import MegatronEngine
 
 TRAINER_STATE = "trainer_state.json"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(engine, *, is_loading: bool) -> dict:
+def _sharded_state(engine: MegatronEngine, *, is_loading: bool) -> dict:
     # the unwrapped chunks (not DDP): same structure as a converted checkpoint; same Parameter objects
     model_sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(engine.chunks)}
     return model_sd | {
@@ -37,7 +41,7 @@ def _sharded_state(engine, *, is_loading: bool) -> dict:
     }
 
 
-def save_training_checkpoint(engine, out_dir: str | Path, *, step: int, source_dir: str | Path) -> Path:
+def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, step: int, source_dir: str | Path) -> Path:
     """Collective. Writes ``out_dir`` atomically; ``source_dir`` is the checkpoint the run started
     from (its metadata and hf/ files are carried over)."""
     out_dir = Path(out_dir)
@@ -49,7 +53,7 @@ def save_training_checkpoint(engine, out_dir: str | Path, *, step: int, source_d
     dist.broadcast_object_list(tmp, src=0)
     tmp_dir = Path(tmp[0])
     try:
-        weights = tmp_dir / mcore_io.WEIGHTS_SUBDIR
+        weights = tmp_dir / WEIGHTS_SUBDIR
         if dist.get_rank() == 0:
             weights.mkdir()
         dist.barrier()
@@ -57,9 +61,9 @@ def save_training_checkpoint(engine, out_dir: str | Path, *, step: int, source_d
         rng = [None] * dist.get_world_size()
         dist.all_gather_object(rng, _rng_state())
         if dist.get_rank() == 0:
-            meta = mcore_io.read_meta(source_dir)
-            mcore_io.write_meta(tmp_dir, meta)
-            shutil.copytree(Path(source_dir) / mcore_io.HF_SUBDIR, tmp_dir / mcore_io.HF_SUBDIR)
+            meta = read_meta(source_dir)
+            write_meta(tmp_dir, meta)
+            shutil.copytree(Path(source_dir) / HF_SUBDIR, tmp_dir / HF_SUBDIR)
             state = {"step": step, "scheduler": engine.scheduler.state_dict(), "rng": rng,
                      "skipped_steps": engine.stats.skipped_steps}
             (tmp_dir / TRAINER_STATE).write_text(json.dumps(state))
@@ -74,10 +78,10 @@ def save_training_checkpoint(engine, out_dir: str | Path, *, step: int, source_d
     return out_dir
 
 
-def load_training_checkpoint(engine, ckpt_dir: str | Path) -> int:
+def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> int:
     """Collective. Restore model, optimizer, schedule and (same world size) RNG; returns the step."""
     ckpt_dir = Path(ckpt_dir)
-    path = mcore_io.weights_dir(ckpt_dir)
+    path = weights_dir(ckpt_dir)
     state_file = ckpt_dir / TRAINER_STATE
     if not state_file.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {TRAINER_STATE}: it is a model-only checkpoint; start a new run "
@@ -98,7 +102,7 @@ def load_training_checkpoint(engine, ckpt_dir: str | Path) -> int:
     return int(trainer["step"])
 
 
-def _init_optimizer_state(engine) -> None:
+def _init_optimizer_state(engine: MegatronEngine) -> None:
     """Create (zero) optimizer state without changing parameters: one step with zero gradients and lr 0."""
     groups = [g for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
               for g in opt.optimizer.param_groups]

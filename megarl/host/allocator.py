@@ -20,11 +20,12 @@ worker groups on an existing Ray cluster get the same variables (:func:`preload_
 the first of :data:`PREFERENCE` that is installed and otherwise stays on glibc; naming one that is
 not installed is a configuration error.
 
-Standard library only: imported by the CLI before torch.
+Standard library and ``megarl.errors`` only: imported by the CLI before torch.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import sys
@@ -34,14 +35,29 @@ from megarl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ALLOCATORS = ("auto", "system", "tcmalloc", "jemalloc")
-PREFERENCE = ("tcmalloc", "jemalloc")  # for "auto": tcmalloc first, as torch.backends.xeon.run_cpu
+
+
+class Allocator(enum.StrEnum):
+    """A ``cluster.allocator`` value: ``auto`` picks the first installed of :data:`PREFERENCE`, else glibc
+    (``system``). An unknown name raises :class:`~megarl.errors.ConfigError` (a ValueError)."""
+
+    AUTO = "auto"
+    SYSTEM = "system"  # glibc malloc
+    TCMALLOC = "tcmalloc"
+    JEMALLOC = "jemalloc"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Allocator:
+        raise ConfigError(f"cluster.allocator: expected one of {', '.join(cls)}, found {value!r}.")
+
+
+PREFERENCE = (Allocator.TCMALLOC, Allocator.JEMALLOC)  # for "auto": tcmalloc first, as torch.backends.xeon.run_cpu
 _FILES = {
-    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
-    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    Allocator.TCMALLOC: ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
+    Allocator.JEMALLOC: ("libjemalloc.so.2", "libjemalloc.so"),
 }
-_INSTALL = {"tcmalloc": "libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools (conda-forge, Fedora)",
-            "jemalloc": "libjemalloc2 (Debian/Ubuntu) or jemalloc (conda-forge, Fedora)"}
+_INSTALL = {Allocator.TCMALLOC: "libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools (conda-forge, Fedora)",
+            Allocator.JEMALLOC: "libjemalloc2 (Debian/Ubuntu) or jemalloc (conda-forge, Fedora)"}
 # Keep freed pages for reuse instead of returning them after 10 s (jemalloc's default): a GRPO step
 # frees and re-allocates the same activation sizes every phase, and each returned page costs a page
 # fault to get back. background_thread: purging off the compute threads.
@@ -61,8 +77,8 @@ def search_dirs() -> list[Path]:
     return dirs
 
 
-def find(name: str) -> Path | None:
-    """The shared library of allocator ``name`` (``tcmalloc`` / ``jemalloc``), or None if not installed."""
+def find(name: Allocator) -> Path | None:
+    """The shared library of allocator ``name`` (``TCMALLOC`` / ``JEMALLOC``), or None if not installed."""
     for d in search_dirs():
         for file in _FILES[name]:
             if (d / file).is_file():
@@ -70,37 +86,35 @@ def find(name: str) -> Path | None:
     return None
 
 
-def resolve(name: str) -> tuple[str, Path | None]:
-    """``(allocator, library)`` for a ``cluster.allocator`` value; ``("system", None)`` for glibc."""
-    if name not in ALLOCATORS:
-        raise ConfigError(f"cluster.allocator: expected one of {', '.join(ALLOCATORS)}, found {name!r}.")
-    if name == "system":
-        return "system", None
-    for candidate in PREFERENCE if name == "auto" else (name,):
+def resolve(name: Allocator) -> tuple[Allocator, Path | None]:
+    """``(allocator, library)`` for a ``cluster.allocator`` value; ``(Allocator.SYSTEM, None)`` for glibc."""
+    if name is Allocator.SYSTEM:
+        return Allocator.SYSTEM, None
+    for candidate in PREFERENCE if name is Allocator.AUTO else (name,):
         if (lib := find(candidate)) is not None:
             return candidate, lib
-    if name != "auto":
+    if name is not Allocator.AUTO:
         raise ConfigError(
             f"cluster.allocator: {name} is not installed (looked for {' / '.join(_FILES[name])} in "
             f"{', '.join(str(d) for d in search_dirs())}). Install {_INSTALL[name]}, or set "
             "cluster.allocator=auto (the first installed of "
             f"{' / '.join(PREFERENCE)}, else glibc) or cluster.allocator=system.")
-    return "system", None
+    return Allocator.SYSTEM, None
 
 
-def preload_env(name: str) -> dict[str, str]:
+def preload_env(name: Allocator) -> dict[str, str]:
     """Environment variables that start a process with allocator ``name`` (for glibc: only :data:`MARKER`)."""
     chosen, lib = resolve(name)
     if lib is None:
-        return {MARKER: chosen}
+        return {MARKER: chosen.value}
     before = os.environ.get("LD_PRELOAD", "")
-    env = {MARKER: chosen, "LD_PRELOAD": before if str(lib) in before.split() else f"{lib} {before}".strip()}
-    if chosen == "jemalloc" and "MALLOC_CONF" not in os.environ:
+    env = {MARKER: chosen.value, "LD_PRELOAD": before if str(lib) in before.split() else f"{lib} {before}".strip()}
+    if chosen is Allocator.JEMALLOC and "MALLOC_CONF" not in os.environ:
         env["MALLOC_CONF"] = JEMALLOC_CONF
     return env
 
 
-def exec_with(name: str) -> None:
+def exec_with(name: Allocator) -> None:
     """Re-execute this command with allocator ``name`` preloaded, unless megarl already chose one for
     this process tree. Returns only when nothing is to be preloaded (glibc) or it already is."""
     if MARKER in os.environ:
@@ -109,18 +123,18 @@ def exec_with(name: str) -> None:
     if "LD_PRELOAD" not in env:
         os.environ.update(env)
         logger.info("host allocator: glibc malloc (cluster.allocator=%s%s)", name,
-                    "" if name == "system" else f"; none of {' / '.join(PREFERENCE)} is installed")
+                    "" if name is Allocator.SYSTEM else f"; none of {' / '.join(PREFERENCE)} is installed")
         return
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | env)
 
 
-def loaded(pid: int | str = "self") -> str:
-    """The allocator mapped into process ``pid`` (read from its ``/proc/<pid>/maps``): a name of
-    :data:`PREFERENCE` or ``system``."""
+def loaded(pid: int | str = "self") -> Allocator:
+    """The allocator mapped into process ``pid`` (read from its ``/proc/<pid>/maps``): one of
+    :data:`PREFERENCE` or ``SYSTEM``."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
-        return "system"
-    return next((name for name in PREFERENCE if any(f in maps for f in _FILES[name])), "system")
+        return Allocator.SYSTEM
+    return next((name for name in PREFERENCE if any(f in maps for f in _FILES[name])), Allocator.SYSTEM)

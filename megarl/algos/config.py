@@ -1,0 +1,61 @@
+"""The algorithm section of a run (``algorithm:`` in the YAML): estimator, losses, KL terms, epochs.
+
+The policy and critic roles receive this object itself (with the sampling temperature), so every
+algorithm default lives here once. Pure module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
+from megarl.algos.kl import KLControllerConfig, KLEstimator
+from megarl.algos.losses import PolicyLossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: AdvantageConfig = AdvantageConfig(estimator=AdvantageEstimator.GRPO)
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    entropy_coef: float = 0.0  # subtract coef x entropy from the policy loss
+    kl_penalty: KLControllerConfig | None = None  # KL to the reference subtracted from the reward
+    kl_loss_coef: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 = off
+    kl_estimator: KLEstimator = KLEstimator.K3  # of KL(policy || reference): kl (k1), abs, mse (k2), low_var_kl (k3)
+    value_clip: float | None = 0.2  # critic (GAE only)
+    ppo_epochs: int = 1  # passes over each batch
+    mini_batches: int = 1  # optimizer steps per epoch
+    # A training-model forward after each rollout for the PPO ratio's old log-probs (and the rollout
+    # check). None = auto: only where something needs them; with one optimizer step per batch
+    # (ppo_epochs = mini_batches = 1) and no kl_penalty, the update's own forward is at the same
+    # weights and stands in (ratio 1, as TRL and verl do), measuring rollout/logprob_abs_diff and
+    # applying rollout.engine.max_logprob_abs_diff there. true: always; false where they are needed: ConfigError.
+    recompute_old_log_probs: bool | None = None  # null: only where needed (see above); true: always
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_penalty is not None or self.kl_loss_coef > 0
+
+    def old_log_probs_needed_because(self) -> str | None:
+        """Why old log-probs must come from a forward of their own; None when the update's can stand in."""
+        if self.ppo_epochs != 1 or self.mini_batches != 1:
+            return (f"ppo_epochs={self.ppo_epochs} x mini_batches={self.mini_batches} optimizer steps per batch: "
+                    "after the first, the policy is no longer the one that sampled")
+        if self.kl_penalty is not None:
+            return "kl_penalty subtracts KL(old policy || reference) from the rewards before the update"
+        return None
+
+    @property
+    def recomputes_old_log_probs(self) -> bool:
+        """``recompute_old_log_probs`` with auto (None) resolved."""
+        if self.recompute_old_log_probs is None:
+            return self.old_log_probs_needed_because() is not None
+        return self.recompute_old_log_probs
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage.estimator is AdvantageEstimator.GAE
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """ReMax: each step also samples one greedy response per prompt; its reward is the baseline."""
+        return self.advantage.estimator is AdvantageEstimator.REMAX

@@ -1,0 +1,303 @@
+"""A training run's configuration: one tree of typed dataclasses, read from YAML with ``key.path=value`` overrides.
+
+The tree nests the components' own configs rather than copying their fields: ``rollout.sampling`` is
+the rollout engine's :class:`~megarl.rollout.base.SamplingConfig`, ``rollout.engine`` its
+:class:`~megarl.rollout.config.RolloutConfig`, ``policy`` / ``critic`` the training engine's
+:class:`~megarl.engine.config.EngineConfig`, ``algorithm`` the algorithms' own
+:class:`~megarl.algos.config.AlgorithmConfig`, ``cluster.pools`` the controller's
+:class:`~megarl.controller.spec.PoolSpec`. So every default is defined once, in its field (a test walks
+the tree and fails on a repeated one), and every choice is an enum.
+
+``null`` means "decided by megarl" where a field says so; :func:`megarl.config.resolve.resolve` makes
+those decisions before any worker starts and the run writes the result to ``<output_dir>/config.yaml``.
+:func:`check_config` validates everything checkable without starting a worker and raises
+:class:`ConfigError` naming what to change; it never rewrites. ``docs/config.md`` is generated from this
+module (``python -m megarl.config.reference``). Pure module: no Ray, no process groups, no megatron-core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megarl.algos.advantages import AdvantageEstimator
+from megarl.algos.config import AlgorithmConfig
+from megarl.config.loader import from_dict
+from megarl.controller.spec import Launcher, PoolSpec, Timeouts
+from megarl.data.prompts import PromptConfig
+from megarl.engine.config import EngineConfig
+from megarl.errors import ConfigError
+from megarl.host import allocator
+from megarl.parallel.layout import ParallelLayout
+from megarl.resharding.plan import check_vllm_groups
+from megarl.rewards.base import OnError
+from megarl.rollout.base import SamplingConfig
+from megarl.rollout.config import RolloutBackend, RolloutConfig
+
+
+class Role(enum.Enum):
+    """The roles a run places on its pools (``cluster.placement`` keys)."""
+
+    POLICY = "policy"  # trains; hosts the rollout engine
+    REFERENCE = "reference"
+    CRITIC = "critic"
+    REWARD_MODEL = "reward_model"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # HF model directory or megarl (Megatron) checkpoint directory
+    tokenizer: str | None = None  # null: the model directory's (its hf/ subdir for a megarl checkpoint)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(PromptConfig):
+    """Prompt files and how a step draws from them; how rows become prompts is :class:`PromptConfig`'s."""
+
+    train: str = ""  # .jsonl or .parquet with a prompt column
+    val: str | None = None  # prompts of the validation (evaluation) set
+    row_adapter: str | None = None  # "path/to/file.py:function" mapping each raw row to {prompt, ...}
+    batch_size: int = 8  # prompts per step
+    shuffle: bool = True  # a fresh permutation of the training prompts every epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    sampling: SamplingConfig = SamplingConfig(n=4)  # training responses
+    validation: SamplingConfig = SamplingConfig(temperature=0.0)  # evaluation: greedy, one response per prompt
+    max_new_tokens: int = 64  # response length limit (training and validation)
+    stop_at_eos: bool = True  # the tokenizer's eos token ends a response
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end a response (e.g. Llama-3's <|eot_id|>)
+    engine: RolloutConfig = RolloutConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """A response's reward: ``function_weight * function score + reward_model.weight * model score``
+    over the sources that are set (at least one)."""
+
+    function: str | None = "integer_answer"  # a built-in key or "path/to/file.py:function"; null: none
+    function_weight: float = 1.0  # its score's weight in the reward
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
+    on_error: OnError = OnError.RAISE  # failures of the function (not of the reward model)
+    error_score: float = 0.0  # the score of a row the function failed on (on_error: score)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A reward model worker (HF ``*ForSequenceClassification``, one label, or its megarl checkpoint)
+    scoring each sequence at its last token. It runs frozen on the policy's pool and layout and reads
+    the policy's token ids as they are: its tokenizer must be the policy's (no re-tokenization)."""
+
+    model: ModelConfig = ModelConfig()  # HF directory (converted once to <output_dir>/reward_model_checkpoint)
+    weight: float = 1.0  # its score's weight in the reward
+    engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    total_steps: int = 10  # training steps (one batch of prompts each)
+    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, TensorBoard events, config.yaml
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # the newest step checkpoints kept on disk
+    val_every: int = 0  # steps between validations (sampling data.val with rollout.validation); 0 = none
+    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    seed: int = 1  # sampling, data order and worker seeds
+    tensorboard: bool = True  # write TensorBoard event files to output_dir
+    wandb_project: str | None = None  # log to Weights & Biases when set (needs `wandb`)
+
+
+def _one_pool() -> dict[str, PoolSpec]:
+    return {"main": PoolSpec()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Where the roles run. ``pools`` are named sets of devices, each with the megatron-core layout of the
+    processes on it; ``placement`` maps each role to a pool (null entries: the only pool). Roles on one
+    pool share its processes (colocation). Today a run has one pool; splitting roles across pools is
+    issue #23.
+
+    ``launcher: local`` hosts the one rank in the driver process itself (one device; no Ray, no worker
+    processes: the lightest way to run a small model on one GPU or on a machine's CPU cores)."""
+
+    launcher: Launcher = Launcher.RAY  # ray: Ray worker processes; local: one rank in the driver process
+    allocator: allocator.Allocator = allocator.Allocator.AUTO  # host malloc of megarl's processes
+    timeouts: Timeouts = Timeouts()
+    worker_env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment of the workers
+    pools: dict[str, PoolSpec] = dataclasses.field(default_factory=_one_pool)
+    placement: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> pool; {} = all on the one pool
+
+    def pool(self) -> PoolSpec:
+        """The run's one pool (:func:`check_config` refuses several)."""
+        return next(iter(self.pools.values()))
+
+    def layout(self) -> ParallelLayout:
+        return self.pool().layout()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutSection = RolloutSection()
+    cluster: ClusterConfig = ClusterConfig()
+    policy: EngineConfig = EngineConfig()
+    critic: EngineConfig = EngineConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    reward_model: RewardModelSection | None = None  # e.g. reward_model.model.path=... adds one
+    trainer: TrainerSection = TrainerSection()
+
+    def roles(self) -> list[Role]:
+        """The roles this run needs, policy first."""
+        a = self.algorithm
+        return [Role.POLICY] + [r for r, on in ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
+                                                (Role.REWARD_MODEL, self.reward_model is not None)) if on]
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """YAML file (or nothing) + ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path} does not exist.") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. policy.optim.lr=1e-5).")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section.")
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return from_dict(TrainConfig, data)
+
+
+def to_plain(cfg: Any) -> Any:
+    """The config as plain YAML-able data (enums by value)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if isinstance(cfg, dict):
+        return {k: to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [to_plain(v) for v in cfg]
+    return cfg
+
+
+def dump_config(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_plain(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------- validation
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Everything checkable before workers start; raises ConfigError with what to change."""
+    _check_cluster(cfg)
+    layout = cfg.cluster.layout()
+    if not cfg.model.path or not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path {cfg.model.path!r} is not a directory; give an HF model directory or a "
+                          "megarl checkpoint (tools/convert_hf_to_megatron.py writes one).")
+    if not cfg.data.train:
+        raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
+    d, r, a = cfg.data, cfg.rollout, cfg.algorithm
+    if d.batch_size % layout.dp:
+        raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
+                          f"({layout}); change one of them.")
+    rows = d.batch_size * r.sampling.n
+    if rows % (a.mini_batches * layout.dp):
+        raise ConfigError(f"batch_size*n = {rows} responses per step must split into algorithm.mini_batches="
+                          f"{a.mini_batches} x dp={layout.dp} equal parts.")
+    if a.advantage.estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and r.sampling.n < 2:
+        raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set "
+                          "rollout.sampling.n >= 2.")
+    _check_rollout(cfg, layout)
+    t = cfg.trainer
+    if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
+    if t.val_every and not d.val:
+        raise ConfigError(f"trainer.val_every={t.val_every} but data.val is not set; give a validation file or "
+                          "set val_every=0.")
+    if a.ppo_epochs < 1 or a.mini_batches < 1:
+        raise ConfigError("algorithm.ppo_epochs and mini_batches must be >= 1.")
+    if a.recompute_old_log_probs is False and (why := a.old_log_probs_needed_because()):
+        raise ConfigError(f"algorithm.recompute_old_log_probs=false, but the old log-probs are needed apart from the "
+                          f"update's own forward ({why}). Set algorithm.recompute_old_log_probs=true or leave it "
+                          "unset (auto), or take one optimizer step per batch without kl_penalty.")
+    _check_reward(cfg)
+
+
+def _check_cluster(cfg: TrainConfig) -> None:
+    c = cfg.cluster
+    allocator.resolve(c.allocator)
+    if len(c.pools) != 1:
+        raise ConfigError(f"cluster.pools defines {len(c.pools)} pools ({sorted(c.pools)}); a run places every role "
+                          "on one pool today (split placement is issue #23). Keep one pool.")
+    (pool_name,) = c.pools
+    needed = {r.value for r in cfg.roles()}
+    valid = {r.value for r in Role}
+    for role, pool in c.placement.items():
+        if role not in valid:
+            raise ConfigError(f"cluster.placement: unknown role {role!r}; roles: {sorted(valid)}.")
+        if pool not in c.pools:
+            raise ConfigError(f"cluster.placement.{role}: pool {pool!r} is not in cluster.pools ({sorted(c.pools)}).")
+        if role not in needed:
+            raise ConfigError(f"cluster.placement.{role}: this run has no {role} (its roles: {sorted(needed)}); "
+                              "remove the entry.")
+    if c.launcher is Launcher.LOCAL and c.layout().world_size != 1:
+        raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but pool {pool_name!r} has "
+                          f"nodes x devices_per_node = {c.layout().world_size}; set both to 1 (tp=pp=1) or use "
+                          "cluster.launcher=ray.")
+    if c.timeouts.init_s <= 0 or (c.timeouts.call_s is not None and c.timeouts.call_s <= 0):
+        raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
+
+
+def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
+    r = cfg.rollout
+    if r.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens must be >= 1, found {r.max_new_tokens}.")
+    if r.engine.backend is RolloutBackend.EMBEDDED and r.engine.tp != 1:
+        raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.engine.tp must be 1, "
+                          f"found {r.engine.tp}; use rollout.engine.backend=vllm for tensor-parallel generation.")
+    if r.engine.backend is RolloutBackend.VLLM:
+        check_vllm_groups(layout, r.engine.tp)
+        for name, s in (("sampling", r.sampling), ("validation", r.validation)):
+            if s.temperature > 2:  # vLLM's own limit (VLLMValidationError at the first call otherwise)
+                raise ConfigError(f"rollout.{name}.temperature={s.temperature}: vLLM accepts at most 2.")
+    if r.sampling.temperature == 0:
+        raise ConfigError("rollout.sampling.temperature=0 (greedy) gives no exploration to learn from; use > 0 for "
+                          "training (rollout.validation.temperature may be 0).")
+
+
+def _check_reward(cfg: TrainConfig) -> None:
+    """At least one reward source, finite weights, an existing reward-model directory. (That it is a
+    reward model sharing the policy's tokenizer is checked once the tokenizers load, before any worker
+    starts: :func:`megarl.trainer.trainer.check_reward_model`.)"""
+    rw, rm = cfg.reward, cfg.reward_model
+    if rw.function is None and rm is None:
+        raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function') and/or "
+                          "reward_model.model.path (a sequence-classification reward model).")
+    for name, weight in (("reward.function_weight", rw.function_weight),
+                         ("reward_model.weight", rm.weight if rm is not None else 0.0)):
+        if not math.isfinite(weight):
+            raise ConfigError(f"{name} must be a finite number, found {weight}.")
+    if rm is not None and (not rm.model.path or not Path(rm.model.path).is_dir()):
+        raise ConfigError(f"reward_model.model.path {rm.model.path!r} is not a directory; give an HF "
+                          "*ForSequenceClassification directory (num_labels=1) or a megarl checkpoint of one.")

@@ -1,0 +1,95 @@
+"""What a run asks of the cluster, as typed data: launchers, pools, role placement, group options.
+
+These are the controller's own configuration types, nested as they are in the run's YAML
+(``cluster:`` in :mod:`megarl.config.schema`); each default lives here once. Pure module: no Ray,
+no torch.distributed (the driver validates a config without starting anything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+
+from megarl.errors import ConfigError
+from megarl.parallel.layout import ParallelLayout
+
+
+class Launcher(enum.Enum):
+    RAY = "ray"  # Ray worker processes host the pools (any size)
+    LOCAL = "local"  # the driver process hosts one pool of one rank itself (no Ray, no worker processes)
+
+
+class Device(enum.Enum):
+    AUTO = "auto"  # GPU if the cluster has GPUs, else CPU slots
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Device slots reserved as Ray placement groups (:class:`megarl.controller.pools.ResourcePool`)."""
+
+    nodes: int = 1  # machines in the pool
+    devices_per_node: int = 1  # GPUs (or CPU slots) per machine; one rank each
+    device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots
+    cpus_per_device: float = 1.0  # CPU slot size (CPU pools) or CPUs reserved beside each GPU
+    ready_timeout_s: float = 60.0  # a reservation still pending after this (resources held by others) fails
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ConfigError(f"a pool needs nodes >= 1 and devices_per_node >= 1, found {self.nodes}, "
+                              f"{self.devices_per_node}")
+        if self.cpus_per_device <= 0:
+            raise ConfigError(f"cpus_per_device must be > 0, found {self.cpus_per_device}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec(PoolConfig):
+    """A pool of devices and the megatron-core layout of the worker group on it (dp fills the pool)."""
+
+    tp: int = 1  # tensor-parallel size of the roles on this pool
+    pp: int = 1  # pipeline-parallel size (dp = devices / (tp x pp))
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule); null: none
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    pools: dict[str, PoolSpec]
+    roles: dict[str, str]  # role name -> pool name
+
+    def __post_init__(self) -> None:
+        for role, pool in self.roles.items():
+            if pool not in self.pools:
+                near = difflib.get_close_matches(pool, list(self.pools), n=1)
+                raise ConfigError(
+                    f"role {role!r} is placed on pool {pool!r}, which is not defined"
+                    + (f"; did you mean {near[0]!r}?" if near else f"; defined pools: {sorted(self.pools)}")
+                )
+        unused = sorted(set(self.pools) - set(self.roles.values()))
+        if unused:
+            raise ConfigError(f"pools {unused} host no role; remove them or place a role on them.")
+        for spec in self.pools.values():
+            spec.layout()  # raises LayoutError when tp*pp does not divide the pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    init_s: float = 300.0  # worker start-up, rendezvous and role construction (model loading)
+    call_s: float | None = 3600.0  # one call on a worker group (a generation, an update); null: wait forever
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupOptions:
+    """How a worker group is started and called."""
+
+    seed: int = 0  # torch/numpy/python seeds of every rank (offset by rank where megatron-core does)
+    timeouts: Timeouts = Timeouts()
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment for the workers

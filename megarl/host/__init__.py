@@ -1,0 +1,3 @@
+"""Set-up of megarl's host processes (the driver, its Ray daemons and workers) before they run:
+the host memory allocator (:mod:`megarl.host.allocator`). Pure of Ray, torch and megatron-core:
+standard library and ``megarl.errors`` only, so the CLI can use it before anything heavy is imported."""

@@ -1,0 +1,160 @@
+"""The run's roles, seen from the driver: the pool(s) hosting policy (with its rollout engine), reference,
+critic and reward model, behind typed methods the trainer calls. A pool is Ray worker processes, or
+(``cluster.launcher: local``) one rank in the driver process itself.
+
+Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model and of the reward
+model (in a child process, so the driver never joins a torch.distributed world, except with the local
+launcher, where the driver hosts the rank anyway), what each role is built with (keyword arguments
+from the resolved config: :func:`megarl.config.resolve.resolve`), and the dispatch mode of each call
+(data-parallel shards for forward passes, generation and updates; all ranks for transitions and
+checkpoints).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+
+from megarl.checkpoint.format import is_checkpoint
+from megarl.config.train import ClusterConfig, Role, TrainConfig
+from megarl.controller.placement import Placement
+from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
+from megarl.data.batch import Batch
+from megarl.engine.results import StepResult
+from megarl.host import allocator
+from megarl.rollout.base import SamplingParams
+from megarl.workers.critic import CriticRole, RewardModelRole
+from megarl.workers.policy import PolicyRole, ReferenceRole
+from megarl.workers.results import WeightSync
+
+logger = logging.getLogger(__name__)
+
+_QUIET_WORKERS = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning",
+                  "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Cluster:
+    """Started from a resolved config (every role placed, every "auto" decided)."""
+
+    def __init__(self, cfg: TrainConfig, out: Path) -> None:
+        self.cfg = cfg
+        self.source = initial_checkpoint(cfg, out)
+        rm = cfg.reward_model
+        self.reward_source = (megatron_checkpoint(Path(rm.model.path), out / "reward_model_checkpoint", cfg.cluster)
+                              if rm is not None else None)
+        c = cfg.cluster
+        local = c.launcher is Launcher.LOCAL
+        if not local:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
+        env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
+        options = GroupOptions(seed=cfg.trainer.seed, timeouts=c.timeouts, env=env)
+        self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
+        logger.info("host allocator of the driver process: %s", allocator.loaded())
+        try:
+            self._add_roles(cfg)
+        except BaseException:
+            self.placement.shutdown()
+            raise
+
+    def _add_roles(self, cfg: TrainConfig) -> None:
+        roles, a, src = cfg.roles(), cfg.algorithm, str(self.source)
+        temperature = cfg.rollout.sampling.temperature  # the policy's log-probs are of the sampling distribution
+        self.policy = self.placement.add_role(
+            Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
+            temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed)
+        self.reference = (self.placement.add_role(Role.REFERENCE.value, ReferenceRole, checkpoint_dir=src,
+                                                  engine=cfg.policy, temperature=temperature)
+                          if Role.REFERENCE in roles else None)
+        self.critic = (self.placement.add_role(Role.CRITIC.value, CriticRole, checkpoint_dir=src, engine=cfg.critic,
+                                               value_clip=a.value_clip)
+                       if Role.CRITIC in roles else None)
+        self.reward_model = (self.placement.add_role(Role.REWARD_MODEL.value, RewardModelRole,
+                                                     checkpoint_dir=str(self.reward_source),
+                                                     engine=cfg.reward_model.engine)
+                             if Role.REWARD_MODEL in roles else None)
+
+    # ------------------------------------------------------------------------------------- calls
+
+    def sync_weights(self) -> WeightSync:
+        """Train -> rollout on every policy rank; the slowest rank's transition (its traffic with it)."""
+        return max(self.policy.all(PolicyRole.sync_weights), key=lambda w: w.seconds)
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` rows per prompt, grouped by prompt, in prompt order (after :meth:`sync_weights`)."""
+        return self.policy.dp(PolicyRole.generate, prompts, params)
+
+    def to_train(self) -> float:
+        """Rollout -> train on every policy rank; the slowest rank's seconds."""
+        return max(self.policy.all(PolicyRole.to_train))
+
+    def old_log_probs(self, batch: Batch) -> Batch:
+        return self.policy.dp(PolicyRole.compute_log_probs, batch)
+
+    def reward_scores(self, batch: Batch) -> Batch:
+        """``scores`` [B] of the reward model (``input_ids``, right-padded ``attention_mask``)."""
+        return self.reward_model.dp(RewardModelRole.compute_scores, batch)
+
+    def reference_log_probs(self, batch: Batch) -> Batch:
+        return self.reference.dp(ReferenceRole.compute_log_probs, batch)
+
+    def values(self, batch: Batch) -> Batch:
+        return self.critic.dp(CriticRole.compute_values, batch)
+
+    def update_policy(self, batch: Batch) -> StepResult:
+        return self.policy.dp_split(PolicyRole.update, batch)[0]  # metrics are reduced over DP already
+
+    def update_critic(self, batch: Batch) -> StepResult:
+        return self.critic.dp_split(CriticRole.update, batch)[0]
+
+    def memory_peaks(self) -> dict[str, float]:
+        """Peak memory of the busiest worker process since the previous call."""
+        per_rank = self.policy.all(PolicyRole.memory_peaks)
+        return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+
+    def save(self, ckpt_dir: Path, step: int) -> None:
+        self.policy.all(PolicyRole.save_checkpoint, str(ckpt_dir / "policy"), step, str(self.source))
+        if self.critic is not None:
+            self.critic.all(CriticRole.save_checkpoint, str(ckpt_dir / "critic"), step, str(self.source))
+
+    def load(self, ckpt_dir: Path) -> None:
+        self.policy.all(PolicyRole.load_checkpoint, str(ckpt_dir / "policy"))
+        if self.critic is not None:
+            self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))
+
+    def shutdown(self) -> None:
+        self.placement.shutdown()
+
+
+def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:
+    """The Megatron checkpoint the run starts from: ``model.path`` itself if it is one, else a one-time
+    conversion of the HF directory into ``<output_dir>/initial_checkpoint`` (reused on resume)."""
+    return megatron_checkpoint(Path(cfg.model.path), out / "initial_checkpoint", cfg.cluster)
+
+
+def megatron_checkpoint(path: Path, target: Path, cluster: ClusterConfig) -> Path:
+    """``path`` itself if it is a megarl checkpoint, else a one-time conversion of the HF directory into
+    ``target`` at the pool's layout (reused when ``target`` is complete)."""
+    if is_checkpoint(path):
+        return path
+    if is_checkpoint(target):
+        return target
+    pool = cluster.pool()
+    logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, pool.tp, pool.pp, target)
+    if cluster.launcher is Launcher.LOCAL:  # this process joins a world of one anyway: no second torch process
+        _convert(str(path), str(target), pool.tp, pool.pp)
+        return target
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool_exec:
+        pool_exec.submit(_convert, str(path), str(target), pool.tp, pool.pp).result()
+    return target
+
+
+def _convert(src: str, dst: str, tp: int, pp: int) -> None:
+    from megarl.checkpoint.convert import convert_hf_to_megatron
+
+    convert_hf_to_megatron(src, dst, tp=tp, pp=pp)

@@ -1,0 +1,20 @@
+"""What the policy's weight sync reports back to the driver (pure: the driver imports it without megatron-core)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.resharding.stats import TransferStats
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSync:
+    """One train -> rollout transition on one rank: the resharding traffic and how long the whole took."""
+
+    transfer: TransferStats
+    seconds: float  # offload (GPU) + wake-up + streaming + load into the rollout engine
+    sleep_frees_memory: bool  # whether the rollout engine's sleep releases its weights and KV cache here
+
+    def metrics(self) -> dict[str, float]:
+        return self.transfer.metrics() | {"timing/to_rollout_s": self.seconds,
+                                          "rollout/sleep_frees_memory": float(self.sleep_frees_memory)}

@@ -1,0 +1,148 @@
+"""The config tree as a whole: each default defined once, the generated reference current, every
+example's resolved config equal to its golden file, and what resolution decides.
+
+Regenerate the golden files after an intended change with ``MEGARL_UPDATE_GOLDEN=1 pytest
+tests/unit/test_config_schema.py`` (then read the diff), and the reference with
+``python -m megarl.config.reference > docs/config.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.config.reference import render
+from megarl.config.resolve import resolve
+from megarl.config.train import TrainConfig, check_config, load_config, to_plain
+from megarl.controller.spec import GroupOptions
+from megarl.errors import ConfigError
+from megarl.rollout.base import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/config.yaml"))
+GOLDEN = ROOT / "tests" / "golden"
+
+# Field names that carry a default in more than one class, each naming different things.
+DISTINCT = {
+    "seed": "trainer.seed (the run's sampling, data order and workers), EngineConfig.seed (initialising weights a "
+            "checkpoint lacks), SamplingParams.seed (one generation call; null: fresh), GroupOptions.seed (a worker "
+            "group's processes; the trainer passes trainer.seed)",
+    "tp": "a pool's training tensor-parallel size vs the rollout engine's",
+    "stop_token_ids": "rollout.stop_token_ids (the user's extra ids) vs one call's full list (eos added)",
+}
+
+
+def _config_classes() -> list[type]:
+    """Every dataclass of the YAML tree, plus the per-call and per-group configs built from it."""
+    seen: list[type] = []
+    stack: list[type] = [TrainConfig, SamplingParams, GroupOptions]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        for tp in typing.get_type_hints(cls).values():
+            parts = [tp, *typing.get_args(tp)]
+            parts += [a for p in parts for a in typing.get_args(p)]
+            stack += [p for p in parts if dataclasses.is_dataclass(p)]
+    return seen
+
+
+def _own_defaults(cls: type) -> dict[str, object]:
+    """Defaults of the fields ``cls`` declares itself (not inherited), except nested sections left at
+    their own class's defaults (composition: the default lives in the nested class)."""
+    own = cls.__dict__.get("__annotations__", {})
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in own:
+            continue
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            continue
+        if dataclasses.is_dataclass(value) and value == type(value)():
+            continue
+        out[f.name] = value
+    return out
+
+
+def test_every_default_is_defined_once():
+    where = collections.defaultdict(list)
+    for cls in _config_classes():
+        for name in _own_defaults(cls):
+            where[name].append(cls.__name__)
+    repeated = {name: owners for name, owners in where.items() if len(owners) > 1}
+    assert set(repeated) == set(DISTINCT), (
+        f"fields with a default in several config classes: {repeated}. A default lives in one place: nest or "
+        "extend the component's config instead of copying its field (or, for a different concept that shares "
+        "a name, explain it in DISTINCT).")
+
+
+def test_the_check_sees_a_mirrored_default():
+    """The walk above catches a copy: a section repeating a component's field with its default."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Mirror:
+        top_p: float = 1.0
+
+    assert "top_p" in _own_defaults(Mirror) and "top_p" in _own_defaults(SamplingParams.__mro__[1])
+
+
+def test_config_reference_is_current():
+    assert (ROOT / "docs" / "config.md").read_text() == render(), (
+        "docs/config.md is stale: run `python -m megarl.config.reference > docs/config.md`")
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_resolved_example_config_matches_golden(name):
+    resolved = to_plain(resolve(load_config(ROOT / "examples" / name / "config.yaml")))
+    golden = GOLDEN / f"{name}.yaml"
+    if os.environ.get("MEGARL_UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    assert golden.is_file(), f"{golden} is missing: MEGARL_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert resolved == yaml.safe_load(golden.read_text()), (
+        f"the resolved config of examples/{name} changed; if intended: MEGARL_UPDATE_GOLDEN=1 pytest {__file__}")
+
+
+def test_resolution_decides_and_is_idempotent():
+    cfg = load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml")
+    once = resolve(cfg)
+    assert resolve(once) == once
+    a = once.algorithm  # two mini-batches per batch: the update's forward cannot stand in for the old log-probs
+    assert cfg.algorithm.recompute_old_log_probs is None and a.recompute_old_log_probs is True
+    one_step = resolve(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
+                                   ["algorithm.mini_batches=1", "data.batch_size=16"]))
+    assert one_step.algorithm.recompute_old_log_probs is False
+    assert once.cluster.placement == {"policy": "main", "reference": "main"}  # KL loss: a reference
+    # forward passes: the training micro-batch's token budget, 4x its rows (megarl.engine.config.FORWARD_ROWS)
+    fwd = once.policy.forward_micro_batch
+    assert (fwd.max_tokens, fwd.max_size) == (8192, 4 * 64)
+    assert once.model.tokenizer == cfg.model.path
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.validation.n=0", "SamplingConfig.n must be an integer >= 1"),
+    ("rollout.validation.temperature=-1", "SamplingConfig.temperature must be >= 0"),
+    ("rollout.validation.top_p=0", r"SamplingConfig.top_p must be in \(0, 1\]"),
+    ("rollout.sampling.temperature=0", "greedy"),
+    ("rollout.engine.backend=vllm rollout.validation.temperature=2.5", "vLLM accepts at most 2"),
+    ("cluster.placement.critic=main", "this run has no critic"),
+    ("cluster.placement.policy=gpus", "pool 'gpus' is not in cluster.pools"),
+    ("cluster.pools.second.tp=1", "split placement is issue #23"),
+    ("cluster.timeouts.call_s=0", "cluster.timeouts must be > 0"),
+])
+def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    base = [f"model.path={tmp_path}", f"data.train={tmp_path / 'train.jsonl'}"]
+    with pytest.raises(ConfigError, match=match):
+        check_config(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
+                                 [*base, *override.split()]))
