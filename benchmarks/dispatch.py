@@ -38,8 +38,9 @@ METHOD = """\
   one after the other; 4 plain actors (0.5 CPU, torch imported). Latency: the six cases interleaved (each once per
   round, untimed warm-up rounds first), round trips timed in the driver. `raw actor.call` = the same
   `WorkerProcess.call` without megarl's driver code (`submit`/`gather`); `plain actor` = the floor.
-- Transfer, interleaved (every case once per iteration, after warm-up). *send*: `handle.dp(TransferRole.receive)`
-  (pad, chunk, `ray.put` per DP shard, every rank of a DP rank reads it and sums x and id, owners return one row) vs
+- Transfer, interleaved (every case once per iteration, after warm-up). *send*: `handle.dp_split(TransferRole.receive)`
+  (chunk, `ray.put` per DP shard, every rank of a DP rank reads it and sums x and id, owners return one row: a
+  reduction, which `handle.dp` refuses, as it takes a whole number of result rows per input row) vs
   owned copies of the same shards (cloned before timing) as dicts of torch tensors / numpy arrays, `ray.put` once
   each and read by the plain actors of that DP rank (tp2dp2: each shard read by 2 actors, in both cases).
   *round trip*: owners return their shard, the driver concatenates. GB/s = batch bytes / median time;
@@ -126,8 +127,8 @@ def bench_layout(name: str, plain: list, batch: Batch, args: argparse.Namespace)
 
     from megarl.controller import dispatch
     from megarl.controller.group import WorkerGroup
-    from megarl.controller.handles import GroupOptions
-    from megarl.controller.pools import PoolConfig, ResourcePool
+    from megarl.controller.pools import ResourcePool
+    from megarl.controller.spec import GroupOptions, PoolConfig, Timeouts
     from megarl.parallel.layout import ParallelLayout
     from megarl.testing.roles import EchoRole
 
@@ -135,7 +136,7 @@ def bench_layout(name: str, plain: list, batch: Batch, args: argparse.Namespace)
     pool = ResourcePool(f"bench-{name}", PoolConfig(nodes=1, devices_per_node=4, cpus_per_device=0.5))
     t = time.perf_counter()
     group = WorkerGroup(f"bench-{name}", pool, ParallelLayout(tp=tp, dp=dp),
-                        GroupOptions(call_timeout_s=300.0, env=args.env))
+                        GroupOptions(timeouts=Timeouts(call_s=300.0), env=args.env))
     logger.info("%s: 4 ranks started in %.1f s", name, time.perf_counter() - t)
     echo = group.add_role("echo", EchoRole)
     xfer = group.add_role("xfer", TransferRole, args.variant == "numpy-batch")
@@ -162,7 +163,7 @@ def bench_layout(name: str, plain: list, batch: Batch, args: argparse.Namespace)
             return out
         return run
 
-    cases = {"dp send: handle.dp(receive)": lambda: xfer.dp(TransferRole.receive, batch),
+    cases = {"dp send: handle.dp_split(receive)": lambda: xfer.dp_split(TransferRole.receive, batch),
              "plain send: torch": plain_case("receive", False), "plain send: numpy": plain_case("receive", True),
              "dp round trip: handle.dp(echo)": lambda: xfer.dp(TransferRole.echo, batch),
              "plain round trip: torch": plain_case("echo", False), "plain round trip: numpy": plain_case("echo", True)}

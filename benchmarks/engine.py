@@ -109,17 +109,20 @@ def make_batch(b: int, s: int, vocab: int, response: int):
 
 def make_role(rank: int, world: int, ckpt: str, tp: int, pp: int, threads: int, max_tokens: int, trainable=True):
     torch.set_num_threads(threads)  # run_world pins 1 thread per rank; TP1 uses both cores
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.engine.config import EngineConfig, MicroBatchConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
     init_distributed(layout)
     ctx = WorkerContext(rank, world, layout, layout.coords(rank), "127.0.0.1", "local", os.getpid(), "cpu")
     engine = EngineConfig(micro_batch=MicroBatchConfig(max_tokens=max_tokens, max_size=64))
-    return PolicyRole(ctx, ckpt, engine, PolicyConfig(), trainable=trainable)
+    # the update's PPO ratio takes the batch's old_log_probs (as a PPO run with several mini-batches does)
+    return PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(recompute_old_log_probs=True),
+                      temperature=1.0, trainable=trainable)
 
 
 def _marked(fn, label: str):

@@ -85,6 +85,7 @@ def _top(events, key: str, n: int = 15) -> list:
 
 
 def run(args) -> dict:
+    from megarl.algos.config import AlgorithmConfig
     from megarl.checkpoint.convert import convert_hf_to_megatron
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
@@ -92,9 +93,10 @@ def run(args) -> dict:
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.base import SamplingParams
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.mismatch import logprob_abs_diff
     from megarl.testing.tiny import write_random_model
-    from megarl.workers.hybrid import RolloutConfig
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.workers.policy import PolicyRole
 
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     res["matmul_bf16_tflops"] = matmul_tflops()
@@ -110,7 +112,10 @@ def run(args) -> dict:
     ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, "cuda:0")
     engine = EngineConfig(optim=OptimConfig(lr=1e-6), precision=Precision.BF16,
                           micro_batch=MicroBatchConfig(max_tokens=args.max_tokens, max_size=64))
-    role = PolicyRole(ctx, str(tmp / "mc"), engine, PolicyConfig(), rollout=RolloutConfig(dtype="bfloat16"))
+    # the update's PPO ratio takes the batch's old_log_probs (as a PPO run with several mini-batches does)
+    role = PolicyRole(ctx, checkpoint_dir=str(tmp / "mc"), engine=engine,
+                      algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0,
+                      rollout=RolloutConfig(dtype=Precision.BF16))
     spec = role.spec
     batch = train_batch(args.batch, args.seq, spec.vocab_size)
     times: dict[str, list[float]] = {"log-prob": [], "update": []}
@@ -123,7 +128,7 @@ def run(args) -> dict:
             if i:
                 times[name].append(dt)
             if name == "update":
-                res["update_metrics"] = out
+                res["update_metrics"] = out.metrics("")
     tokens = args.batch * args.seq
     n_flop = n_params  # tied: the embedding matrix is also the LM head, so every parameter does matmul work
     per_token = 2 * n_flop + 2 * spec.num_layers * spec.num_attention_heads * spec.head_dim * args.seq / 2
@@ -148,12 +153,20 @@ def run(args) -> dict:
     runs = []
     for _ in range(2):  # the first builds caches and the pinned host buffers
         torch.cuda.reset_peak_memory_stats()
-        dt, rows = timed(role.generate, prompts, params)
+        # one rollout phase (weight sync, sampling, back to training), then the old log-probs' forward and the
+        # rollout-vs-training check
+        start = time.perf_counter()
+        _, sync = timed(role.sync_weights)
+        _, rows = timed(role.generate, prompts, params)
+        _, to_train_s = timed(role.to_train)
+        old_s, lp = timed(role.compute_log_probs, rows.select("input_ids", "attention_mask"))
+        dt = time.perf_counter() - start
         m = rows.meta["metrics"]
-        runs.append({"total_s": dt, "to_rollout_s": m["timing/to_rollout_s"], "generate_s": m["timing/generate_s"],
-                     "to_train_s": m["timing/to_train_s"], "old_log_probs_s": m.get("timing/old_log_probs_s"),
-                     "new_tokens": m["rollout/num_tokens"], "logprob_abs_diff": m["rollout/logprob_abs_diff"],
-                     "reshard_gb": (m.get("reshard/bytes_kept", 0) + m.get("reshard/bytes_received", 0)) / 1e9,
+        runs.append({"total_s": dt, "to_rollout_s": sync.seconds, "generate_s": m["timing/generate_s"],
+                     "to_train_s": to_train_s, "old_log_probs_s": old_s, "new_tokens": m["rollout/num_tokens"],
+                     "logprob_abs_diff": logprob_abs_diff(lp["log_probs"], rows["rollout_log_probs"],
+                                                          rows["response_mask"]),
+                     "reshard_gb": (sync.transfer.bytes_kept + sync.transfer.bytes_received) / 1e9,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
     res["rollout"] = runs
     res["rollout"][-1]["decode_tokens_per_s"] = runs[-1]["new_tokens"] / runs[-1]["generate_s"]

@@ -56,7 +56,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
 
     from megarl.checkpoint.format import read_meta
     from megarl.controller.role import WorkerContext
-    from megarl.engine.config import EngineConfig
+    from megarl.engine.config import EngineConfig, Precision
     from megarl.engine.engine import MegatronEngine
     from megarl.metrics.memory import peaks, reset_peaks
     from megarl.models.provider import global_named_parameters
@@ -64,8 +64,10 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.resharding.plan import make_plan
-    from megarl.resharding.transport import TransferStats, stream_weights
-    from megarl.workers.hybrid import HybridRollout, RolloutConfig
+    from megarl.resharding.stats import TransferStats
+    from megarl.resharding.transport import stream_weights
+    from megarl.rollout.config import RolloutConfig
+    from megarl.workers.hybrid import HybridRollout
 
     torch.set_num_threads(1)
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
@@ -111,7 +113,8 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
                            "planned": plan.received_bytes(rank, itemsize), "buckets": stats.buckets,
                            "dest": plan.dest_bytes(rank, itemsize)}
 
-    hybrid = HybridRollout(ctx, spec, hf_config, engine, RolloutConfig(dtype="bfloat16", bucket_mb=cap_mb), 0)
+    hybrid = HybridRollout(ctx, spec, hf_config, engine, RolloutConfig(dtype=Precision.BF16, bucket_mb=cap_mb),
+                           pad_token_id=0)
     transitions = []
     for _ in range(repeats + 1):  # the first one is the warm-up
         dist.barrier()

@@ -63,7 +63,8 @@ def _sections(cls: type, default: Any, path: str, note: str) -> list[tuple[str, 
             names = ", ".join(value) or "none"
             found += _sections(sub, sub(), f"{key}.<name>", f" (named entries; default: {names})")
         elif value is None:
-            found += _sections(sub, sub(), key, " (optional section; default null: none)")
+            meaning = _comments(cls).get(f.name, "")
+            found += _sections(sub, sub(), key, f" (optional, default null{'; ' + meaning if meaning else ''})")
         else:
             found += _sections(sub, value, key, "")
     return found

@@ -18,7 +18,7 @@ Each has an ``*_async`` twin returning a :class:`PendingCall`, so calls on indep
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from megarl.controller import dispatch
 from megarl.controller.role import Role
@@ -41,6 +41,7 @@ class WorkerError(MegarlError, RuntimeError):
         self.rank = rank
 
 
+@runtime_checkable
 class GroupLike(Protocol):
     """What a role handle needs of a worker group, whatever hosts it."""
 

@@ -1,7 +1,7 @@
 """What a run asks of the cluster, as typed data: launchers, pools, role placement, group options.
 
 These are the controller's own configuration types, nested as they are in the run's YAML
-(``cluster:`` in :mod:`megarl.config.schema`); each default lives here once. Pure module: no Ray,
+(``cluster:`` in :mod:`megarl.config.train`); each default lives here once. Pure module: no Ray,
 no torch.distributed (the driver validates a config without starting anything).
 """
 

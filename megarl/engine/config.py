@@ -78,7 +78,7 @@ FORWARD_ROWS = 4
 class EngineConfig:
     optim: OptimConfig = OptimConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()  # forward-backward passes (updates)
-    forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: see forward_batching
+    forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: micro_batch with 4x its rows
     precision: Precision = Precision.FP32  # float32, or bfloat16 weights with fp32 main grads and optimizer state (GPU)
     seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
 

@@ -281,9 +281,9 @@ class Trainer:
         adv = algos.compute_advantages(a.advantage, inputs)
         batch.tensors["advantages"], batch.tensors["returns"] = adv.advantages, adv.returns
         self._stage("advantages", batch)
-        return {"advantages/mean": algos.masked_mean(adv.advantages, mask).item(),
-                "advantages/max": adv.advantages[mask.bool()].max().item(),
-                "advantages/min": adv.advantages[mask.bool()].min().item()}
+        return metrics | {"advantages/mean": algos.masked_mean(adv.advantages, mask).item(),
+                          "advantages/max": adv.advantages[mask.bool()].max().item(),
+                          "advantages/min": adv.advantages[mask.bool()].min().item()}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         fields = ("input_ids", "attention_mask", "response_mask", "returns", "values")

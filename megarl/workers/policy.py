@@ -179,7 +179,7 @@ class PolicyRole(Role):
 class ReferenceRole(Role):
     """The frozen reference policy: forward-only log-probs (no optimizer, no gradients)."""
 
-    def __init__(self, ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig, temperature: float = 1.0):
+    def __init__(self, ctx: WorkerContext, *, checkpoint_dir: str, engine: EngineConfig, temperature: float) -> None:
         super().__init__(ctx)
         self.temperature = temperature
         spec = spec_from_hf_config(read_meta(checkpoint_dir).hf_config)

@@ -22,39 +22,44 @@ def check_policy_worker(ckpt: str, hf_dir: str, device: str, precision: str) -> 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, Precision
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.base import SamplingParams
-    from megarl.workers.hybrid import RolloutConfig
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.rollout.config import RolloutConfig
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout()
     init_distributed(layout)
     ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, device)
     engine = EngineConfig(optim=OptimConfig(lr=1e-3, clip_grad=0.0), precision=Precision(precision),
                           micro_batch=MicroBatchConfig(max_tokens=16, max_size=2))  # several micro-batches
-    rollout = RolloutConfig(dtype=precision, bucket_mb=0.05)
-    role = PolicyRole(ctx, ckpt, engine, PolicyConfig(), rollout=rollout)
+    rollout = RolloutConfig(dtype=Precision(precision), bucket_mb=0.05)
+    # the update below takes its PPO ratio's denominator from old_log_probs (this function's own forward)
+    role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(recompute_old_log_probs=True),
+                      temperature=1.0, rollout=rollout)
     res: dict = {}
 
-    role.rollout.to_rollout()
+    role.sync_weights()
     hf = load_file(str(Path(hf_dir) / "model.safetensors"))
     state = role.rollout.rollout.model.state_dict()
     res["weights_exact"] = all(torch.equal(state[n].cpu(), hf[n].to(state[n].dtype)) for n in hf)
     res["weights_device"] = {str(t.device) for t in state.values()}
     res["train_params_offloaded"] = all(p.untyped_storage().nbytes() == 0 for c in role.engine.chunks
                                         for p in c.parameters()) if device.startswith("cuda") else None
-    role.rollout.to_train()
+    role.to_train()
 
     width = max(map(len, PROMPTS))
     ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
     for i, p in enumerate(PROMPTS):
         ids[i, : len(p)] = torch.tensor(p)
     prompts = Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in PROMPTS])})
+    role.sync_weights()
     rows = role.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    role.to_train()
     res["greedy"] = [row[row != 0].tolist() for row in rows["input_ids"]]  # prompts contain no 0
 
     ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
@@ -104,5 +109,5 @@ def test_policy_worker_on_cuda(tiny_hf, tmp_path, precision):
     else:  # against float32 transformers: no further off than transformers itself in bf16
         assert r["log_prob_mean_diff"] < 1.5 * r["hf_mean_diff"] + 1e-3, r
     assert r["log_probs_device"] == "cpu"  # results go back to the host
-    assert r["update"]["step_skipped"] == 0.0 and r["update"]["grad_norm"] > 0
+    assert r["update"].step_skipped is False and r["update"].grad_norm > 0
     assert r["mean_lp_after"] > r["mean_lp_before"]

@@ -46,14 +46,18 @@ def _global_token_mean(per_token, mask):
 
 
 def _world(rank, world_size, ckpt):
+    import dataclasses
+
+    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.base import SamplingParams
-    from megarl.workers.hybrid import RolloutConfig, RolloutMismatchError
-    from megarl.workers.policy import PolicyConfig, PolicyRole
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.mismatch import RolloutMismatchError
+    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=1, pp=1)  # DP 2: metrics are reduced across ranks
     init_distributed(layout)
@@ -64,20 +68,28 @@ def _world(rank, world_size, ckpt):
     # differences on near-zero gradients into lr-sized ones)
     mb = MicroBatchConfig(max_tokens=24, max_size=2)
     engine = EngineConfig(optim=OptimConfig(lr=1e-2), micro_batch=mb, forward_micro_batch=mb)
-    policy = PolicyConfig(entropy_coef=0.01, kl_loss_coef=0.1)
-    recompute = PolicyRole(ctx, ckpt, engine, policy, rollout=RolloutConfig())
-    skip = PolicyRole(ctx, ckpt, engine, PolicyConfig(entropy_coef=0.01, kl_loss_coef=0.1,
-                                                      recompute_old_log_probs=False),
+    recompute = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, temperature=1.0, rollout=RolloutConfig(),
+                           algorithm=AlgorithmConfig(entropy_coef=0.01, kl_loss_coef=0.1, recompute_old_log_probs=True))
+    skip = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, temperature=1.0,
+                      algorithm=AlgorithmConfig(entropy_coef=0.01, kl_loss_coef=0.1, recompute_old_log_probs=False),
                       rollout=RolloutConfig(max_logprob_abs_diff=LIMIT))
     res = {}
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=7 + rank)
 
-    # generation: the recompute policy adds old log-probs from a forward of its own, the other does not
+    # generation is sampling only for both policies (one rollout phase each: sync, generate, back to training)
+    recompute.sync_weights()
     rows = recompute.generate(_prompts(rank), sampling)
+    recompute.to_train()
+    skip.sync_weights()
     skipped = skip.generate(_prompts(rank), sampling)
+    skip.to_train()
     res["generate_keys"] = sorted(rows.tensors.keys()), sorted(skipped.tensors.keys())
     res["generate_metrics"] = sorted(rows.meta["metrics"]), sorted(skipped.meta["metrics"])
     res["same_samples"] = torch.equal(rows["input_ids"], skipped["input_ids"])
+    # the recompute path's old log-probs: a training forward of their own after the rollout phase (DP2, TP1 x PP1:
+    # every rank owns its rows), as the trainer takes them
+    old_lp = recompute.compute_log_probs(rows.select("input_ids", "attention_mask"))["log_probs"]
+    rows = rows.update(Batch.from_dict({"old_log_probs": old_lp}))
 
     mask = rows["response_mask"]
     g = torch.Generator().manual_seed(rank)
@@ -97,8 +109,11 @@ def _world(rank, world_size, ckpt):
 
     # 2. the same update both ways (the skipping policy right after its refused one)
     shifted = rows["rollout_log_probs"] + SHIFT * noise[2]
-    res["skip"] = skip.update(base.update(Batch.from_dict(common | {"rollout_log_probs": shifted})))
-    res["recompute"] = recompute.update(base.update(Batch.from_dict(common | {"old_log_probs": rows["old_log_probs"]})))
+    # StepResults as dicts: results travel as JSON
+    res["skip"] = dataclasses.asdict(
+        skip.update(base.update(Batch.from_dict(common | {"rollout_log_probs": shifted}))))
+    res["recompute"] = dataclasses.asdict(
+        recompute.update(base.update(Batch.from_dict(common | {"old_log_probs": rows["old_log_probs"]}))))
     res["param_max_diff"] = max((a - b).abs().max().item()
                                 for a, b in zip(_params(skip), _params(recompute), strict=True))
     res["param_moved"] = max((a - b).abs().max().item() for a, b in zip(before, _params(skip), strict=True))
@@ -119,34 +134,46 @@ def world(tiny_hf, tmp_path_factory):
 
 
 def test_generate_skips_the_forward(world):
+    """``generate`` samples only, whatever the algorithm: neither policy's adds old log-probs or runs the
+    rollout check (the recompute path's forward is the caller's ``compute_log_probs`` after ``to_train``)."""
     for r in world:
-        with_old, without = r["generate_keys"]
-        assert "old_log_probs" in with_old and "old_log_probs" not in without
-        assert set(with_old) - set(without) == {"old_log_probs"}
-        m_old, m_without = r["generate_metrics"]
-        assert set(m_old) - set(m_without) == {"rollout/logprob_abs_diff", "timing/old_log_probs_s"}
+        with_recompute, without = r["generate_keys"]
+        assert "old_log_probs" not in with_recompute and "old_log_probs" not in without
+        assert with_recompute == without
+        m_recompute, m_without = r["generate_metrics"]
+        assert m_recompute == m_without
+        assert not {"rollout/logprob_abs_diff", "timing/old_log_probs_s"} & set(m_recompute)
         assert r["same_samples"]
+
+
+def _step_results(r):
+    from megarl.engine.results import StepResult
+
+    return StepResult(**r["skip"]), StepResult(**r["recompute"])
 
 
 def test_update_equals_the_recompute_path(world):
     r = world[0]
-    skip, recompute = r["skip"], r["recompute"]
-    for k in ("loss", "pg_loss", "entropy", "kl_loss", "grad_norm"):
-        assert math.isclose(skip[k], recompute[k], rel_tol=1e-5, abs_tol=1e-7), (k, skip[k], recompute[k])
-    assert skip["clip_frac"] == 0 and skip["approx_kl_k1"] == 0 and skip["approx_kl_k3"] == 0  # ratio exactly 1
-    assert abs(recompute["approx_kl_k1"]) < 1e-6  # same weights: the recomputed ratio is 1 up to rounding
+    skip, recompute = _step_results(r)
+    pairs = {"loss": (skip.loss, recompute.loss), "grad_norm": (skip.grad_norm, recompute.grad_norm)}
+    pairs |= {k: (skip.terms[k], recompute.terms[k]) for k in ("pg_loss", "entropy", "kl_loss")}
+    for k, (a, b) in pairs.items():
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (k, a, b)
+    # ratio exactly 1
+    assert skip.terms["clip_frac"] == 0 and skip.terms["approx_kl_k1"] == 0 and skip.terms["approx_kl_k3"] == 0
+    assert abs(recompute.terms["approx_kl_k1"]) < 1e-6  # same weights: the recomputed ratio is 1 up to rounding
     assert r["param_moved"] > 1e-3 and r["param_max_diff"] < 1e-4 * r["param_moved"]  # float rounding
-    assert all(w["skip"] == skip and w["param_max_diff"] == r["param_max_diff"] for w in world)  # DP-reduced
+    assert all(_step_results(w)[0] == skip and w["param_max_diff"] == r["param_max_diff"] for w in world)  # DP-reduced
 
 
 def test_update_reports_rollout_gap_and_kl(world):
     r = world[0]
-    skip, recompute = r["skip"], r["recompute"]
-    assert "rollout/logprob_abs_diff" not in recompute and "kl" not in recompute
+    skip, recompute = _step_results(r)
+    assert "rollout/logprob_abs_diff" not in recompute.terms and "kl" not in recompute.terms
     # the global token mean over both DP ranks and all micro-batches, against the independent forward
     assert 0.5 * SHIFT < r["expected_diff"] < 1.5 * SHIFT
-    assert math.isclose(skip["rollout/logprob_abs_diff"], r["expected_diff"], rel_tol=1e-4)
-    assert r["expected_kl"] > 1e-3 and math.isclose(skip["kl"], r["expected_kl"], rel_tol=1e-4)
+    assert math.isclose(skip.terms["rollout/logprob_abs_diff"], r["expected_diff"], rel_tol=1e-4)
+    assert r["expected_kl"] > 1e-3 and math.isclose(skip.terms["kl"], r["expected_kl"], rel_tol=1e-4)
     assert all(math.isclose(w["expected_diff"], r["expected_diff"], rel_tol=1e-12) for w in world)
 
 

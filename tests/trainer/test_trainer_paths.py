@@ -27,7 +27,7 @@ ROWS = PROMPTS * N  # responses per step: the adaptive controller's n_steps
 EPOCHS, MINI_BATCHES = 2, 2
 UPDATES = EPOCHS * MINI_BATCHES  # optimizer steps per trainer step
 LR, WARMUP = 2e-3, 16  # 4 steps x 4 updates: every update of the test is inside the warm-up
-KL_COEF, KL_TARGET, KL_HORIZON = 0.05, 0.02, 32.0  # target: near the KLs of steps 2-4
+KL_COEF, KL_TARGET, KL_HORIZON = 0.05, 0.025, 32.0  # target: in the range of the KLs of steps 2-4
 FIRST_STEPS, TOTAL_STEPS, KEEP = 3, 4, 2
 
 
@@ -207,11 +207,9 @@ def test_kl_penalty_in_the_rewards_follows_the_adaptive_controller_across_the_re
     assert abs(coefs[FIRST_STEPS + 1] - KL_COEF) > 0.05 * KL_COEF
     for step in (FIRST_STEPS, TOTAL_STEPS):  # the kept checkpoints hold the coefficient after their step
         state = json.loads((run["out"] / "checkpoints" / f"step_{step:06d}" / "trainer.json").read_text())
-        assert math.isclose(state["kl_coef"], coefs[step + 1], rel_tol=1e-9), (step, state["kl_coef"], coefs)
+        assert math.isclose(state["kl_coef"], coefs[step + 1], rel_tol=1e-6), (step, state["kl_coef"], coefs)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Trainer.advantages builds actor/kl_coef and actor/reward_kl but "
-                                       "returns only the advantages/* metrics, so neither is ever logged")
 def test_kl_penalty_metrics_are_logged_and_the_resumed_run_restores_the_coefficient(run):
     records = {r["step"]: r for r in run["metrics"]}
     coefs = _expected_coefs(run)

@@ -33,6 +33,19 @@ PURE = (
     "megarl.models.spec",
     "megarl.checkpoint.format",
     "megarl.planner",  # the run's config (megarl.config.train) is part of megarl.config
+    # what the driver reads of the workers: specs, results, the rollout contract, the report
+    "megarl.controller.spec",
+    "megarl.controller.handles",
+    "megarl.engine.config",
+    "megarl.engine.results",
+    "megarl.workers.results",
+    "megarl.resharding.stats",
+    "megarl.resharding.buckets",
+    "megarl.rollout.base",
+    "megarl.rollout.config",
+    "megarl.rollout.mismatch",
+    "megarl.trainer.callbacks",
+    "megarl.bench.report",
 )
 FORBIDDEN = ("megatron", "torch.distributed", "ray", "vllm")
 # Not even torch: the driver recognises checkpoints and the CLI sets up its processes before torch.
@@ -167,3 +180,17 @@ def test_torch_free_modules(module):
 def test_importing_megarl_is_cheap():
     found = violations([PACKAGE], HEAVY)
     assert not found, "megarl/__init__.py must stay cheap; it imports:\n  " + "\n  ".join(found)
+
+
+# Ray is the controller's business: the worker groups, pools and processes, and the driver's cluster facade.
+RAY_IMPORTERS = {"megarl.controller.group", "megarl.controller.pools", "megarl.controller.process",
+                 "megarl.trainer.cluster"}
+
+
+def test_only_the_controller_imports_ray():
+    direct = {m for m in modules() if _matches_any(imports_of(m), ("ray",))}
+    assert direct == RAY_IMPORTERS, f"modules importing Ray: {sorted(direct)}, expected {sorted(RAY_IMPORTERS)}"
+
+
+def _matches_any(targets: dict[str, int], forbidden: tuple[str, ...]) -> bool:
+    return any(_matches(t, forbidden) is not None for t in targets)
