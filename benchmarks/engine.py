@@ -114,7 +114,7 @@ def make_role(rank: int, world: int, ckpt: str, tp: int, pp: int, threads: int, 
     from megarl.engine.config import EngineConfig, MicroBatchConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyRole
+    from megarl.roles.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
     init_distributed(layout)
@@ -135,7 +135,7 @@ def _marked(fn, label: str):
 
 def profile(role, batch) -> dict:
     """One log-prob and one update pass under torch.profiler: time by region and the top ops by self time."""
-    import megarl.workers.policy as policy
+    import megarl.roles.policy as policy
 
     eng = role.engine
     policy.token_log_probs = _marked(policy.token_log_probs, "megarl: token_log_probs (fwd)")

@@ -92,11 +92,11 @@ def run(args) -> dict:
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, Precision
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.mismatch import logprob_abs_diff
     from megarl.testing.tiny import write_random_model
-    from megarl.workers.policy import PolicyRole
 
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     res["matmul_bf16_tflops"] = matmul_tflops()

@@ -66,8 +66,8 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     from megarl.resharding.plan import make_plan
     from megarl.resharding.stats import TransferStats
     from megarl.resharding.transport import stream_weights
+    from megarl.roles.hybrid import HybridRollout
     from megarl.rollout.config import RolloutConfig
-    from megarl.workers.hybrid import HybridRollout
 
     torch.set_num_threads(1)
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)

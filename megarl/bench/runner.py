@@ -110,7 +110,7 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
             trace.enable(False)
             for g in groups:
                 g.set_tracing(False)
-        from megarl.workers.policy import PolicyRole
+        from megarl.roles.policy import PolicyRole
 
         ranks = [dataclasses.asdict(r) for r in trainer.cluster.policy.all(PolicyRole.resources)]
         spec = spec_from_hf_config(read_meta(trainer.cluster.source).hf_config)

@@ -6,7 +6,7 @@ Pure module: no torch.distributed, no megatron-core, no Ray. Memory terms come f
 :mod:`megarl.planner.memory`; resharding bytes come from :func:`megarl.resharding.plan.make_plan`
 (the plan the transport executes), computed lazily because a 64-rank plan takes seconds.
 
-Phases of one PPO iteration on a colocated pool (megarl.workers.hybrid, docs/resharding.md §4):
+Phases of one PPO iteration on a colocated pool (megarl.roles.hybrid, docs/resharding.md §4):
 
 * ``train``: policy and critic hold weights, gradients and optimizer state, the reference its
   weights; the rollout engine sleeps (weights on the host, KV cache freed). Policy and critic train

@@ -25,10 +25,10 @@ from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
 from megarl.data.batch import Batch
 from megarl.engine.results import StepResult
 from megarl.host import allocator
+from megarl.roles.critic import CriticRole, RewardModelRole
+from megarl.roles.policy import PolicyRole, ReferenceRole
+from megarl.roles.results import WeightSync
 from megarl.rollout.base import SamplingParams
-from megarl.workers.critic import CriticRole, RewardModelRole
-from megarl.workers.policy import PolicyRole, ReferenceRole
-from megarl.workers.results import WeightSync
 
 logger = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ def _world(rank, world_size, ckpt, hf_dir, out_dir):
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutConfig
-    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
     init_distributed(layout)
@@ -201,8 +201,8 @@ def _memory_world(rank, world_size, ckpt):
     from megarl.models.spec import spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.hybrid import HybridRollout
     from megarl.rollout.config import RolloutConfig
-    from megarl.workers.hybrid import HybridRollout
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=2)
     init_distributed(layout)

@@ -72,7 +72,7 @@ def _world(rank, world_size, ckpt, old_log_probs):
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyRole, ReferenceRole
+    from megarl.roles.policy import PolicyRole, ReferenceRole
 
     ids, attn, resp, adv, _ = _batch_tensors()
     engine = EngineConfig(
@@ -253,7 +253,7 @@ def test_tp1pp1dp1_update_in_a_world_of_one_matches_reference(hf_and_ckpt, refer
     from megarl.models.spec import load_hf_config, spec_from_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyRole
+    from megarl.roles.policy import PolicyRole
 
     _, old, ref_loss, ref_grads, ref_weights = reference
     ids, attn, resp, adv, _ = _batch_tensors()

@@ -39,7 +39,7 @@ def _world(rank, world_size, rm_ckpt, lm_ckpt, old_values):
     from megarl.engine.config import EngineConfig, MicroBatchConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.critic import CriticRole, RewardModelRole
+    from megarl.roles.critic import CriticRole, RewardModelRole
 
     layout = ParallelLayout(tp=2, pp=2)
     init_distributed(layout)

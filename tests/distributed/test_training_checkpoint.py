@@ -37,7 +37,7 @@ def _world(rank, world_size, model_ckpt, train_ckpt, mode):
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyRole
+    from megarl.roles.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, pp=2)
     init_distributed(layout)

@@ -58,9 +58,9 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName, Precision
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutBackend, RolloutConfig
-    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
     init_distributed(layout)

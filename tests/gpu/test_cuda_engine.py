@@ -28,9 +28,9 @@ def check_policy_worker(ckpt: str, hf_dir: str, device: str, precision: str) -> 
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, Precision
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutConfig
-    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout()
     init_distributed(layout)

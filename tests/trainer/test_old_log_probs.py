@@ -54,10 +54,10 @@ def _world(rank, world_size, ckpt):
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.mismatch import RolloutMismatchError
-    from megarl.workers.policy import PolicyRole
 
     layout = ParallelLayout.for_world(world_size, tp=1, pp=1)  # DP 2: metrics are reduced across ranks
     init_distributed(layout)

@@ -14,7 +14,7 @@ def test_warmup_then_cosine_decay(tiny_hf, tmp_path):
     from megarl.engine.config import EngineConfig, LRDecay, OptimConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.workers.policy import PolicyRole
+    from megarl.roles.policy import PolicyRole
 
     convert_hf_to_megatron(tiny_hf("llama_gqa"), tmp_path / "mc")
     layout = ParallelLayout()

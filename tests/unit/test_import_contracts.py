@@ -38,7 +38,7 @@ PURE = (
     "megarl.controller.handles",
     "megarl.engine.config",
     "megarl.engine.results",
-    "megarl.workers.results",
+    "megarl.roles.results",
     "megarl.resharding.stats",
     "megarl.resharding.buckets",
     "megarl.rollout.base",

@@ -21,7 +21,7 @@ from megarl.engine.engine import MegatronEngine
 from megarl.engine.results import StepResult
 from megarl.models.spec import Head, spec_from_hf_config
 from megarl.parallel.init import process_groups
-from megarl.workers.policy import global_normalizer
+from megarl.roles.policy import global_normalizer
 
 VALUE_LOSS_AGGREGATION = algos.LossAggregation.TOKEN_MEAN  # the value loss averages over every response token
 

@@ -36,9 +36,9 @@ from megarl.parallel import cpu_compat
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
+from megarl.roles.results import WeightSync
 from megarl.rollout.base import RolloutOutput, SamplingParams
 from megarl.rollout.config import RolloutBackend, RolloutConfig
-from megarl.workers.results import WeightSync
 
 log = logging.getLogger(__name__)
 
