@@ -12,8 +12,8 @@ from megarl.metrics import trace
 STEP = {  # seconds; "values" and "update_critic" did not run. Driver stages: weight_sync (the worker's
     # to_rollout inside it), rollout (generate and to_train inside it), old_log_probs, reward, ...
     "timing/weight_sync_s": 0.6, "timing/to_rollout_s": 0.5, "timing/rollout_s": 1.5, "timing/generate_s": 1.0,
-    "timing/to_train_s": 0.25, "timing/old_log_probs_s": 2.0, "timing/reward_s": 0.1, "timing/reference_s": 1.0, "timing/advantages_s": 0.05,
-    "timing/update_policy_s": 3.0, "timing/bookkeeping_s": 0.02, "timing/step_s": 8.5,
+    "timing/to_train_s": 0.25, "timing/old_log_probs_s": 2.0, "timing/reward_s": 0.1, "timing/reference_s": 1.0,
+    "timing/advantages_s": 0.05, "timing/update_policy_s": 3.0, "timing/bookkeeping_s": 0.02, "timing/step_s": 8.5,
     "batch/tokens": 40.0, "batch/num_sequences": 4.0, "rollout/num_tokens": 16.0, "memory/host_peak_gb": 1.5,
 }
 SETUP = report.Setup(config="c.yaml", overrides=(), workload=None, devices=2, device_kind="cpu",
