@@ -127,7 +127,7 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
 
 def _setup(cfg: TrainConfig, spec: ModelSpec, config: str | Path, overrides: tuple[str, ...],
            options: BenchmarkOptions, peak: float | None, peak_source: str) -> report.Setup:
-    layout, r = cfg.cluster.layout(), cfg.rollout
+    layout, r = cfg.cluster.layout(), cfg.rollout.engine
     devices = layout.world_size
     on_gpu = cfg.cluster.pool().device is not Device.CPU and torch.cuda.is_available()
     kind = torch.cuda.get_device_name(0) if on_gpu else "cpu"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """YAML file (or nothing) + ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
     data: dict[str, Any] = {}
     if path is not None:

@@ -77,7 +77,7 @@ class RoleHandle(Generic[R]):
     """Typed calls on one role of a worker group. ``method`` is the role class's own function, so a type
     checker follows each call's arguments and result (``handle.dp(PolicyRole.generate, prompts, params)``)."""
 
-    def __init__(self, group: GroupLike, name: str, role_cls: type[R]) -> None:
+    def __init__(self, group: GroupLike, name: str, role_cls: Callable[..., R]) -> None:
         self.group, self.name, self.role_cls = group, name, role_cls
 
     def all_async(self, method: Callable[Concatenate[R, P], T], *args: P.args,

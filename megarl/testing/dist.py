@@ -73,3 +73,24 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600)
                 raise RuntimeError(f"rank {rank} of {world_size} raised:\n{r['error']}")
             results.append(r["value"])
         return results
+
+
+def from_collect_rank(obj: Any, layout: Any) -> Any:
+    """The object (a batch, log-probs) of the rank that answers for data-parallel rank 0 (last pipeline
+    stage, tensor rank 0), on every rank of the world (inside a :func:`run_world` function)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=layout.rank_of(tp=0, pp=layout.pp - 1, dp=0))
+    return box[0]
+
+
+def training_log_probs(role: Any, rows: Any, layout: Any) -> tuple[Any, float]:
+    """A policy role's training log-probs of rollout ``rows`` (a collective forward, after ``to_train``) and
+    their mean |training - rollout| gap over response tokens (the rollout check), on every rank."""
+    from megarl.rollout.mismatch import logprob_abs_diff
+
+    lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
+    lp = from_collect_rank(None if lp is None else lp["log_probs"], layout)
+    return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
+

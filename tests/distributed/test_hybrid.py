@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarl.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
-from megarl.testing.dist import run_world
+from megarl.testing.dist import from_collect_rank, run_world, training_log_probs
 
 pytestmark = pytest.mark.dist
 
@@ -30,23 +30,6 @@ def _prompt_batch():
 
 def _engine_state(role):
     return {n: p.detach().clone() for n, p in role.rollout.rollout.model.state_dict().items()}
-
-
-def _from_collect_rank(obj, layout):
-    """The collect rank's object (a batch, log-probs), on every rank (DP1: every rank trains on the same rows)."""
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=layout.rank_of(tp=0, pp=layout.pp - 1, dp=0))
-    return box[0]
-
-
-def _training_log_probs(role, rows, layout):
-    """The training model's log-probs of rollout rows (a collective forward, after ``to_train``) and their mean
-    |training - rollout| gap over response tokens (the rollout check), on every rank."""
-    from megarl.rollout.mismatch import logprob_abs_diff
-
-    lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
-    lp = _from_collect_rank(None if lp is None else lp["log_probs"], layout)
-    return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
 
 
 def _world(rank, world_size, ckpt, hf_dir, out_dir):
@@ -90,7 +73,7 @@ def _world(rank, world_size, ckpt, hf_dir, out_dir):
     role.to_train()
     if greedy is not None:
         res["greedy"] = [row[row != 0].tolist() for row in greedy["input_ids"]]  # prompts contain no 0
-    _, diff = _training_log_probs(role, _from_collect_rank(greedy, layout), layout)
+    _, diff = training_log_probs(role, from_collect_rank(greedy, layout), layout)
     if greedy is not None:
         res["greedy_diff"] = diff
 
@@ -100,8 +83,8 @@ def _world(rank, world_size, ckpt, hf_dir, out_dir):
     a = role.generate(_prompt_batch(), sampling)
     b = role.generate(_prompt_batch(), sampling)
     role.to_train()
-    rows = _from_collect_rank(a, layout)  # the collect rank's batch, to every rank
-    old, diff = _training_log_probs(role, rows, layout)
+    rows = from_collect_rank(a, layout)  # the collect rank's batch, to every rank
+    old, diff = training_log_probs(role, rows, layout)
     if a is not None:
         res["prompt_index"] = a["prompt_index"].tolist()
         res["same_seed_equal"] = torch.equal(a["input_ids"], b["input_ids"])
@@ -118,7 +101,7 @@ def _world(rank, world_size, ckpt, hf_dir, out_dir):
     after = role.generate(_prompt_batch(), sampling)
     torch.save(_engine_state(role), Path(out_dir) / f"rollout_rank{rank}.pt")
     role.to_train()
-    _, diff = _training_log_probs(role, _from_collect_rank(after, layout), layout)
+    _, diff = training_log_probs(role, from_collect_rank(after, layout), layout)
     if after is not None:
         res["after_diff"] = diff
     return res

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarl.checkpoint.convert import convert_hf_to_megatron
-from megarl.testing.dist import run_world
+from megarl.testing.dist import from_collect_rank, run_world, training_log_probs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -32,23 +32,6 @@ def _prompt_batch():
 
 def _rows(batch):  # results travel as JSON
     return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs", "old_log_probs")}
-
-
-def _from_collect_rank(obj, layout):
-    """The collect rank's object (a batch, log-probs), on every rank (DP1 here: all ranks hold the same rows)."""
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=layout.rank_of(tp=0, pp=layout.pp - 1, dp=0))
-    return box[0]
-
-
-def _training_log_probs(role, rows, layout):
-    """The training model's log-probs of rollout rows (a collective forward, after ``to_train``) and their mean
-    |training - rollout| gap over response tokens (the rollout check), on every rank."""
-    from megarl.rollout.mismatch import logprob_abs_diff
-
-    lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
-    lp = _from_collect_rank(None if lp is None else lp["log_probs"], layout)
-    return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
 
 
 def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
@@ -83,7 +66,7 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     sync = role.sync_weights()
     greedy = role.generate(_prompt_batch(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
     role.to_train()
-    _, diff = _training_log_probs(role, _from_collect_rank(greedy, layout), layout)
+    _, diff = training_log_probs(role, from_collect_rank(greedy, layout), layout)
     if greedy is not None:
         res["greedy"] = [row[: int(m.sum())].tolist() for row, m in zip(greedy["input_ids"], greedy["attention_mask"],
                                                                           strict=True)]
@@ -95,7 +78,7 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     a = role.generate(_prompt_batch(), sampling)
     b = role.generate(_prompt_batch(), sampling)
     role.to_train()
-    old, _ = _training_log_probs(role, _from_collect_rank(a, layout), layout)
+    old, _ = training_log_probs(role, from_collect_rank(a, layout), layout)
     if a is not None:
         res["sampled"] = _rows(a.update(Batch.from_dict({"old_log_probs": old})))
         res["same_seed_equal"] = torch.equal(a["input_ids"], b["input_ids"])
@@ -113,8 +96,8 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
         batch = role.generate(_prompt_batch(), SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW,
                                                               seed=1000 + step))
         role.to_train()
-        rows = _from_collect_rank(batch, layout)
-        old, diff = _training_log_probs(role, rows, layout)
+        rows = from_collect_rank(batch, layout)
+        old, diff = training_log_probs(role, rows, layout)
         if batch is not None:
             steps.append(diff)
         g = torch.Generator().manual_seed(step)

@@ -12,7 +12,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from megarl.testing.processes import free_port_block, processes_mentioning
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -31,32 +32,11 @@ STEPS, PROMPTS, N, LR = 2, 4, 4, 3.0e-4  # the example: 100 steps, 16 prompts x 
 TIMEOUT_S = 600
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _free_port_block(n: int = 3) -> int | None:
     """A port p with p .. p+n-1 free (the script uses RAY_PORT, +1 and +2)."""
-    for base in range(6690, 6890, n):
-        if not any(_port_in_use(p) for p in range(base, base + n)):
-            return base
-    return None
+    return free_port_block(6690, 6890, n)
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
-
-
-@pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     if shutil.which("bash") is None:
         pytest.skip("launch/local.sh needs bash")
@@ -89,7 +69,7 @@ def launched(tmp_path_factory):
         log, _ = proc.communicate(timeout=60)
         pytest.fail(f"launch/local.sh did not finish in {TIMEOUT_S} s:\n{log[-4000:]}")
     deadline = time.monotonic() + 15  # Ray's reaper may still be finishing what the head left
-    while (leftovers := _processes_mentioning(ray_tmp)) and time.monotonic() < deadline:
+    while (leftovers := processes_mentioning(ray_tmp)) and time.monotonic() < deadline:
         time.sleep(0.5)
     yield {"rc": proc.returncode, "log": log, "out": out, "leftovers": leftovers, "ray_tmp": ray_tmp}
     shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from megarl.metrics.tracking import read_metrics
+from megarl.testing.processes import free_port_block, port_in_use, processes_mentioning
 
 # Opt-in: the fixture installs packages with apt-get and cancels every job of the user (root) on the
 # cluster it starts. .ci/run sets MEGARL_SLURM_TEST=1; a plain `make test` elsewhere skips this file.
@@ -58,11 +59,6 @@ def _run(cmd: list[str] | str, what: str, timeout: float = 120, **kwargs) -> str
     if p.returncode != 0:
         raise SlurmUnavailable(f"{what}: {cmd!r} exited {p.returncode}:\n{_tail(p.stdout + p.stderr)}")
     return p.stdout
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _install() -> None:
@@ -104,7 +100,7 @@ class LocalSlurm:
             raise SlurmUnavailable(f"starting Slurm daemons needs root (euid {os.geteuid()})")
         _install()
         for port in (6817, 6818):  # fixed by Slurm's defaults and by the client tools
-            if _port_in_use(port):
+            if port_in_use(port):
                 raise SlurmUnavailable(f"port {port} is in use: another slurmctld/slurmd runs on this machine")
         self._start_munge()
         self._write_conf()
@@ -202,22 +198,10 @@ def slurm():
 
 def _free_ports(n: int) -> int:
     """A port p with p .. p+n-1 all free (the sbatch script uses RAY_PORT, +1, +2)."""
-    for base in range(6390, 6590, n):
-        if not any(_port_in_use(p) for p in range(base, base + n)):
-            return base
-    raise RuntimeError("no free port block in 6390-6590")
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
+    base = free_port_block(6390, 6590, n)
+    if base is None:
+        raise RuntimeError("no free port block in 6390-6590")
+    return base
 
 
 def _submit(slurm: LocalSlurm, tmp_path: Path, overrides: dict) -> tuple[dict[str, str], str, str]:
@@ -248,7 +232,7 @@ def _assert_ray_stopped_and_session_cluster_untouched(ray_tmp: str) -> None:
     its temp dir), and the session's cluster still has both nodes and runs tasks."""
     import ray
 
-    assert not _processes_mentioning(ray_tmp), _processes_mentioning(ray_tmp)
+    assert not processes_mentioning(ray_tmp), processes_mentioning(ray_tmp)
     assert sum(n["Alive"] for n in ray.nodes()) == 2
     assert ray.get(ray.remote(lambda: 42).remote(), timeout=60) == 42
     shutil.rmtree(ray_tmp, ignore_errors=True)

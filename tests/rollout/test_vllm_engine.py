@@ -93,7 +93,10 @@ def _fp32_world(rank, world_size, model_dir):
         _sync(engine, weights, buckets, torch.float32)
         res["orders"][key] = engine.generate(PROMPTS, greedy).token_lists()
 
-    # the trap itself: vLLM's per-call reload_weights with one layer's weights and biases in two calls
+    # the trap itself: vLLM's per-call reload_weights with one layer's weights and biases in two calls.
+    # From all-zero weights: a tensor the split reload loses then cannot come back with the right values by
+    # chance (a freed buffer holding the previous, identical weights made this pass now and then)
+    _sync(engine, zeros, [list(weights)], torch.float32)
     buckets = _orders(list(weights))["weights_then_biases"]
     half = len(buckets) // 2
     for part in ([n for b in buckets[:half] for n in b], [n for b in buckets[half:] for n in b]):
