@@ -37,6 +37,7 @@ def _free_port_block(n: int = 3) -> int | None:
     return free_port_block(6690, 6890, n)
 
 
+@pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     if shutil.which("bash") is None:
         pytest.skip("launch/local.sh needs bash")
