@@ -281,7 +281,7 @@ def trl_args(cfg, case: Case) -> dict:
     from megarl.algos.ops import LossAggregation
     from megarl.engine.config import LRDecay, OptimizerName, Precision
 
-    a, o, r, mb = cfg.algorithm, cfg.policy.optim, cfg.rollout, cfg.policy.micro_batch
+    a, o, r, mb = cfg.algorithm, cfg.policy.optim, cfg.rollout.sampling, cfg.policy.micro_batch
     fixed = {"kl_estimator": (a.kl_estimator, KLEstimator.K3), "aggregation": (a.policy_loss.aggregation,
              LossAggregation.TOKEN_MEAN), "optimizer": (o.optimizer, OptimizerName.ADAM), "lr_decay": (o.lr_decay,
              LRDecay.CONSTANT), "lr_warmup_steps": (o.lr_warmup_steps, 0), "ppo_epochs": (a.ppo_epochs, 1),
