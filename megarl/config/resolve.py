@@ -1,7 +1,8 @@
 """The one step that turns a checked :class:`TrainConfig` into what the run uses: every ``null``-means-megarl-
 decides field decided, so the dumped ``<output_dir>/config.yaml`` shows the run as it ran.
 
-Decided here (on the driver, before any worker starts): the tokenizer directories, whether old log-probs
+Decided here (on the driver, before any worker starts): every path made absolute (workers may run in
+another directory, or on another machine with a shared filesystem), the tokenizer directories, whether old log-probs
 get a forward of their own (``algorithm.recompute_old_log_probs``), the forward-only micro-batching of
 each engine, and the role -> pool placement. Left to the workers, because only the machine they land on
 knows: ``cluster.pools.*.device: auto`` and ``rollout.engine.offload_train_state: null`` (both follow
@@ -13,25 +14,34 @@ whether the worker has a GPU), and ``cluster.allocator: auto`` (logged by every 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from megarl.checkpoint.format import HF_SUBDIR, is_checkpoint
 from megarl.config.train import ModelConfig, RolloutSection, TrainConfig
 from megarl.engine.config import EngineConfig
+from megarl.rewards.rules import BUILTIN_REWARDS
 from megarl.rollout.base import SamplingConfig, SamplingParams
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with megarl's decisions made (idempotent: resolving a resolved config changes nothing)."""
-    a = cfg.algorithm
+    a, d = cfg.algorithm, cfg.data
     rm = cfg.reward_model
     if rm is not None:
         rm = dataclasses.replace(rm, model=_model(rm.model), engine=_engine(rm.engine))
+    function = cfg.reward.function
+    if function is not None and function not in BUILTIN_REWARDS and ":" in function:  # "path/to/file.py:name"
+        function = _file_spec(function)
     (pool,) = cfg.cluster.pools
     placement = {r.value: cfg.cluster.placement.get(r.value, pool) for r in cfg.roles()}
     return dataclasses.replace(
         cfg,
         model=_model(cfg.model),
+        data=dataclasses.replace(d, train=_path(d.train), val=d.val and _path(d.val),
+                                 row_adapter=d.row_adapter and _file_spec(d.row_adapter)),
+        reward=dataclasses.replace(cfg.reward, function=function),
+        trainer=dataclasses.replace(cfg.trainer, output_dir=_path(cfg.trainer.output_dir)),
         policy=_engine(cfg.policy),
         critic=_engine(cfg.critic),
         algorithm=dataclasses.replace(a, recompute_old_log_probs=a.recomputes_old_log_probs),
@@ -45,8 +55,20 @@ def hf_files(path: str | Path) -> Path:
     return Path(path) / HF_SUBDIR if is_checkpoint(path) else Path(path)
 
 
+def _path(path: str) -> str:
+    """Absolute, relative to the driver's working directory (symbolic links kept)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _file_spec(spec: str) -> str:
+    """``path/to/file.py:name`` with the file's path made absolute."""
+    path, sep, name = spec.rpartition(":")
+    return f"{_path(path)}{sep}{name}"
+
+
 def _model(model: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(model, tokenizer=str(hf_files(model.tokenizer or model.path)))
+    path = _path(model.path)
+    return dataclasses.replace(model, path=path, tokenizer=str(hf_files(_path(model.tokenizer or path))))
 
 
 def _engine(engine: EngineConfig) -> EngineConfig:

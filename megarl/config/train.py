@@ -128,6 +128,7 @@ class ClusterConfig:
     processes: the lightest way to run a small model on one GPU or on a machine's CPU cores)."""
 
     launcher: Launcher = Launcher.RAY  # ray: Ray worker processes; local: one rank in the driver process
+    ray_address: str | None = None  # join this Ray cluster (or $RAY_ADDRESS); null: start one private to the run
     allocator: allocator.Allocator = allocator.Allocator.AUTO  # host malloc of megarl's processes
     timeouts: Timeouts = Timeouts()
     worker_env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment of the workers

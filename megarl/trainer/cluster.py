@@ -48,10 +48,7 @@ class Cluster:
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
         if not local:
-            import ray
-
-            if not ray.is_initialized():
-                ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
+            _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
         env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
         options = GroupOptions(seed=cfg.trainer.seed, timeouts=c.timeouts, env=env)
         self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
@@ -129,6 +126,21 @@ class Cluster:
 
     def shutdown(self) -> None:
         self.placement.shutdown()
+
+
+def _start_ray(address: str | None) -> None:
+    """Join the Ray cluster at ``address``, or start one private to this run: never an unrelated cluster
+    that happens to run on the machine (``ray.init()`` without an address would join the newest one)."""
+    import ray
+
+    if ray.is_initialized():  # the caller's own cluster (tests, notebooks)
+        return
+    if address and address != "local":
+        logger.info("joining the Ray cluster at %s", address)
+    else:
+        address = "local"
+        logger.info("starting a private Ray cluster for this run (cluster.ray_address or RAY_ADDRESS joins one)")
+    ray.init(address=address, log_to_driver=True, include_dashboard=False)
 
 
 def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:

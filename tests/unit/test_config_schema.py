@@ -101,9 +101,16 @@ def test_config_reference_is_current():
         "docs/config.md is stale: run `python -m megarl.config.reference > docs/config.md`")
 
 
+def _relative(value, prefix: str):
+    """The config with the driver's working directory cut from its (absolute, resolved) paths."""
+    if isinstance(value, dict):
+        return {k: _relative(v, prefix) for k, v in value.items()}
+    return value.removeprefix(prefix) if isinstance(value, str) else value
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_resolved_example_config_matches_golden(name):
-    resolved = to_plain(resolve(load_config(ROOT / "examples" / name / "config.yaml")))
+    resolved = _relative(to_plain(resolve(load_config(ROOT / "examples" / name / "config.yaml"))), os.getcwd() + os.sep)
     golden = GOLDEN / f"{name}.yaml"
     if os.environ.get("MEGARL_UPDATE_GOLDEN"):
         golden.parent.mkdir(exist_ok=True)
@@ -126,7 +133,15 @@ def test_resolution_decides_and_is_idempotent():
     # forward passes: the training micro-batch's token budget, 4x its rows (megarl.engine.config.FORWARD_ROWS)
     fwd = once.policy.forward_micro_batch
     assert (fwd.max_tokens, fwd.max_size) == (8192, 4 * 64)
-    assert once.model.tokenizer == cfg.model.path
+    # every path absolute, from the driver's working directory (workers may run elsewhere)
+    paths = (once.model.path, once.model.tokenizer, once.data.train, once.data.val, once.trainer.output_dir)
+    assert paths == tuple(os.path.join(os.getcwd(), p) for p in (cfg.model.path, cfg.model.path, cfg.data.train,
+                                                                  cfg.data.val, cfg.trainer.output_dir))
+    custom = resolve(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
+                                 ["reward.function=rewards/mine.py:score", "data.row_adapter=rows.py:adapt"]))
+    assert custom.reward.function == os.path.join(os.getcwd(), "rewards/mine.py") + ":score"
+    assert custom.data.row_adapter == os.path.join(os.getcwd(), "rows.py") + ":adapt"
+    assert once.reward.function == "integer_answer"  # a built-in key is not a path
 
 
 @pytest.mark.parametrize("override, match", [
