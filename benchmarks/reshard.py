@@ -61,7 +61,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     from megarl.metrics.memory import peaks, reset_peaks
     from megarl.models.provider import global_named_parameters
     from megarl.models.spec import spec_from_hf_config
-    from megarl.parallel.init import init_distributed
+    from megarl.parallel.init import init_distributed, process_groups
     from megarl.parallel.layout import ParallelLayout
     from megarl.resharding.plan import make_plan
     from megarl.resharding.stats import TransferStats
@@ -75,7 +75,7 @@ def _world(rank, world_size, ckpt, cap_mb, repeats):
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
     hf_config = read_meta(ckpt).hf_config
     spec = spec_from_hf_config(hf_config)
-    engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False)
+    engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False, groups=process_groups())
     params = {n: p for c in engine.chunks for n, p in global_named_parameters(c)}
     dtype, itemsize = torch.bfloat16, 2
     out = {"model_bytes": spec.num_parameters() * itemsize, "own_bytes": _own_hf_bytes(spec, layout, rank, itemsize)}

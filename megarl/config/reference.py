@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 import io
 import re
+import sys
 import tokenize
 import types
 import typing
@@ -119,6 +121,7 @@ def _doc(cls: type) -> str:
     return re.sub(r":\w+:`~?([\w.]+)`", r"`\1`", inspect.cleandoc(own).replace("``", "`"))
 
 
+@functools.cache
 def _comments(cls: type) -> dict[str, str]:
     """Each field's trailing ``# comment`` in the source of ``cls`` and its dataclass bases."""
     out: dict[str, str] = {}
@@ -138,4 +141,4 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    print(render(), end="")
+    sys.stdout.write(render())

@@ -79,7 +79,7 @@ class WorkerGroup:
         if name in self.roles:
             raise ValueError(f"role {name!r} is already hosted by worker group {self.name!r}")
         self.gather(name, {r: a.add_role.remote(name, role_cls, args, kwargs) for r, a in enumerate(self.actors)},
-                     self.options.timeouts.init_s)
+                    self.options.timeouts.init_s)
         self.roles[name] = role_cls
         return RoleHandle(self, name, role_cls)
 
@@ -131,12 +131,12 @@ class WorkerGroup:
     def set_tracing(self, on: bool) -> None:
         """Turn span recording on or off in every rank (:mod:`megarl.metrics.trace`)."""
         self.gather("trace", {r: a.set_tracing.remote(on) for r, a in enumerate(self.actors)},
-                     self.options.timeouts.call_s)
+                    self.options.timeouts.call_s)
 
     def drain_trace(self) -> list[list[dict[str, Any]]]:
         """Every rank's recorded spans since the last drain, by rank."""
         res = self.gather("trace", {r: a.drain_trace.remote() for r, a in enumerate(self.actors)},
-                           self.options.timeouts.call_s)
+                          self.options.timeouts.call_s)
         return [res[r] for r in sorted(res)]
 
     def shutdown(self, kill: bool = False) -> None:

@@ -37,7 +37,6 @@ from megarl.errors import MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
-from megarl.parallel.init import process_groups
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -61,11 +60,11 @@ class StepStats:
 
 class MegatronEngine:
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, config: EngineConfig, *,
-                 checkpoint_dir: str | None, trainable: bool, load_exclude: tuple[str, ...] = (),
-                 groups: ProcessGroupCollection | None = None) -> None:
-        """``groups``: the process groups of ``layout`` (default: this process's, :func:`process_groups`)."""
+                 checkpoint_dir: str | None, trainable: bool, groups: ProcessGroupCollection,
+                 load_exclude: tuple[str, ...] = ()) -> None:
+        """``groups``: the process groups of ``layout`` in this world (:func:`megarl.parallel.init.process_groups`)."""
         self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
-        self.groups = groups if groups is not None else process_groups()
+        self.groups = groups
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))

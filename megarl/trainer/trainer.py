@@ -204,7 +204,7 @@ class Trainer:
         return {"rollout/logprob_abs_diff": diff}
 
     def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward",
-              baseline: Batch | None = None, stage: str | None = "reward") -> dict[str, float]:
+              baseline: Batch | None = None, stage: str = "reward") -> dict[str, float]:
         """``scores``: each row's reward, the weighted sum of its sources' scores (kept as ``function_scores``
         and ``model_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
         ``baseline_scores``: the reward of the row's prompt's baseline response, from the same sources."""
@@ -227,8 +227,7 @@ class Trainer:
             metrics[f"{prefix}/baseline_mean"] = per_prompt.mean().item()  # over prompts
             num_errors += baseline_errors
         metrics[f"{prefix}/num_errors"] = float(num_errors)
-        if stage is not None:
-            self._stage(stage, batch)
+        self._stage(stage, batch)
         return metrics
 
     def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -311,10 +310,7 @@ class Trainer:
         self.cluster.sync_weights()
         batch = self.cluster.generate(_prompt_batch(records), self._params(self.cfg.rollout.validation))
         self.cluster.to_train()
-        batch.meta.pop("metrics")
-        metrics = self.score(batch, records, prefix="val/reward", stage=None)
-        self._stage("validation", batch)
-        return metrics
+        return self.score(batch, records, prefix="val/reward", stage="validation")
 
     def _stage(self, stage: str, batch: Batch) -> None:
         for cb in self.callbacks:
@@ -381,7 +377,7 @@ def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
         raise ConfigError(f"the reward model embeds {rm_ids} token ids, the policy ({cfg.model.path}) emits up to "
                           f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for a reward "
                           "model is not supported).")
-    source = hf_files(rm.model.tokenizer or rm.model.path)
+    source = rm.model.tokenizer  # resolved: its directory, or the model's (hf/ of a megarl checkpoint)
     try:
         rm_vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
     except (OSError, ValueError) as e:

@@ -182,7 +182,7 @@ def _memory_world(rank, world_size, ckpt):
     from megarl.engine.engine import MegatronEngine
     from megarl.metrics.memory import peaks, reset_peaks
     from megarl.models.spec import spec_from_hf_config
-    from megarl.parallel.init import init_distributed
+    from megarl.parallel.init import init_distributed, process_groups
     from megarl.parallel.layout import ParallelLayout
     from megarl.roles.hybrid import HybridRollout
     from megarl.rollout.config import RolloutConfig
@@ -192,7 +192,7 @@ def _memory_world(rank, world_size, ckpt):
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
     hf_config = read_meta(ckpt).hf_config
     spec = spec_from_hf_config(hf_config)
-    engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False)
+    engine = MegatronEngine(spec, layout, EngineConfig(), checkpoint_dir=ckpt, trainable=False, groups=process_groups())
     hybrid = HybridRollout(ctx, spec, hf_config, engine, RolloutConfig(bucket_mb=CAP_MB), pad_token_id=0)
     out = []
     for _ in range(2):  # the second transition runs with a warm allocator

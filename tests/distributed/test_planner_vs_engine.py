@@ -29,7 +29,7 @@ def _world(rank, world_size, ckpt):
     from megarl.engine.config import EngineConfig, OptimConfig, Precision
     from megarl.engine.engine import MegatronEngine
     from megarl.models.spec import load_hf_config, spec_from_hf_config
-    from megarl.parallel.init import init_distributed
+    from megarl.parallel.init import init_distributed, process_groups
     from megarl.parallel.layout import ParallelLayout
 
     spec = spec_from_hf_config(load_hf_config(f"{ckpt}/hf"))
@@ -45,7 +45,7 @@ def _world(rank, world_size, ckpt):
         init_distributed(layout)
         for precision in PRECISIONS:
             config = EngineConfig(precision=Precision(precision), optim=OptimConfig(use_distributed_optimizer=True))
-            engine = MegatronEngine(spec, layout, config, checkpoint_dir=ckpt, trainable=True)
+            engine = MegatronEngine(spec, layout, config, checkpoint_dir=ckpt, trainable=True, groups=process_groups())
             engine.train_step(batch, loss_fn)
             out[f"{name}/{precision}"] = {"stage": layout.coords(rank).pp, **engine.state_bytes()}
             del engine

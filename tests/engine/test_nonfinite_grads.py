@@ -34,7 +34,7 @@ def engine(tiny_hf, tmp_path_factory):
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.engine.engine import MegatronEngine
     from megarl.models.spec import load_hf_config, spec_from_hf_config
-    from megarl.parallel.init import init_distributed
+    from megarl.parallel.init import init_distributed, process_groups
     from megarl.parallel.layout import ParallelLayout
 
     ckpt = tmp_path_factory.mktemp("nonfinite") / "mc"
@@ -45,7 +45,7 @@ def engine(tiny_hf, tmp_path_factory):
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=16))  # 2 micro-batches
     spec = spec_from_hf_config(load_hf_config(tiny_hf("qwen2_tied")))
-    return MegatronEngine(spec, layout, config, checkpoint_dir=str(ckpt), trainable=True)
+    return MegatronEngine(spec, layout, config, checkpoint_dir=str(ckpt), trainable=True, groups=process_groups())
 
 
 def _batch():

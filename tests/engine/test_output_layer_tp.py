@@ -37,7 +37,7 @@ def _world(rank, world_size, ckpt):
     from megarl.engine.vocab_parallel import token_log_probs
     from megarl.models.provider import global_named_parameters
     from megarl.models.spec import spec_from_hf_config
-    from megarl.parallel.init import init_distributed
+    from megarl.parallel.init import init_distributed, process_groups
     from megarl.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.for_world(world_size, tp=2, pp=1)
@@ -46,7 +46,7 @@ def _world(rank, world_size, ckpt):
     config = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=0.1, clip_grad=0.0,
                                             use_distributed_optimizer=False),
                           micro_batch=MicroBatchConfig(max_tokens=14))  # 2 micro-batches
-    engine = MegatronEngine(spec, layout, config, checkpoint_dir=ckpt, trainable=True)
+    engine = MegatronEngine(spec, layout, config, checkpoint_dir=ckpt, trainable=True, groups=process_groups())
     ids, attn, target = _batch_tensors()
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "target_mask": target})
     count = target.sum()
