@@ -7,8 +7,11 @@ or a list of chat messages (``{"role", "content"}``). With ``apply_chat_template
 that has a template) a text prompt becomes one user message and is tokenized by the chat template
 with the generation prompt appended; otherwise text is encoded plainly. Prompts longer than
 ``max_prompt_length`` tokens are dropped and counted (``PromptDataset.num_filtered``), never
-truncated. A malformed file or row raises :class:`DataError` naming the file, the row and what was
-expected; a bad setting raises :class:`ConfigError`.
+truncated. Prompts whose tokens include the tokenizer's pad or unknown id (text the tokenizer cannot
+represent, e.g. letters for a digits-only character vocabulary) are counted
+(``PromptDataset.num_unknown``) and warned about; above ``max_unknown_token_share`` of the loaded
+prompts, loading fails. A malformed file or row raises :class:`DataError` naming the file, the row
+and what was expected; a bad setting raises :class:`ConfigError`.
 
 Pure module: torch for the sampler's permutations; the tokenizer is passed in; pyarrow is imported
 only to read parquet. Must not import Ray, vLLM, torch.distributed or megarl layers above ``data``.
@@ -46,10 +49,14 @@ class PromptConfig:
     prompt_key: str = "prompt"  # the column holding a text prompt or a list of chat messages
     max_prompt_length: int = 512  # tokens (after the chat template); longer prompts are dropped and counted
     apply_chat_template: bool = True  # false: encode text prompts plainly (chat-message prompts then fail)
+    max_unknown_token_share: float = 0.05  # prompts with pad/unknown token ids: warned up to this share, an error above
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length must be >= 1 token, found {self.max_prompt_length}")
+        if not 0.0 <= self.max_unknown_token_share <= 1.0:  # NaN fails too
+            raise ConfigError(f"max_unknown_token_share is a share of prompts in [0, 1], "
+                              f"found {self.max_unknown_token_share}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +69,14 @@ class PromptRecord:
 
 
 class PromptDataset:
-    """Loaded, tokenized and length-filtered prompts; ``num_filtered`` counts the dropped ones."""
+    """Loaded, tokenized and length-filtered prompts; ``num_filtered`` counts the dropped ones,
+    ``num_unknown`` the loaded ones holding pad/unknown token ids."""
 
-    def __init__(self, records: Sequence[PromptRecord], num_filtered: int, path: str) -> None:
+    def __init__(self, records: Sequence[PromptRecord], num_filtered: int, path: str, num_unknown: int = 0) -> None:
         self.records = list(records)
         self.num_filtered = num_filtered
         self.path = path
+        self.num_unknown = num_unknown
 
     def __len__(self) -> int:
         return len(self.records)
@@ -97,7 +106,7 @@ def load_row_adapter(spec: str) -> RowAdapter:
 def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBase,
                  adapter: RowAdapter | None = None) -> PromptDataset:
     """Read the file ``path`` (each row through ``adapter`` first, when given), validate and tokenize every
-    row, drop (and count) over-long prompts."""
+    row, drop (and count) over-long prompts, count (and check the share of) prompts with pad/unknown ids."""
     rows = read_rows(path)
     if adapter is not None:
         rows = [(where, _adapt(adapter, row, where)) for where, row in rows]
@@ -106,6 +115,8 @@ def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBas
         logger.info("tokenizer has no chat template: text prompts from %s are encoded plainly", path)
     records: list[PromptRecord] = []
     num_filtered = 0
+    suspect = unknown_token_ids(tokenizer)
+    unknown: list[tuple[str, PromptRecord]] = []  # (row location, record) of kept prompts holding suspect ids
     for where, row in rows:
         prompt = _parse_prompt(row, cfg.prompt_key, where)
         if not isinstance(prompt, str) and not use_template:
@@ -118,14 +129,55 @@ def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBas
             continue
         extra = {k: v for k, v in row.items() if k != cfg.prompt_key}
         records.append(PromptRecord(len(records), prompt, _reward_text(prompt), input_ids, extra))
+        if not suspect.keys().isdisjoint(input_ids):
+            unknown.append((where, records[-1]))
     if num_filtered:
         logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
                        path, num_filtered, len(rows), cfg.max_prompt_length)
     if not records:
         raise DataError(f"{path}: no prompts left: all {len(rows)} rows are longer than "
                         f"max_prompt_length={cfg.max_prompt_length} tokens; raise it or shorten the prompts")
+    _check_unknown(path, cfg, len(records), unknown, suspect)
     logger.info("loaded %d prompts from %s", len(records), path)
-    return PromptDataset(records, num_filtered, path)
+    return PromptDataset(records, num_filtered, path, num_unknown=len(unknown))
+
+
+def unknown_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    """``{id: description}`` of the ids whose presence in a prompt means text the tokenizer could not
+    represent: its unknown id and its pad id (a vocabulary without an unknown token often maps unknown
+    characters to pad, as the demo's character tokenizer does). An id that is also the bos or eos id is
+    left out: tokenizers that reuse eos as pad (Qwen2.5 base: ``<|endoftext|>``) or bos as pad have it
+    inserted legitimately by their chat template or post-processor."""
+    legitimate = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
+    out: dict[int, str] = {}
+    for kind in ("unk", "pad"):
+        token_id = getattr(tokenizer, f"{kind}_token_id", None)
+        if token_id is None or token_id in legitimate:
+            continue
+        token_id = int(token_id)
+        name = f"{kind} {getattr(tokenizer, f'{kind}_token')!r}"
+        out[token_id] = f"{out[token_id]}, {name}" if token_id in out else name
+    return out
+
+
+def _check_unknown(path: str, cfg: PromptConfig, num_loaded: int, unknown: Sequence[tuple[str, PromptRecord]],
+                   suspect: Mapping[int, str]) -> None:
+    """Warn about the prompts in ``unknown``; raise when their share of the loaded prompts is above the limit."""
+    if not unknown:
+        return
+    share = len(unknown) / num_loaded
+    where, record = unknown[0]
+    ids = ", ".join(f"{name} (id {i})" for i, name in suspect.items())
+    num_bad = sum(i in suspect for i in record.input_ids)
+    found = (f"{path}: {len(unknown)} of {num_loaded} prompts ({share:.1%}) hold pad/unknown token ids ({ids}), "
+             f"i.e. text the tokenizer cannot represent; the first, {where}, has {num_bad} such ids among its "
+             f"{len(record.input_ids)} tokens: {_short(record.text)}")
+    if share > cfg.max_unknown_token_share:
+        raise DataError(f"{found}. That is above data.max_unknown_token_share={cfg.max_unknown_token_share} "
+                        f"({cfg.max_unknown_token_share:.1%}): use a tokenizer that covers the text, fix the data, "
+                        "or raise data.max_unknown_token_share")
+    logger.warning("%s; they train on those ids (allowed up to max_unknown_token_share=%s)",
+                   found, cfg.max_unknown_token_share)
 
 
 def _adapt(adapter: RowAdapter, row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -136,11 +188,6 @@ def _adapt(adapter: RowAdapter, row: dict[str, Any], where: str) -> dict[str, An
     if not isinstance(out, dict):
         raise DataError(f"{where}: the row adapter returned a {type(out).__name__}, expected a dict of columns")
     return out
-
-
-def _short(row: dict[str, Any], limit: int = 200) -> str:
-    text = json.dumps(row, default=str)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def encode_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase, use_template: bool) -> list[int]:

@@ -246,3 +246,115 @@ def test_row_adapter_contract(tmp_path):
     with pytest.raises(ConfigError, match="cannot be called as"):
         (tmp_path / "two.py").write_text("def f(a, b):\n    return a\n")
         load_row_adapter(f"{tmp_path / 'two.py'}:f")
+
+
+# ---- prompts holding pad/unknown token ids ---------------------------------------------------------
+
+WORDS = ["one", "two", "three", "plus", "is"]
+
+
+def _word_tokenizer(specials, model_unk, post=None, **special_tokens):
+    """Whitespace word-level tokenizer: ``specials`` first (ids 0, 1, ...), then WORDS; words outside the
+    vocabulary map to ``model_unk``; ``post``: a template such as ``"<s> $A </s>"`` wrapped around every text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=model_unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if post is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=post, special_tokens=[(t, vocab[t]) for t in specials if t in post.split()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special_tokens)
+
+
+@pytest.fixture(scope="module")
+def demo_like():
+    """Like the demo's character tokenizer: no unknown token, the vocabulary maps unknown words to pad (id 0)."""
+    return _word_tokenizer(["<pad>", "</s>"], "<pad>", pad_token="<pad>", eos_token="</s>")
+
+
+# 5 rows; unknown words: "four" in line 2 (1 of its 5 tokens), "five" and "six" in line 5 (2 of 3)
+UNKNOWN_ROWS = ["one plus two", "two plus two is four", "three", "one plus one", "five plus six"]
+
+
+def _rows(tmp_path, prompts, name="p.jsonl"):
+    return str(_write_jsonl(tmp_path / name, [{"prompt": p, "answer": "x"} for p in prompts]))
+
+
+def test_unknown_ids_are_counted_and_warned(tmp_path, demo_like, caplog):
+    path = _rows(tmp_path, UNKNOWN_ROWS)
+    assert demo_like.encode("five plus six") == [0, 5, 0]
+    for limit in (0.5, 0.4):  # 2 of 5 = 0.4: at the limit still loads
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+            data = load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=limit), demo_like)
+        assert len(data) == 5 and data.num_unknown == 2 and data.num_filtered == 0
+        [warning] = [r.getMessage() for r in caplog.records]
+        assert "p.jsonl: 2 of 5 prompts (40.0%) hold pad/unknown token ids (pad '<pad>' (id 0))" in warning
+        assert "p.jsonl:2, has 1 such ids among its 5 tokens: 'two plus two is four'" in warning
+        assert f"max_unknown_token_share={limit}" in warning
+    # over-long prompts are dropped before counting: line 2 (5 tokens) goes, 1 of the 4 left is bad
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+        data = load_prompts(path, PromptConfig(apply_chat_template=False, max_prompt_length=4,
+                                               max_unknown_token_share=0.25), demo_like)
+    assert len(data) == 4 and data.num_filtered == 1 and data.num_unknown == 1
+    assert "1 of 4 prompts (25.0%)" in caplog.text and "p.jsonl:5, has 2 such ids among its 3 tokens" in caplog.text
+
+
+def test_unknown_share_above_the_limit_fails(tmp_path, demo_like):
+    path = _rows(tmp_path, UNKNOWN_ROWS)
+    with pytest.raises(DataError, match=r"p\.jsonl: 2 of 5 prompts \(40\.0%\) hold pad/unknown token ids .*"
+                                        r"above data\.max_unknown_token_share=0\.3 \(30\.0%\): use a tokenizer that "
+                                        r"covers the text, fix the data, or raise data\.max_unknown_token_share"):
+        load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.3), demo_like)
+    with pytest.raises(DataError, match=r"max_unknown_token_share=0\.05 \(5\.0%\)"):  # the default
+        load_prompts(path, PromptConfig(apply_chat_template=False), demo_like)
+
+
+def test_clean_prompts_do_not_warn(tmp_path, demo_like, caplog):
+    path = _rows(tmp_path, ["one plus two", "three is three"])
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+        data = load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.0), demo_like)
+    assert data.num_unknown == 0 and caplog.records == []
+
+
+def test_pad_equal_to_bos_or_eos_is_not_counted(tmp_path, caplog):
+    specials = ["<unk>", "<s>", "</s>"]
+    pad_is_eos = _word_tokenizer(specials, "<unk>", "<s> $A </s>", unk_token="<unk>", bos_token="<s>",
+                                 eos_token="</s>", pad_token="</s>")
+    pad_is_bos = _word_tokenizer(specials, "<unk>", "<s> $A", unk_token="<unk>", bos_token="<s>",
+                                 eos_token="</s>", pad_token="<s>")
+    assert pad_is_eos.encode("one seven") == [1, 3, 0, 2] and pad_is_bos.encode("one") == [1, 3]
+    path = _rows(tmp_path, ["one plus two", "one plus seven", "two"])  # "seven" is unknown
+    for tok, pad_at in ((pad_is_eos, -1), (pad_is_bos, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+            data = load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.5), tok)
+        assert all(r.input_ids[pad_at] == tok.pad_token_id for r in data.records)  # pad in every prompt...
+        assert data.num_unknown == 1  # ...but only the unknown word counts
+        assert "1 of 3 prompts (33.3%) hold pad/unknown token ids (unk '<unk>' (id 0))" in caplog.text
+        assert "p.jsonl:2, has 1 such ids among its" in caplog.text
+        with pytest.raises(DataError, match=r"1 of 3 prompts \(33\.3%\).*max_unknown_token_share=0\.0 "):
+            load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.0), tok)
+
+
+def test_unknown_ids_through_the_chat_template(tmp_path, tokenizer, caplog):
+    # the template's own special tokens (<|user|>, <|end|> = eos, <|assistant|>) are not counted; a literal
+    # pad token in the text is
+    path = _rows(tmp_path, [r["prompt"] for r in TEXT_ROWS] + ["say <|pad|> twice <|pad|>"])
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+        data = load_prompts(path, PromptConfig(max_unknown_token_share=0.25), tokenizer)
+    assert data.num_unknown == 1
+    assert "1 of 4 prompts (25.0%) hold pad/unknown token ids (pad '<|pad|>' (id 0))" in caplog.text
+    assert "p.jsonl:4, has 2 such ids among its" in caplog.text
+
+
+def test_max_unknown_token_share_is_validated():
+    for bad in (-0.01, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=rf"max_unknown_token_share is a share of prompts in \[0, 1\], "
+                                              rf"found {bad}"):
+            PromptConfig(max_unknown_token_share=bad)
+    assert PromptConfig(max_unknown_token_share=0.0).max_unknown_token_share == 0.0
+    assert PromptConfig(max_unknown_token_share=1.0).max_unknown_token_share == 1.0
