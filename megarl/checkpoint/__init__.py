@@ -12,8 +12,11 @@
 - ``training`` a role's training state (model + optimizer + LR schedule + RNG) in a Megatron checkpoint
                directory; torch.distributed + megatron-core; runs in worker ranks. It may not be imported
                by ``megarl.engine`` (the engine is only an annotation here, under TYPE_CHECKING).
-- ``run``      the run's step directories under ``<output_dir>/checkpoints`` (begin / commit / latest /
-               read_state). Pure filesystem code (the driver imports it).
+- ``manifest`` the checksums of every file of a checkpoint (``manifest.json``): written at commit, verified
+               before a resume. Pure (stdlib only).
+- ``run``      the run's step directories under ``<output_dir>/checkpoints`` (begin / commit / resume_point /
+               read_state): the newest intact one, corrupt ones moved aside. Pure filesystem code (the driver
+               imports it).
 
 Nothing in this package imports Ray, vLLM or ``megarl.trainer``.
 """

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: logging, quiet third-party warnings, MegarlError -> one paragraph + exit 2."""
+"""Shared CLI plumbing: logging, quiet third-party warnings, MegarlError -> one paragraph + its exit status
+(:mod:`megarl.errors`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _QUIET = (
 
 
 def run_cli(main: Callable[[], int]) -> None:
-    """Run ``main``; a MegarlError prints its message (no traceback) and exits with status 2."""
+    """Run ``main``; a MegarlError prints its message (no traceback) and exits with its status (2 for bad input)."""
     logging.basicConfig(level=os.environ.get("MEGARL_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     os.environ.setdefault("PYTHONWARNINGS", _QUIET)
@@ -30,6 +31,6 @@ def run_cli(main: Callable[[], int]) -> None:
     try:
         code = main()
     except MegarlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+        print(f"{e.label}: {e}", file=sys.stderr)
+        code = e.exit_code
     sys.exit(code)

@@ -100,14 +100,28 @@ class RewardModelSection:
     engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
 
 
+class CorruptCheckpoint(enum.Enum):
+    """What a resume does when the newest checkpoint fails verification (its files' checksums)."""
+
+    FALLBACK = "fallback"  # move it aside (step_N.corrupt) and resume from the newest intact one
+    FAIL = "fail"  # stop with the file and the reason
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
+    """The run: its length, outputs, checkpoints and what it does on faults. One run holds its
+    ``output_dir`` (a lock); SIGTERM/SIGINT stop it after the current step (exit status 75)."""
+
     total_steps: int = 10  # training steps (one batch of prompts each)
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, TensorBoard events, config.yaml
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # the newest step checkpoints kept on disk
     val_every: int = 0  # steps between validations (sampling data.val with rollout.validation); 0 = none
-    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    resume: bool = True  # continue from the newest intact checkpoint in output_dir
+    on_corrupt_checkpoint: CorruptCheckpoint = CorruptCheckpoint.FALLBACK  # a checkpoint failing its checksums
+    save_on_signal: bool = True  # on SIGTERM/SIGINT, checkpoint the last finished step before stopping
+    max_restarts: int = 2  # lost workers (a dead or hung process or node) replaced, resuming from a checkpoint
+    restart_window_s: float = 3600.0  # ... at most max_restarts times within this many seconds
     seed: int = 1  # sampling, data order and worker seeds
     tensorboard: bool = True  # write TensorBoard event files to output_dir
     wandb_project: str | None = None  # log to Weights & Biases when set (needs `wandb`)
@@ -234,6 +248,9 @@ def check_config(cfg: TrainConfig) -> None:
     t = cfg.trainer
     if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
+    if t.max_restarts < 0 or t.restart_window_s <= 0:
+        raise ConfigError(f"trainer.max_restarts must be >= 0 and restart_window_s > 0, found {t.max_restarts} and "
+                          f"{t.restart_window_s}.")
     if t.val_every and not d.val:
         raise ConfigError(f"trainer.val_every={t.val_every} but data.val is not set; give a validation file or "
                           "set val_every=0.")

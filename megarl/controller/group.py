@@ -24,7 +24,7 @@ from megarl.controller.pools import ResourcePool
 from megarl.controller.process import WorkerProcess
 from megarl.controller.role import Role, WorkerContext
 from megarl.controller.spec import GroupOptions
-from megarl.errors import LayoutError
+from megarl.errors import LayoutError, MegarlError
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class WorkerGroup:
                 raise WorkerError(
                     f"{role} call on worker group {self.name!r} did not finish within {timeout_s:.0f} s "
                     f"(ranks still running: {sorted(rank_of[r] for r in pending)}); the group was torn down.",
-                    role=role, rank=None,
+                    role=role, rank=None, lost=True,
                 )
             ref = done[0]
             try:
@@ -120,11 +120,14 @@ class WorkerGroup:
                 rank = rank_of[ref]
                 self.shutdown(kill=True)
                 cause = getattr(e, "cause", None) or e
+                # a MegarlError already says what to change: its message is the paragraph, no traceback
+                trace = "" if isinstance(cause, MegarlError) else (
+                    f"\nworker traceback:\n{getattr(e, 'traceback_str', None) or e}\n")
                 raise WorkerError(
                     f"{role} failed on rank {rank} of worker group {self.name!r} ({self.layout}, coords "
-                    f"{self.layout.coords(rank)._asdict()}): {type(cause).__name__}: {cause}\n"
-                    f"worker traceback:\n{getattr(e, 'traceback_str', None) or e}\nthe group was torn down.",
-                    role=role, rank=rank,
+                    f"{self.layout.coords(rank)._asdict()}): {type(cause).__name__}: {cause}{trace} The group was "
+                    "torn down.",
+                    role=role, rank=rank, lost=isinstance(e, RayActorError) and not isinstance(e, RayTaskError),
                 ) from e
         return results
 

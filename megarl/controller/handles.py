@@ -33,12 +33,14 @@ P = ParamSpec("P")
 
 
 class WorkerError(MegarlError, RuntimeError):
-    """A worker raised (or died, or timed out); the group has been torn down."""
+    """A worker raised (or died, or timed out); the group has been torn down. ``lost``: the worker process
+    died or hung (its node may be gone), so fresh workers may succeed where it failed; otherwise it raised."""
 
-    def __init__(self, message: str, *, role: str, rank: int | None) -> None:
+    def __init__(self, message: str, *, role: str, rank: int | None, lost: bool = False) -> None:
         super().__init__(message)
         self.role = role
         self.rank = rank
+        self.lost = lost
 
 
 @runtime_checkable

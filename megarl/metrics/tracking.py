@@ -2,7 +2,8 @@
 
 :class:`Tracker` takes one flat ``{name: float}`` dict per step. The JSONL file is the record of the
 run (one object per step, appended and flushed, so a crashed run keeps every finished step);
-TensorBoard gets every scalar; W&B only when a project is configured and ``wandb`` is installed
+incidents (faults the run recovered from) go to ``incidents.jsonl``; TensorBoard gets every scalar;
+W&B only when a project is configured and ``wandb`` is installed
 (asking for it without the package is an error, not a silent skip). Pure: no Ray, no torch.distributed.
 """
 
@@ -51,6 +52,22 @@ class Tracker:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to ``step`` (resumed from a checkpoint after a fault): the progress bar follows."""
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def incident(self, record: dict[str, Any]) -> None:
+        """A fault the run recovered from (a lost worker): one line of ``incidents.jsonl`` (never truncated on
+        resume, unlike ``metrics.jsonl``), a warning, and a TensorBoard text entry."""
+        record = {"time": time.time(), **record}
+        with (self.dir / "incidents.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.warning("incident: %s", record)
+        if self._tb is not None:
+            self._tb.add_text("incidents", json.dumps(record), global_step=int(record.get("failed_step", 0)))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}

@@ -24,6 +24,7 @@ from megarl.controller.placement import Placement
 from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
 from megarl.data.batch import Batch
 from megarl.engine.results import StepResult
+from megarl.errors import ClusterError
 from megarl.host import allocator
 from megarl.roles.critic import CriticRole, RewardModelRole
 from megarl.roles.policy import PolicyRole, ReferenceRole
@@ -47,17 +48,35 @@ class Cluster:
                               if rm is not None else None)
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
-        if not local:
-            _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
-        env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
-        options = GroupOptions(seed=cfg.trainer.seed, timeouts=c.timeouts, env=env)
-        self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
+        self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
+        self.placement: Placement | None = None
         logger.info("host allocator of the driver process: %s", allocator.loaded())
         try:
-            self._add_roles(cfg)
+            self._place()
         except BaseException:
-            self.placement.shutdown()
+            self.shutdown()
             raise
+
+    def _place(self) -> None:
+        c, local = self.cfg.cluster, self.cfg.cluster.launcher is Launcher.LOCAL
+        env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
+        options = GroupOptions(seed=self.cfg.trainer.seed, timeouts=c.timeouts, env=env)
+        self.placement = None
+        placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
+        try:
+            self.placement = placement
+            self._add_roles(self.cfg)
+        except BaseException:
+            placement.shutdown()
+            self.placement = None
+            raise
+
+    def restart(self) -> None:
+        """Replace every worker (after one was lost): kill all groups and start fresh ones with the same roles
+        and seeds, at the run's starting weights; the Ray cluster stays. Load a checkpoint next."""
+        if self.placement is not None:
+            self.placement.shutdown()
+        self._place()
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         roles, a, src = cfg.roles(), cfg.algorithm, str(self.source)
@@ -124,23 +143,39 @@ class Cluster:
         if self.critic is not None:
             self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))
 
-    def shutdown(self) -> None:
-        self.placement.shutdown()
+    def shutdown(self, *, stop_ray: bool = True) -> None:
+        """Kill the workers; with ``stop_ray``, also the run's private Ray cluster (its raylet, GCS and
+        agents), so that no process of the run outlives it."""
+        if self.placement is not None:
+            self.placement.shutdown()
+        if stop_ray and self.owns_ray:
+            import ray
+
+            ray.shutdown()
 
 
-def _start_ray(address: str | None) -> None:
+def _start_ray(address: str | None) -> bool:
     """Join the Ray cluster at ``address``, or start one private to this run: never an unrelated cluster
-    that happens to run on the machine (``ray.init()`` without an address would join the newest one)."""
+    that happens to run on the machine (``ray.init()`` without an address would join the newest one).
+    Whether this call connected (False: the caller had connected already, e.g. tests, notebooks)."""
     import ray
 
-    if ray.is_initialized():  # the caller's own cluster (tests, notebooks)
-        return
+    if ray.is_initialized():
+        return False
     if address and address != "local":
         logger.info("joining the Ray cluster at %s", address)
     else:
         address = "local"
         logger.info("starting a private Ray cluster for this run (cluster.ray_address or RAY_ADDRESS joins one)")
-    ray.init(address=address, log_to_driver=True, include_dashboard=False)
+    try:
+        ray.init(address=address, log_to_driver=True, include_dashboard=False)
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
+        what = f"join the Ray cluster at {address}" if address != "local" else "start a private Ray cluster"
+        raise ClusterError(f"could not {what}: {type(e).__name__}: {e}. Check that the address is right and the "
+                           "cluster is up (`ray status --address ...`), or that the machine has free memory, ports "
+                           "and /tmp space for a local one; unset cluster.ray_address and RAY_ADDRESS to start a "
+                           "private cluster.") from e
+    return True
 
 
 def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:

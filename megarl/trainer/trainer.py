@@ -7,7 +7,13 @@ inside a named timer, and :meth:`Trainer.train_step` reads as the recipe. Everyt
 checked before a worker starts (:func:`megarl.config.train.check_config`, the dataset, the reward
 function, the reward model's tokens: :func:`check_reward_model`); :func:`megarl.config.resolve.resolve`
 then makes every "auto" decision, and the run writes that config to ``<output_dir>/config.yaml``.
-Checkpoints every ``save_every`` steps; a new run in the same output directory resumes from the latest.
+Checkpoints every ``save_every`` steps; a new run in the same output directory resumes from the newest
+intact one (:func:`megarl.checkpoint.run.resume_point`), or reports "already complete" without starting
+a worker. Faults: the run holds its output directory (:class:`megarl.trainer.lock.RunLock`); a stop
+signal ends it after the step in progress with a checkpoint (:mod:`megarl.trainer.signals`, exit status
+75); a lost worker (a process or node that died or hung) makes :meth:`Trainer.fit` replace every worker
+and resume from the newest intact checkpoint, up to ``trainer.max_restarts`` times in
+``trainer.restart_window_s``, each an incident in ``incidents.jsonl``.
 
 Old log-probs (the PPO ratio's denominator) come from a training-model forward after generation only
 where ``algorithm.recompute_old_log_probs``; otherwise the one policy update per batch stands in for
@@ -24,21 +30,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
 from megarl.config.resolve import hf_files, resolve, sampling_params, stop_token_ids
-from megarl.config.train import TrainConfig, check_config, dump_config, to_plain
+from megarl.config.train import CorruptCheckpoint, TrainConfig, check_config, dump_config, to_plain
+from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts, load_row_adapter
 from megarl.engine.results import mean_metrics
-from megarl.errors import ConfigError
+from megarl.errors import ConfigError, MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
@@ -47,6 +55,11 @@ from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.base import SamplingConfig, SamplingParams
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.callbacks import Callback
+from megarl.trainer.lock import RunLock
+from megarl.trainer.signals import Abandoned, StopRequest
+
+if TYPE_CHECKING:
+    from megarl.trainer.cluster import Cluster
 
 logger = logging.getLogger(__name__)
 
@@ -80,54 +93,148 @@ class Trainer:
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
         self.reward_fn = (resolve_reward_function(cfg.reward.function, **cfg.reward.options)
                           if cfg.reward.function is not None else None)
+        self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
+        self.stop = StopRequest()
+        self.lock = RunLock(self.out)
+        self.cluster: Cluster | None = None
+        self.restarts = 0  # workers replaced so far (run/restarts)
+        self._restarts: list[float] = []  # monotonic times of the restarts within trainer.restart_window_s
+        self._reset()
+        self.stop.install()
+        try:
+            self.lock.acquire()  # before anything is written to output_dir
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _reset(self) -> None:
+        """The driver's state at step 0 (a checkpoint's state is loaded over it)."""
+        cfg = self.cfg
+        self.step = self.saved_step = 0
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         a = cfg.algorithm
         self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
-        self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
-        self.step = 0
-        self.out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, self.out / "config.yaml")
-        self.resume_from = run_checkpoints.latest(self.out) if cfg.trainer.resume else None
+
+    def _start(self) -> None:
+        """Find the checkpoint to resume from; start the workers unless the run is complete already."""
+        for stale in run_checkpoints.remove_stale(self.out):
+            logger.info("removed %s, a checkpoint an ended run did not finish writing", stale)
+        dump_config(self.cfg, self.out / "config.yaml")
+        t = self.cfg.trainer
+        fallback = t.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
+        self.resume_from = run_checkpoints.resume_point(self.out, fallback=fallback) if t.resume else None
+        if self.resume_from is not None:
+            done = int(run_checkpoints.read_state(self.resume_from)["step"])
+            if done >= t.total_steps:
+                self.step = done
+                logger.info("already complete at step %d (trainer.total_steps=%d, checkpoint %s): nothing to do; "
+                            "raise trainer.total_steps to train further", done, t.total_steps, self.resume_from)
+                return
         from megarl.trainer.cluster import Cluster  # Ray and the workers: only once the config is known good
 
-        self.cluster = Cluster(cfg, self.out)
+        self.cluster = Cluster(self.cfg, self.out)
+        self.stop.install()  # again: starting a local Ray cluster replaced the SIGTERM handler
         if self.resume_from is not None:
             self._restore(self.resume_from)
+
+    @property
+    def complete(self) -> bool:
+        return self.step >= self.cfg.trainer.total_steps
 
     def _load_data(self, path: str):
         d = self.cfg.data
         adapter = load_row_adapter(d.row_adapter) if d.row_adapter else None
-        data = load_prompts(path, d, self.tokenizer, adapter)
-        if data.num_filtered:
-            logger.warning("%s: %d prompts longer than %d tokens were dropped", path, data.num_filtered,
-                           d.max_prompt_length)
-        return data
+        return load_prompts(path, d, self.tokenizer, adapter)  # it warns of dropped and pad/unknown-token prompts
 
     # --------------------------------------------------------------------------------------- loop
 
     def fit(self) -> list[dict[str, float]]:
+        """Train to ``trainer.total_steps``; the metrics of each step this call ran. A lost worker is
+        replaced (:meth:`_recover`); a stop signal ends the run after the step in progress (:meth:`_stop`)."""
         t = self.cfg.trainer
-        history = []
+        history: list[dict[str, float]] = []
+        if self.complete:
+            return history
         with Tracker(self.out, total_steps=t.total_steps, start_step=self.step, tensorboard=t.tensorboard,
                      wandb_project=t.wandb_project, run_config=to_plain(self.cfg)) as tracker:
-            while self.step < t.total_steps:
-                self.step += 1
-                start = time.perf_counter()
-                with trace.span(f"step {self.step}", cat="step"):
-                    metrics = self.train_step()
-                    if t.val_every and self.step % t.val_every == 0:
-                        timer = StageTimer()
-                        with timer("validation"):
-                            metrics |= self.validate()
-                        metrics |= timer.metrics()
-                metrics["timing/step_s"] = time.perf_counter() - start
+            while not self.complete and not self.stop.requested:
+                try:
+                    metrics = self._step()
+                except WorkerError as e:
+                    if not e.lost:
+                        raise
+                    self._recover(e, tracker)
+                    continue
                 tracker.log(self.step, metrics)
                 history.append(metrics)
                 for cb in self.callbacks:
                     cb.on_step_end(self.step, metrics)
-                if (t.save_every and self.step % t.save_every == 0) or self.step == t.total_steps:
-                    self.save()
+            if self.stop.requested:
+                self._stop()
         return history
+
+    def _step(self) -> dict[str, float]:
+        """One training step, its validation and its checkpoint when due."""
+        t = self.cfg.trainer
+        self.step += 1
+        start = time.perf_counter()
+        with trace.span(f"step {self.step}", cat="step"):
+            metrics = self.train_step()
+            if t.val_every and self.step % t.val_every == 0:
+                timer = StageTimer()
+                with timer("validation"):
+                    metrics |= self.validate()
+                metrics |= timer.metrics()
+        metrics["timing/step_s"] = time.perf_counter() - start
+        metrics["run/restarts"] = float(self.restarts)
+        if (t.save_every and self.step % t.save_every == 0) or self.complete:
+            self.save()
+        return metrics
+
+    def _recover(self, error: WorkerError, tracker: Tracker) -> None:
+        """Replace every worker after ``error`` lost one, resume from the newest intact checkpoint, record
+        the incident; at most ``trainer.max_restarts`` times within ``trainer.restart_window_s``."""
+        t, now, failed_step = self.cfg.trainer, time.monotonic(), self.step
+        self._restarts = [r for r in self._restarts if now - r < t.restart_window_s]
+        if len(self._restarts) >= t.max_restarts:
+            raise WorkersLostError(
+                f"{error} The run restarted its workers {len(self._restarts)} time(s) within the last "
+                f"{t.restart_window_s:.0f} s (trainer.max_restarts={t.max_restarts}); it stops here and resumes from "
+                "its newest intact checkpoint when run again.") from error
+        self._restarts.append(now)
+        self.restarts += 1
+        logger.warning("worker lost (%s, rank %s) in step %d: restarting the workers (restart %d of at most %d within "
+                       "%.0f s)", error.role, error.rank, failed_step, len(self._restarts), t.max_restarts,
+                       t.restart_window_s)
+        fallback = t.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
+        ckpt = run_checkpoints.resume_point(self.out, fallback=fallback)
+        try:
+            self.cluster.restart()
+        except MegarlError as e:
+            raise WorkersLostError(f"{error} Fresh workers could not be started ({e}); the run resumes from its "
+                                   "newest intact checkpoint when run again (on a new allocation if a node is "
+                                   "gone).") from e
+        self.stop.install()
+        self._reset()
+        if ckpt is not None:
+            self._restore(ckpt)
+        tracker.rewind(self.step)
+        tracker.incident({"kind": "worker_lost", "role": error.role, "rank": error.rank, "failed_step": failed_step,
+                          "resumed_from_step": self.step, "steps_lost": failed_step - 1 - self.step,
+                          "restart": self.restarts, "error": str(error).splitlines()[0][:500]})
+
+    def _stop(self) -> None:
+        """After a stop signal: checkpoint the last finished step (``trainer.save_on_signal``), raise RunStopped."""
+        t = self.cfg.trainer
+        if t.save_on_signal and self.step > self.saved_step:
+            where = f"checkpoint of step {self.step} written to {self.save()}"
+        elif self.saved_step:
+            where = f"the newest checkpoint is of step {self.saved_step}"
+        else:
+            where = "no checkpoint written yet (the run restarts from step 0)"
+        raise RunStopped(f"{self.stop.name} received: stopped after step {self.step} of {t.total_steps}; {where}. Run "
+                         "the same command to resume.")
 
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()
@@ -324,13 +431,14 @@ class Trainer:
         state = {"step": self.step, "sampler": self.sampler.state_dict(),
                  "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
         final = run_checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
+        self.saved_step = self.step
         logger.info("checkpoint written: %s", final)
         return final
 
     def _restore(self, ckpt: Path) -> None:
         state = run_checkpoints.read_state(ckpt)
         self.cluster.load(ckpt)
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         if self.kl_ctl is not None and state["kl_coef"] is not None:
             self.kl_ctl.value = state["kl_coef"]
@@ -338,7 +446,13 @@ class Trainer:
         logger.info("resumed from %s at step %d", ckpt, self.step)
 
     def close(self) -> None:
-        self.cluster.shutdown()
+        """Stop the workers and the run's own Ray cluster, release the output directory, restore signals."""
+        try:
+            if self.cluster is not None:
+                self.cluster.shutdown()
+        finally:
+            self.lock.release()
+            self.stop.restore()
 
 
 def _prompt_batch(records: list[PromptRecord]) -> Batch:
@@ -394,9 +508,15 @@ def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
 
 
 def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:
-    trainer = Trainer(cfg, callbacks)
+    """Train (or resume) the run ``cfg`` describes; the metrics of the steps run. A second stop signal
+    (abandoning the step in progress) ends it with :class:`RunStopped` as the first does."""
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-
+        trainer = Trainer(cfg, callbacks)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+    except Abandoned as e:
+        raise RunStopped(f"{signal.Signals(e.signum).name} received twice: the step in progress was abandoned and its "
+                         "workers stopped; the newest checkpoint in trainer.output_dir is where the same command "
+                         "resumes.") from None
