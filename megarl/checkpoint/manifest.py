@@ -4,9 +4,9 @@
 SHA-256). :func:`verify` re-reads every file and raises :class:`~megarl.errors.CheckpointError` naming
 the first file that is missing, has another size (a truncated shard) or another checksum (a flipped
 byte), or a manifest that cannot be read. Files are hashed on a thread pool (hashlib releases the GIL):
-on this machine SHA-256 runs at ~1.2 GB/s per core, so a checkpoint costs about its size / (1.2 GB/s x
-cores) to write and to verify (``benchmarks/checkpoint_verify.py`` measures it). Files that are not in
-the manifest are ignored. Pure: stdlib and ``megarl.errors``.
+on a 2-core machine 3.2 GB/s right after the write and 1.5 GB/s from a cold cache, i.e. 5 s at commit
+and 11 s at resume for a 1B model's 17.3 GB checkpoint (``benchmarks/checkpoint_verify.py``). Files
+that are not in the manifest are ignored. Pure: stdlib and ``megarl.errors``.
 """
 
 from __future__ import annotations

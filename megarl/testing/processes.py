@@ -30,3 +30,18 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmdline:
             found.append(f"{proc.name}: {cmdline[:200]}")
     return found
+
+
+def processes_with_env(key: str, value: str) -> list[str]:
+    """``pid: command line`` of every process whose environment has ``key=value``: Ray workers rewrite their
+    command line (``ray::WorkerProcess``) but keep the environment of the run that started them."""
+    found, entry = [], f"{key}={value}".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if entry not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{proc.name}: {cmdline[:200]}")
+    return found

@@ -16,6 +16,8 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from megarl.checkpoint.format import is_checkpoint
@@ -40,7 +42,9 @@ _QUIET_WORKERS = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWa
 class Cluster:
     """Started from a resolved config (every role placed, every "auto" decided)."""
 
-    def __init__(self, cfg: TrainConfig, out: Path) -> None:
+    def __init__(self, cfg: TrainConfig, out: Path, on_ray_started: Callable[[], None] = lambda: None) -> None:
+        """``on_ray_started`` runs once Ray is up, before the workers start (starting a local Ray cluster
+        replaces the driver's SIGTERM handler: the trainer installs its own again)."""
         self.cfg = cfg
         self.source = initial_checkpoint(cfg, out)
         rm = cfg.reward_model
@@ -49,6 +53,7 @@ class Cluster:
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
         self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
+        on_ray_started()
         self.placement: Placement | None = None
         logger.info("host allocator of the driver process: %s", allocator.loaded())
         try:
@@ -163,6 +168,7 @@ def _start_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address and address != "local":
+        _check_reachable(address)
         logger.info("joining the Ray cluster at %s", address)
     else:
         address = "local"
@@ -176,6 +182,19 @@ def _start_ray(address: str | None) -> bool:
                            "and /tmp space for a local one; unset cluster.ray_address and RAY_ADDRESS to start a "
                            "private cluster.") from e
     return True
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds when nothing listens at a ``host:port`` address: ``ray.init`` would retry for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", ray:// client addresses: Ray's own checks
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as e:
+        raise ClusterError(f"no Ray cluster answers at {address} ({e}); from cluster.ray_address or RAY_ADDRESS. "
+                           "Start it first (`ray start --head`), fix the address, or unset both to start a private "
+                           "Ray cluster for the run.") from e
 
 
 def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:

@@ -2,7 +2,8 @@
 
 The first signal asks the run to stop after the step in progress: the trainer finishes it, writes a
 checkpoint (``trainer.save_on_signal``) and raises :class:`~megarl.errors.RunStopped` (exit status
-75). A second signal abandons the step at once: :class:`Abandoned` is raised wherever the driver is
+75). A signal while the run starts (before the training loop: conversion, worker start-up), or a
+second one, abandons what is in progress at once: :class:`Abandoned` is raised wherever the driver is
 (usually waiting on workers), the workers are torn down and the previous checkpoint stays the latest.
 
 Ray's driver installs its own SIGTERM handler when it starts a local cluster (it exits at once with
@@ -27,8 +28,8 @@ class Abandoned(BaseException):
     """A second stop signal: leave the step now. A BaseException, like KeyboardInterrupt, so that no
     ``except Exception`` on the way swallows it."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int, when: str) -> None:
+        super().__init__(f"{signal.Signals(signum).name} received {when}")
         self.signum = signum
 
 
@@ -37,6 +38,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.in_loop = False  # set by the training loop: before it (start-up) a signal abandons at once
         self._previous: dict[int, Any] = {}
 
     @property
@@ -62,10 +64,13 @@ class StopRequest:
         self._previous.clear()
 
     def handle(self, signum: int, frame: object) -> None:
+        if not self.in_loop:
+            logger.warning("%s received while starting: stopping", signal.Signals(signum).name)
+            raise Abandoned(signum, "while the run was starting")
         if self.signum is None:
             self.signum = signum
             logger.warning("%s received: finishing the current step, then stopping (send it again to abandon "
                            "the step)", signal.Signals(signum).name)
             return
         logger.warning("%s received again: abandoning the current step", signal.Signals(signum).name)
-        raise Abandoned(signum)
+        raise Abandoned(signum, "again: the step in progress was abandoned")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,8 +132,7 @@ class Trainer:
                 return
         from megarl.trainer.cluster import Cluster  # Ray and the workers: only once the config is known good
 
-        self.cluster = Cluster(self.cfg, self.out)
-        self.stop.install()  # again: starting a local Ray cluster replaced the SIGTERM handler
+        self.cluster = Cluster(self.cfg, self.out, on_ray_started=self.stop.install)  # Ray replaces SIGTERM's handler
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
@@ -158,6 +156,7 @@ class Trainer:
             return history
         with Tracker(self.out, total_steps=t.total_steps, start_step=self.step, tensorboard=t.tensorboard,
                      wandb_project=t.wandb_project, run_config=to_plain(self.cfg)) as tracker:
+            self.stop.in_loop = True
             while not self.complete and not self.stop.requested:
                 try:
                     metrics = self._step()
@@ -215,7 +214,6 @@ class Trainer:
             raise WorkersLostError(f"{error} Fresh workers could not be started ({e}); the run resumes from its "
                                    "newest intact checkpoint when run again (on a new allocation if a node is "
                                    "gone).") from e
-        self.stop.install()
         self._reset()
         if ckpt is not None:
             self._restore(ckpt)
@@ -517,6 +515,5 @@ def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str
         finally:
             trainer.close()
     except Abandoned as e:
-        raise RunStopped(f"{signal.Signals(e.signum).name} received twice: the step in progress was abandoned and its "
-                         "workers stopped; the newest checkpoint in trainer.output_dir is where the same command "
-                         "resumes.") from None
+        raise RunStopped(f"{e}; the workers were stopped, and the newest checkpoint in trainer.output_dir is where "
+                         "the same command resumes.") from None

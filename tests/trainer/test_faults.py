@@ -1,0 +1,196 @@
+"""Fault injection on whole runs (issue #21): what a cluster does to a run, and what the run must do.
+
+Every case runs ``python -m megarl.train`` on the tiny addition task as a user would and injects the fault
+from outside: a second run on the same directory, a re-run of a finished run, a flipped byte in the
+newest checkpoint, SIGTERM during a step, SIGKILL of a policy worker. The reference for "continues
+exactly" is an uninterrupted run of the same config: every step after the fault must have its numbers
+(rewards, losses, KL, entropy, gradient norms; not timings).
+
+The fault table (docs/faults.md lists each row with its test):
+
+- two runs on one output directory -> the second exits 2 within seconds naming the holder; the first is unaffected
+- a finished run re-run -> "already complete at step N", no worker started
+- one byte of a model/optimizer shard of the newest checkpoint changed -> detected; resume from the previous
+  checkpoint; its next steps equal the uninterrupted run's
+- SIGTERM during a step -> exit 75 after a checkpoint of the last finished step, no Ray process of the run
+  left; the next run resumes bit-exactly
+- SIGKILL of a policy worker with trainer.max_restarts >= 1 -> the run replaces its workers, finishes, logs one
+  incident, and its steps equal the uninterrupted run's; with no restarts left -> exit 3, checkpoints intact
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.checkpoint import manifest
+from megarl.checkpoint import run as run_checkpoints
+from megarl.metrics.tracking import read_metrics
+from megarl.testing.processes import processes_with_env
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "grpo_addition_tiny" / "config.yaml"
+SMALL = {"data.batch_size": 4, "rollout.sampling.n": 4, "trainer.val_every": 0, "trainer.tensorboard": "false",
+         "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
+LOCAL = {"cluster.launcher": "local"}
+NOT_COMPARED = ("timing/", "throughput/", "memory/", "run/")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from megarl.testing.addition import make_task
+
+    return make_task(tmp_path_factory.mktemp("addition"), train_rows=64, val_rows=8)
+
+
+def _cmd(task: Path, out: Path, **extra) -> list[str]:
+    base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+            "trainer.output_dir": out}
+    return [sys.executable, "-m", "megarl.train", str(EXAMPLE),
+            *[f"{k}={v}" for k, v in (base | SMALL | extra).items()]]
+
+
+def _env(ray_tmp: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+    return env | ({"RAY_TMPDIR": str(ray_tmp)} if ray_tmp else {})
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _launch(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            start_new_session=True)
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"waiting for {what}: the run exited with {proc.poll()}\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def _logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "time" and not k.startswith(NOT_COMPARED)}
+
+
+def _assert_same_steps(reference: list[dict], run: list[dict], steps: range) -> None:
+    by_step = {m["step"]: m for m in run}
+    for m in reference:
+        if m["step"] in steps:
+            assert _numbers(by_step[m["step"]]) == _numbers(m), m["step"]
+
+
+def _short_tmp() -> Path:
+    """A Ray temp dir: short, since Ray's unix socket paths under it must fit in 107 bytes."""
+    return Path(tempfile.mkdtemp(prefix="mrl", dir="/tmp"))
+
+
+def test_lock_complete_run_and_corrupt_checkpoint(task, tmp_path):
+    out, env = tmp_path / "run", _env()
+    cmd = _cmd(task, out, **LOCAL, **{"trainer.total_steps": 4, "trainer.save_every": 2})
+    first = _launch(cmd, env, tmp_path / "first.log")
+    lock = out / ".megarl.lock"
+    _wait_for("the lock", lambda: lock.exists() and lock.read_text().strip(), first, tmp_path / "first.log")
+    start = time.monotonic()
+    second = _run(cmd, env)
+    print(f"second run refused after {time.monotonic() - start:.1f} s")
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"in use by another megarl run: pid {first.pid} on host" in second.stderr
+    assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    full = read_metrics(out)
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    for step in (2, 4):  # the first run's checkpoints are intact
+        manifest.verify(out / "checkpoints" / f"step_{step:06d}")
+
+    again = _run(cmd, env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already complete at step 4" in again.stderr and "worker group" not in again.stderr
+
+    shard = out / "checkpoints" / "step_000004" / "policy" / "weights" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one byte: same size
+    shard.write_bytes(bytes(data))
+    resumed = _run(cmd, env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "__0_0.distcp does not match its checksum" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_000002 at step 2" in resumed.stderr
+    assert (out / "checkpoints" / "step_000004.corrupt").is_dir()
+    manifest.verify(out / "checkpoints" / "step_000004")  # written again by the resumed run
+    history = read_metrics(out)
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    _assert_same_steps(full, history, range(3, 5))
+
+
+def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
+    steps = {"trainer.total_steps": 8, "trainer.save_every": 2}
+    reference = _run(_cmd(task, tmp_path / "full", **steps), _env(_short_tmp()))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    full = read_metrics(tmp_path / "full")
+
+    # SIGTERM during a step: the step finishes, its checkpoint is written, the run's Ray stops, exit 75
+    out, ray_tmp = tmp_path / "term", _short_tmp()
+    cmd = _cmd(task, out, **steps | {"trainer.save_every": 0})
+    proc = _launch(cmd, _env(ray_tmp), tmp_path / "term.log")
+    _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "term.log")
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    assert proc.wait(timeout=120) == 75, (tmp_path / "term.log").read_text()[-3000:]
+    print(f"SIGTERM -> exit in {time.monotonic() - start:.1f} s")
+    log = (tmp_path / "term.log").read_text()
+    done = _logged_steps(out)
+    assert f"stopped: SIGTERM received: stopped after step {done} of 8; checkpoint of step {done} written" in log
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{done:06d}"]
+    deadline = time.monotonic() + 15
+    while (left := processes_with_env("RAY_TMPDIR", str(ray_tmp))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+    resumed = _run(cmd, _env(ray_tmp))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step_{done:06d} at step {done}" in resumed.stderr
+    _assert_same_steps(full, read_metrics(out), range(done + 1, 9))
+
+    # SIGKILL of the policy worker mid-run: fresh workers resume from the newest checkpoint, one incident
+    out, ray_tmp = tmp_path / "kill", _short_tmp()
+    proc = _launch(_cmd(task, out, **steps | {"trainer.max_restarts": 1}), _env(ray_tmp), tmp_path / "kill.log")
+    _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "kill.log")
+    workers = [p for p in processes_with_env("RAY_TMPDIR", str(ray_tmp)) if "ray::WorkerProcess" in p]
+    assert len(workers) == 1, workers  # one rank: policy and reference colocated
+    os.kill(int(workers[0].split(":")[0]), signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "kill.log").read_text()[-3000:]
+    incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()]
+    assert len(incidents) == 1 and incidents[0]["kind"] == "worker_lost" and incidents[0]["role"] == "policy"
+    failed, resumed_at = incidents[0]["failed_step"], incidents[0]["resumed_from_step"]
+    assert resumed_at == 2 * ((failed - 1) // 2) and incidents[0]["steps_lost"] == failed - 1 - resumed_at
+    history = read_metrics(out)
+    assert [m["step"] for m in history] == list(range(1, 9))
+    assert history[-1]["run/restarts"] == 1.0
+    _assert_same_steps(full, history, range(1, 9))
+
+    # without restarts left: exit 3 (a requeue may help), the newest checkpoint intact for the next run
+    out, ray_tmp = tmp_path / "lost", _short_tmp()
+    proc = _launch(_cmd(task, out, **steps | {"trainer.max_restarts": 0}), _env(ray_tmp), tmp_path / "lost.log")
+    _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "lost.log")
+    workers = [p for p in processes_with_env("RAY_TMPDIR", str(ray_tmp)) if "ray::WorkerProcess" in p]
+    os.kill(int(workers[0].split(":")[0]), signal.SIGKILL)
+    assert proc.wait(timeout=300) == 3, (tmp_path / "lost.log").read_text()[-3000:]
+    log = (tmp_path / "lost.log").read_text()
+    assert "error: policy failed on rank 0" in log and "ActorDiedError" in log and "max_restarts=0" in log
+    manifest.verify(run_checkpoints.resume_point(out, fallback=False))
