@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
+from megarl.algos.correction import RolloutCorrectionConfig
 from megarl.algos.kl import KLControllerConfig, KLEstimator
 from megarl.algos.losses import PolicyLossConfig
 
@@ -30,6 +31,8 @@ class AlgorithmConfig:
     # weights and stands in (ratio 1, as TRL and verl do), measuring rollout/logprob_abs_diff and
     # applying rollout.engine.max_logprob_abs_diff there. true: always; false where they are needed: ConfigError.
     recompute_old_log_probs: bool | None = None  # null: only where needed (see above); true: always
+    # importance weights on pi_old / pi_rollout against the engines' mismatch (megarl.algos.correction)
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
     @property
     def needs_reference(self) -> bool:

@@ -63,6 +63,9 @@ class Batch:
             return self.tensors[key]
         raise KeyError(f"batch has no field {key!r}; fields: {self.keys()}")
 
+    def __contains__(self, key: object) -> bool:
+        return key in self.non_tensors or key in self.tensors.keys()  # noqa: SIM118 (TensorDict)
+
     def keys(self) -> list[str]:
         return sorted(list(self.tensors.keys()) + list(self.non_tensors))
 

@@ -12,9 +12,10 @@ undoes megatron-core's division by the number of micro-batches and its DP gradie
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +46,13 @@ logger = logging.getLogger(__name__)
 OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 # fn(logits_shard, micro_batch) -> (globally normalised loss, {metric: globally normalised value})
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Extreme(enum.Enum):
+    """How :meth:`MegatronEngine.train_step` reduces a loss function's metric that is not a share of a mean."""
+
+    MAX = "max"
+    MIN = "min"
 
 
 class NonFiniteError(MegarlError, FloatingPointError):
@@ -122,8 +130,11 @@ class MegatronEngine:
         b, s = batch["input_ids"].shape
         return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s).cpu() for k in outputs[0]}
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> StepResult:
-        """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted."""
+    def train_step(self, batch: Batch, loss_fn: LossFn, extremes: Mapping[str, Extreme] | None = None) -> StepResult:
+        """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted.
+
+        The loss function's metrics are summed over micro-batches and DP ranks (each a share of a global
+        mean), except those named in ``extremes``: their largest or smallest value."""
         _, mbs = self._micro_batches(batch, self.config.micro_batch)
         scale = len(mbs) * self.layout.dp
 
@@ -135,7 +146,7 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced = self._run(mbs, loss_func, forward_only=False)
-        metrics = self._reduce_metrics(reduced)
+        metrics = self._reduce_metrics(reduced, extremes or {})
         finite = self._all_finite(metrics.get("loss", 0.0))
         if finite:
             # advance the schedule first: with W warm-up steps the k-th step (from 1) uses lr * k / W,
@@ -253,15 +264,22 @@ class MegatronEngine:
             collect_non_loss_data=forward_only,
         )
 
-    def _reduce_metrics(self, reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def _reduce_metrics(self, reduced: list[dict[str, torch.Tensor]],
+                        extremes: Mapping[str, Extreme]) -> dict[str, float]:
         """Sum the (globally normalised) per-micro-batch metrics over micro-batches and DP ranks on the
-        last pipeline stage, then share them with every stage."""
+        last pipeline stage (``extremes``: max or min instead), then share them with every stage."""
         shared: list[dict[str, float] | None] = [None]
         if parallel_state.is_pipeline_last_stage():
-            keys = sorted(reduced[0])
+            keys = sorted(k for k in reduced[0] if k not in extremes)
             values = torch.stack([sum(r[k].double() for r in reduced) for k in keys])
             dist.all_reduce(values, group=self.groups.dp)
-            shared = [dict(zip(keys, values.tolist(), strict=True))]
+            out = dict(zip(keys, values.tolist(), strict=True))
+            for key, extreme in sorted(extremes.items(), key=lambda kv: kv[0]):  # same order on every rank
+                sign = 1.0 if extreme is Extreme.MAX else -1.0  # min = -max(-x)
+                value = torch.stack([r[key].double() for r in reduced]).mul(sign).max().reshape(1)
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.groups.dp)
+                out[key] = sign * value.item()
+            shared = [out]
         pp = self.groups.pp
         dist.broadcast_object_list(shared, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         return dict(shared[0])

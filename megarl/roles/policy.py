@@ -3,8 +3,9 @@
 Batch fields (right-padded rows, [B, S]): ``input_ids``, ``attention_mask`` (1 on prompt+response
 tokens), ``response_mask`` (1 on response tokens that count); for :meth:`update` also
 ``advantages`` and ``old_log_probs`` (token-aligned: entry i belongs to token i), or, without
-``AlgorithmConfig.recomputes_old_log_probs``, ``rollout_log_probs`` instead. Results come back only from
-each DP rank's owner (last PP stage, TP rank 0); other ranks return None.
+``AlgorithmConfig.recomputes_old_log_probs``, ``rollout_log_probs`` instead; with both, the update applies
+``algorithm.rollout_correction`` to ``pi_old / pi_rollout`` (:mod:`megarl.algos.correction`). Results come
+back only from each DP rank's owner (last PP stage, TP rank 0); other ranks return None.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megarl.checkpoint.training import load_training_checkpoint, save_training_c
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
-from megarl.engine.engine import MegatronEngine
+from megarl.engine.engine import Extreme, MegatronEngine
 from megarl.engine.results import StepResult
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
@@ -126,18 +127,26 @@ class PolicyRole(Role):
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
         gap = (None if recompute or self.rollout is None
                else _RolloutGap(batch["response_mask"], normalizer, self.rollout.config.max_logprob_abs_diff))
-        loss_cfg = a.policy_loss
+        loss_cfg, correction = a.policy_loss, a.rollout_correction if "rollout_log_probs" in batch else None
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
             lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
             mask = mb["response_mask"].to(lp.dtype)
             old = mb["old_log_probs"] if recompute else lp.detach()
-            out = algos.compute_policy_loss(loss_cfg, lp, old, mb["advantages"], mask, normalizer)
-            entropy = algos.aggregate_entropy(ent, mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
-            loss = out.loss - a.entropy_coef * entropy if a.entropy_coef else out.loss
             # token-mean metrics of this micro-batch, weighted so that they add up to global means
             weight = mask.sum() / normalizer.token_count
-            metrics = {k: v * weight for k, v in out.metrics().items() if k != "loss"}
+            advantages, metrics = mb["advantages"], {}
+            if correction is not None and correction.active:
+                corr = algos.rollout_correction(old, mb["rollout_log_probs"], mask, correction)
+                advantages = advantages * corr.weights
+                seq_weight = (mask.sum(-1) > 0).sum() / normalizer.seq_count
+                metrics = ({f"mismatch/{k}": v * weight for k, v in corr.metrics.items()}
+                           | {f"mismatch/{k}": v * seq_weight for k, v in corr.seq_metrics.items()}
+                           | {"mismatch/ratio_max": corr.ratio_max, "mismatch/ratio_min": corr.ratio_min})
+            out = algos.compute_policy_loss(loss_cfg, lp, old, advantages, mask, normalizer)
+            entropy = algos.aggregate_entropy(ent, mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
+            loss = out.loss - a.entropy_coef * entropy if a.entropy_coef else out.loss
+            metrics |= {k: v * weight for k, v in out.metrics().items() if k != "loss"}
             if a.kl_loss_coef:
                 kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, a.kl_estimator, loss_cfg.aggregation, normalizer,
                                    loss_cfg.norm_constant)
@@ -150,7 +159,7 @@ class PolicyRole(Role):
                 metrics["rollout/logprob_abs_diff"] = gap.add(lp, mb["rollout_log_probs"], mask)
             return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
 
-        return self.engine.train_step(batch, loss_fn)
+        return self.engine.train_step(batch, loss_fn, _CORRECTION_EXTREMES if correction is not None else None)
 
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak host (and device) memory since the last call, then a new phase starts
@@ -189,6 +198,9 @@ class ReferenceRole(Role):
     def compute_log_probs(self, batch: Batch) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S] of the reference model (see PolicyRole)."""
         return _log_probs(self.engine, self.ctx, batch, self.temperature)
+
+
+_CORRECTION_EXTREMES = {"mismatch/ratio_max": Extreme.MAX, "mismatch/ratio_min": Extreme.MIN}
 
 
 def _log_probs(engine: MegatronEngine, ctx: WorkerContext, batch: Batch, temperature: float) -> Batch | None:

@@ -396,8 +396,11 @@ class Trainer:
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.algorithm
-        old = "old_log_probs" if a.recompute_old_log_probs else "rollout_log_probs"  # the latter: for the check
-        fields = ["input_ids", "attention_mask", "response_mask", old, "advantages"]
+        fields = ["input_ids", "attention_mask", "response_mask", "advantages"]
+        if a.recompute_old_log_probs:
+            fields.append("old_log_probs")
+        if a.rollout_correction.active or not a.recompute_old_log_probs:  # the correction's denominator; the check
+            fields.append("rollout_log_probs")
         if a.kl_loss_coef:
             fields.append("ref_log_probs")
         train = batch.select(*fields)
