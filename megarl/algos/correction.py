@@ -5,8 +5,8 @@ training model at the same weights. The two differ whenever the engines do (bf16
 fp32/bf16 Megatron, a different attention or sampling path, later stale weights in asynchronous
 training). Two corrections, alone or together, at one of three levels (:class:`ISLevel`):
 
-* **truncated IS** (``weight``; TIS, Yao et al. 2025): every token's loss is multiplied by
-  ``min(rho, weight_cap)`` - the token's own ratio (``token``), the product over its sequence
+* **truncated IS** (``truncate``; TIS, Yao et al. 2025): every token's loss is multiplied by
+  ``min(rho, truncate_cap)`` - the token's own ratio (``token``), the product over its sequence
   (``sequence``) or the geometric mean over its sequence (``geometric``);
 * **masked IS / rejection** (``reject``; MIS): tokens (``token``: ICEPOP's two-sided mask) or whole
   sequences (``sequence``; ``geometric``: Geo-RS) whose ratio lies outside ``[reject_low, reject_high]``
@@ -45,23 +45,23 @@ class RolloutCorrectionConfig:
     (the CPU default) every weight is 1 to within 1e-5, and with bf16 vLLM rollouts it bounds what a
     token the two engines disagree on can do to the update, at no cost."""
 
-    weight: ISLevel | None = ISLevel.TOKEN  # truncated IS: weight min(rho, weight_cap) at this level; null: off
-    weight_cap: float = 2.0  # C of truncated IS
+    truncate: ISLevel | None = ISLevel.TOKEN  # truncated IS: weight min(rho, truncate_cap) at this level; null: off
+    truncate_cap: float = 2.0  # C of truncated IS
     reject: ISLevel | None = None  # masked IS: weight 0 where rho is outside [reject_low, reject_high]; null: off
     reject_low: float = 0.5  # lower bound of the kept ratios (ICEPOP: 0.5)
     reject_high: float = 2.0  # upper bound of the kept ratios (ICEPOP: 5.0 in the paper's MoE runs)
 
     def __post_init__(self) -> None:
-        if self.weight_cap < 1.0:
-            raise ConfigError(f"rollout_correction.weight_cap must be >= 1 (a cap below 1 shrinks every weight), "
-                              f"found {self.weight_cap}")
+        if self.truncate_cap < 1.0:
+            raise ConfigError(f"rollout_correction.truncate_cap must be >= 1 (a cap below 1 shrinks every weight), "
+                              f"found {self.truncate_cap}")
         if not 0.0 <= self.reject_low < 1.0 < self.reject_high:
             raise ConfigError(f"rollout_correction needs 0 <= reject_low < 1 < reject_high, found {self.reject_low} "
                               f"and {self.reject_high}")
 
     @property
     def active(self) -> bool:
-        return self.weight is not None or self.reject is not None
+        return self.truncate is not None or self.reject is not None
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,10 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     rho = torch.exp(log_rho)
     weights = mask.clone()
     truncated = torch.zeros_like(mask)
-    if cfg.weight is not None:
-        level = torch.exp(_level_log_ratio(log_rho, mask, cfg.weight).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-        truncated = (level > cfg.weight_cap).to(mask.dtype) * mask
-        weights = weights * level.clamp(max=cfg.weight_cap)
+    if cfg.truncate is not None:
+        level = torch.exp(_level_log_ratio(log_rho, mask, cfg.truncate).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        truncated = (level > cfg.truncate_cap).to(mask.dtype) * mask
+        weights = weights * level.clamp(max=cfg.truncate_cap)
     rejected = torch.zeros_like(mask)
     if cfg.reject is not None:
         level = torch.exp(_level_log_ratio(log_rho, mask, cfg.reject).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))

@@ -35,9 +35,9 @@ def _hand(old, rollout, mask, adv, cfg):
         row_w = []
         for x in counted:
             w = 1.0
-            if cfg.weight is not None:
-                level = {ISLevel.TOKEN: x, ISLevel.SEQUENCE: seq, ISLevel.GEOMETRIC: geo}[cfg.weight]
-                w *= min(math.exp(level), cfg.weight_cap)
+            if cfg.truncate is not None:
+                level = {ISLevel.TOKEN: x, ISLevel.SEQUENCE: seq, ISLevel.GEOMETRIC: geo}[cfg.truncate]
+                w *= min(math.exp(level), cfg.truncate_cap)
             if cfg.reject is not None:
                 level = {ISLevel.TOKEN: x, ISLevel.SEQUENCE: seq, ISLevel.GEOMETRIC: geo}[cfg.reject]
                 w *= 0.0 if not (cfg.reject_low <= math.exp(level) <= cfg.reject_high) else 1.0
@@ -104,9 +104,9 @@ def test_mismatch_metrics_and_applied_weights_equal_hand_computation(policy):
 
     cases = [
         (1.0, RolloutCorrectionConfig()),  # matched engines: weights 1
-        (1.3, RolloutCorrectionConfig(weight=ISLevel.TOKEN, weight_cap=1.2, reject=ISLevel.TOKEN,
+        (1.3, RolloutCorrectionConfig(truncate=ISLevel.TOKEN, truncate_cap=1.2, reject=ISLevel.TOKEN,
                                       reject_low=0.6, reject_high=3.0)),
-        (1.6, RolloutCorrectionConfig(weight=ISLevel.GEOMETRIC, weight_cap=1.05, reject=ISLevel.SEQUENCE,
+        (1.6, RolloutCorrectionConfig(truncate=ISLevel.GEOMETRIC, truncate_cap=1.05, reject=ISLevel.SEQUENCE,
                                       reject_low=0.2, reject_high=5.0)),
     ]
     kl = []

@@ -40,8 +40,8 @@ def _expected_weights(cfg: RolloutCorrectionConfig) -> list[list[float]]:
     out = []
     for row in range(4):
         weights = [1.0] * sum(MASK[row])
-        if cfg.weight is not None:
-            weights = [w * min(math.exp(x), cfg.weight_cap) for w, x in zip(weights, _level(row, cfg.weight),
+        if cfg.truncate is not None:
+            weights = [w * min(math.exp(x), cfg.truncate_cap) for w, x in zip(weights, _level(row, cfg.truncate),
                                                                              strict=True)]
         if cfg.reject is not None:
             weights = [0.0 if not (cfg.reject_low <= math.exp(x) <= cfg.reject_high) else w
@@ -51,12 +51,13 @@ def _expected_weights(cfg: RolloutCorrectionConfig) -> list[list[float]]:
 
 
 CASES = {
-    "token TIS": RolloutCorrectionConfig(weight=ISLevel.TOKEN, weight_cap=2.0),
-    "sequence TIS": RolloutCorrectionConfig(weight=ISLevel.SEQUENCE, weight_cap=1.5),
-    "geometric TIS": RolloutCorrectionConfig(weight=ISLevel.GEOMETRIC, weight_cap=1.1),
-    "ICEPOP (token mask)": RolloutCorrectionConfig(weight=None, reject=ISLevel.TOKEN, reject_low=0.5, reject_high=2.0),
-    "sequence MIS": RolloutCorrectionConfig(weight=None, reject=ISLevel.SEQUENCE, reject_low=0.5, reject_high=2.0),
-    "Geo-RS + token TIS": RolloutCorrectionConfig(weight=ISLevel.TOKEN, weight_cap=2.0, reject=ISLevel.GEOMETRIC,
+    "token TIS": RolloutCorrectionConfig(truncate=ISLevel.TOKEN, truncate_cap=2.0),
+    "sequence TIS": RolloutCorrectionConfig(truncate=ISLevel.SEQUENCE, truncate_cap=1.5),
+    "geometric TIS": RolloutCorrectionConfig(truncate=ISLevel.GEOMETRIC, truncate_cap=1.1),
+    "ICEPOP (token mask)": RolloutCorrectionConfig(truncate=None, reject=ISLevel.TOKEN, reject_low=0.5,
+                                                   reject_high=2.0),
+    "sequence MIS": RolloutCorrectionConfig(truncate=None, reject=ISLevel.SEQUENCE, reject_low=0.5, reject_high=2.0),
+    "Geo-RS + token TIS": RolloutCorrectionConfig(truncate=ISLevel.TOKEN, truncate_cap=2.0, reject=ISLevel.GEOMETRIC,
                                                   reject_low=0.9, reject_high=1.2),
 }
 
@@ -79,8 +80,8 @@ def test_weights_and_metrics_equal_hand_computation(name):
     rows = [r for r in range(4) if sum(MASK[r])]  # the fully masked row counts in no sequence mean
     ppl = [math.exp(-sum(_level(r, ISLevel.TOKEN)) / sum(MASK[r])) for r in rows]
     assert out.seq_metrics["ppl_ratio"].item() == pytest.approx(sum(ppl) / len(ppl), abs=1e-12)
-    if cfg.weight is not None:
-        capped = sum(math.exp(x) > cfg.weight_cap for r in range(4) for x in _level(r, cfg.weight))
+    if cfg.truncate is not None:
+        capped = sum(math.exp(x) > cfg.truncate_cap for r in range(4) for x in _level(r, cfg.truncate))
         assert out.metrics["truncated_frac"].item() == pytest.approx(capped / n, abs=1e-12)
     if cfg.reject is not None:
         outside = sum(not (cfg.reject_low <= math.exp(x) <= cfg.reject_high) for r in range(4)
@@ -94,7 +95,7 @@ def test_ratios_exactly_at_the_bounds_are_kept_and_not_counted_as_truncated():
     old, rollout, mask = _tensors()
     only_row3 = torch.zeros_like(mask)
     only_row3[3, :2] = 1.0
-    cfg = RolloutCorrectionConfig(weight=ISLevel.TOKEN, weight_cap=2.0, reject=ISLevel.TOKEN, reject_low=0.5,
+    cfg = RolloutCorrectionConfig(truncate=ISLevel.TOKEN, truncate_cap=2.0, reject=ISLevel.TOKEN, reject_low=0.5,
                                   reject_high=2.0)
     out = rollout_correction(old, rollout, only_row3, cfg)
     assert out.weights[3, :2].tolist() == pytest.approx([2.0, 0.5], abs=1e-12)
@@ -116,7 +117,7 @@ def test_weights_are_constants_of_the_update():
     assert not out.weights.requires_grad
 
 
-@pytest.mark.parametrize("kwargs", [dict(weight_cap=0.9), dict(reject_low=1.0), dict(reject_high=1.0)])
+@pytest.mark.parametrize("kwargs", [dict(truncate_cap=0.9), dict(reject_low=1.0), dict(reject_high=1.0)])
 def test_bad_bounds_are_config_errors(kwargs):
     with pytest.raises(ConfigError, match="rollout_correction"):
         RolloutCorrectionConfig(**kwargs)
