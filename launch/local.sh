@@ -20,6 +20,13 @@
 #   VENV, PYTHON      a virtualenv put first on PATH; the interpreter (default python3)
 #   MEGARL_DRIVER     what runs with CONFIG and the arguments (default "-m megarl.train");
 #                     "tools/benchmark.py" benchmarks the config instead (its flags go after CONFIG)
+#   MEGARL_STOP_TIMEOUT  seconds the driver gets to stop after a stop signal (default 600), then it is
+#                     killed (the previous checkpoint stays the latest)
+#
+# Stopping: Ctrl-C (SIGINT) or SIGTERM to this script asks the driver to finish its step, save a
+# checkpoint and exit 75 (the same command resumes); a second one abandons the step, a third kills the
+# driver. Ray is stopped only after the driver has exited, and the exit status is the driver's: 0 done,
+# 1 a bug, 2 bad input, 3 workers lost, 75 stopped and resumable (launch/README.md).
 # Ray 2.60 enables token authentication by default (token in ~/.ray/auth_token, shared by the head
 # and the driver here); RAY_AUTH_MODE=disabled turns it off, e.g. for tests on a private machine.
 
@@ -42,6 +49,8 @@ if [[ -z "${GPUS_PER_NODE:-}" ]]; then
 fi
 CPUS_PER_NODE="${CPUS_PER_NODE:-$(nproc)}"
 RAY_PORT="${RAY_PORT:-6379}"
+STOP_TIMEOUT="${MEGARL_STOP_TIMEOUT:-600}"
+[[ "$STOP_TIMEOUT" =~ ^[0-9]+$ ]] || die "MEGARL_STOP_TIMEOUT must be whole seconds, not '$STOP_TIMEOUT'"
 RAY_TMPDIR="${RAY_TMPDIR:-$(mktemp -d /tmp/megarl_ray_XXXXXX)}"
 mkdir -p "$RAY_TMPDIR"
 read -r -a EXTRA_RAY_ARGS <<< "${RAY_START_ARGS:-}"
@@ -72,11 +81,49 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+
+# Stop signals. While the driver runs: the first asks it to finish its step, save and exit (SIGTERM,
+# what `megarl train` takes for a graceful stop), the second to abandon the step, a third kills it.
+# Before it runs, the script ends (128+N) and the EXIT trap tears down.
+STOPS=0
+STOP_DEADLINE=""  # SECONDS by which the driver must have exited
+on_stop_signal() {  # on_stop_signal NAME
+    if [[ -z "$DRIVER_PID" ]]; then exit $((128 + $(kill -l "$1"))); fi
+    STOPS=$((STOPS + 1))
+    case $STOPS in
+        1) STOP_DEADLINE=$((SECONDS + STOP_TIMEOUT))
+           log "SIG$1: asking the driver to finish its step, save a checkpoint and exit (waiting up to" \
+               "${STOP_TIMEOUT}s before Ray is stopped; again to abandon the step)"
+           kill -TERM "$DRIVER_PID" 2>/dev/null || true ;;
+        2) log "SIG$1 again: asking the driver to abandon its step (once more kills it)"
+           kill -TERM "$DRIVER_PID" 2>/dev/null || true ;;
+        *) log "SIG$1 a third time: killing the driver"
+           kill -KILL "$DRIVER_PID" 2>/dev/null || true ;;
+    esac
+}
+trap 'on_stop_signal INT' INT
+trap 'on_stop_signal TERM' TERM
+
+# What the driver's exit status means (megarl/errors.py), for the log.
+describe_exit() {
+    case $1 in
+        0) echo "finished" ;;
+        1) echo "a bug: see the traceback above" ;;
+        2) echo "bad input (config, data, checkpoint, a locked output directory): fix it, then run again" ;;
+        3) echo "workers lost and not restartable: run the same command again to resume from the newest checkpoint" ;;
+        75) echo "stopped by a signal: run the same command again to resume" ;;
+        *) echo "killed by a signal" ;;
+    esac
+}
+
+# Ray and the driver each get their own session (setsid): Ctrl-C in a terminal signals the whole
+# foreground process group, and the driver would take it plus the SIGTERM forwarded here for two
+# signals (abandon the step); Ray must outlive the driver's checkpoint.
+SETSID=()
+if command -v setsid >/dev/null; then SETSID=(setsid); fi
 
 log "Ray head: $CPUS_PER_NODE CPUs, $GPUS_PER_NODE GPUs, port $RAY_PORT, logs in $RAY_TMPDIR"
-"$PYTHON" -m ray.scripts.scripts start --head --block --disable-usage-stats --temp-dir="$RAY_TMPDIR" \
+"${SETSID[@]}" "$PYTHON" -m ray.scripts.scripts start --head --block --disable-usage-stats --temp-dir="$RAY_TMPDIR" \
     --port="$RAY_PORT" --ray-client-server-port=$((RAY_PORT + 1)) \
     --dashboard-agent-listen-port=$((RAY_PORT + 2)) "${DASHBOARD_ARGS[@]}" \
     --num-cpus="$CPUS_PER_NODE" --num-gpus="$GPUS_PER_NODE" "${EXTRA_RAY_ARGS[@]}" \
@@ -97,14 +144,25 @@ done
 RAY_ADDRESS="$(cat "$ADDRESS_FILE")"
 export RAY_ADDRESS
 
-# In the background and waited for, so that Ctrl-C / SIGTERM reach the trap at once.
+# In the background and waited for, so that a signal reaches its trap at once; after a stop signal the
+# wait is bounded (MEGARL_STOP_TIMEOUT), and Ray is stopped only once the driver has exited.
 DRIVER="${MEGARL_DRIVER:--m megarl.train}"
 log "running: $PYTHON $DRIVER $CONFIG $* (Ray at $RAY_ADDRESS)"
 # shellcheck disable=SC2086  # DRIVER is "-m module" or a script path: split on purpose
-"$PYTHON" $DRIVER "$CONFIG" "$@" &
-DRIVER_PID=$!
+"${SETSID[@]}" "$PYTHON" $DRIVER "$CONFIG" "$@" &
+DRIVER_PID=$!  # setsid execs in place (a child here is no process group leader): this is the driver
+while kill -0 "$DRIVER_PID" 2>/dev/null; do
+    if [[ -z "$STOP_DEADLINE" ]]; then
+        wait "$DRIVER_PID" || true  # returns early (>128) when a trapped signal arrives
+    elif ((SECONDS < STOP_DEADLINE)); then
+        sleep 1
+    else
+        log "the driver did not exit within ${STOP_TIMEOUT}s (MEGARL_STOP_TIMEOUT) of the stop signal: killing it"
+        kill -KILL "$DRIVER_PID" 2>/dev/null || true
+    fi
+done
 rc=0
 wait "$DRIVER_PID" || rc=$?
 DRIVER_PID=""
-log "the driver exited with status $rc"
+log "the driver exited with status $rc: $(describe_exit "$rc")"
 exit "$rc"

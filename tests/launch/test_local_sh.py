@@ -3,7 +3,8 @@
 Two GRPO steps of the tiny addition example (its cluster: policy TP2 on 2 CPU worker processes, the
 reference colocated) with a few overrides; the script's Ray gets its own port block and temp dir.
 References: the files the run writes (``metrics.jsonl``, ``config.yaml``) against the overrides given,
-the script's exit status and log, and /proc (nothing of the script's Ray is left running).
+the script's exit status and log, and /proc (nothing of the script's Ray is left running). A second run
+is stopped with Ctrl-C (SIGINT to the script's process group): exit 75, the step in progress saved.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def _free_port_block(n: int = 3) -> int | None:
     return free_port_block(6690, 6890, n)
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def _launch(root: Path, steps: int) -> tuple[subprocess.Popen, Path, str]:
+    """Start the script on the tiny example in its own session, `steps` steps; (process, output dir, Ray dir)."""
     if shutil.which("bash") is None:
         pytest.skip("launch/local.sh needs bash")
     if importlib.util.find_spec("ray") is None:
@@ -48,11 +49,10 @@ def launched(tmp_path_factory):
         pytest.skip("no free block of 3 ports in 6690-6890 for the script's Ray head")
     from megarl.testing.addition import make_task
 
-    root = tmp_path_factory.mktemp("local_sh")
     task = make_task(root / "task", train_rows=64, val_rows=8)
     out = root / "run"
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
-                 "trainer.output_dir": out, "trainer.total_steps": STEPS, "trainer.save_every": 0,
+                 "trainer.output_dir": out, "trainer.total_steps": steps, "trainer.save_every": 0,
                  "trainer.val_every": 0, "trainer.tensorboard": "false", "data.batch_size": PROMPTS,
                  "rollout.sampling.n": N, "policy.optim.lr": LR}
     ray_tmp = tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp")  # short: Ray's unix socket paths
@@ -63,6 +63,11 @@ def launched(tmp_path_factory):
     cmd = ["bash", str(SCRIPT), str(EXAMPLE), *(f"{k}={v}" for k, v in overrides.items())]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    return proc, out, ray_tmp
+
+
+def _finish(proc: subprocess.Popen, ray_tmp: str) -> tuple[str, list[str]]:
+    """Wait for the script; (its output, the processes of its Ray still running)."""
     try:
         log, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -72,6 +77,13 @@ def launched(tmp_path_factory):
     deadline = time.monotonic() + 15  # Ray's reaper may still be finishing what the head left
     while (leftovers := processes_mentioning(ray_tmp)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    return log, leftovers
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    proc, out, ray_tmp = _launch(tmp_path_factory.mktemp("local_sh"), STEPS)
+    log, leftovers = _finish(proc, ray_tmp)
     yield {"rc": proc.returncode, "log": log, "out": out, "leftovers": leftovers, "ray_tmp": ray_tmp}
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -110,3 +122,30 @@ def test_config_yaml_records_the_overrides_over_the_example(launched):
     assert cfg["cluster"]["launcher"] == "ray"
     assert cfg["algorithm"]["mini_batches"] == example["algorithm"]["mini_batches"]
     assert cfg["rollout"]["max_new_tokens"] == example["rollout"]["max_new_tokens"] == 1
+
+
+def test_ctrl_c_saves_the_step_in_progress_and_exits_75(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the script's whole process group. The driver (in a session of its own)
+    gets exactly one SIGTERM from the script, so it finishes its step, checkpoints it and exits 75, and only
+    then is the script's Ray stopped. Two signals would have abandoned the step without a checkpoint."""
+    from megarl.metrics.tracking import read_metrics
+
+    total = 500  # far more than run before the signal lands (the steps take well under a second)
+    proc, out, ray_tmp = _launch(tmp_path, total)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline, "no training step logged in time"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    log, leftovers = _finish(proc, ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 75, log[-4000:]
+    assert "SIGINT: asking the driver to finish its step" in log, log[-4000:]
+    assert "SIGINT again" not in log and "abandoning the current step" not in log, log[-4000:]
+    assert log.index("the driver exited with status 75") < log.index("stopping Ray (exit status 75)"), log[-4000:]
+    steps = [m["step"] for m in read_metrics(out)]
+    saved = [d.name for d in (out / "checkpoints").glob("step_*") if (d / "trainer.json").is_file()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < total, log[-4000:]
+    assert saved == [f"step_{len(steps):06d}"], (saved, log[-4000:])  # the last finished step, saved on the signal
+    assert not leftovers, leftovers

@@ -3,9 +3,9 @@
 Opt-in (``MEGARL_SLURM_TEST=1``, which .ci/run sets): the module fixture brings Slurm up here as root
 (installs slurm-wlm and munge with apt when missing, starts munged, slurmctld and slurmd by hand from a
 slurm.conf in a temp dir) and stops what it started afterwards; any step that fails skips the test with
-the command and its output. The job trains the tiny addition example for 3 steps on its own Ray cluster
-(its own port and temp dir), while the test session's Ray cluster (`ray_cluster`) runs alongside: it
-must come out untouched.
+the command and its output. The jobs train the tiny addition example on their own Ray cluster (own port
+and temp dir): 3 steps; a config error; a graceful stop on the time-limit warning, a requeue and a
+resume. The test session's Ray cluster (`ray_cluster`) runs alongside: it must come out untouched.
 """
 
 from __future__ import annotations
@@ -129,6 +129,8 @@ ClusterName=megarltest
 SlurmctldHost={self.node}
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ProctrackType=proctrack/linuxproc
@@ -204,27 +206,39 @@ def _free_ports(n: int) -> int:
     return base
 
 
-def _submit(slurm: LocalSlurm, tmp_path: Path, overrides: dict) -> tuple[dict[str, str], str, str]:
-    """Run the sbatch script on the example with `overrides`; (scontrol's job record, its output, Ray dir)."""
-    log, ray_tmp = tmp_path / "job.out", tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp")  # short: unix sockets
+def _sbatch(slurm: LocalSlurm, tmp_path: Path, overrides: dict, env: dict | None = None) -> tuple[str, str]:
+    """Submit the sbatch script on the example with `overrides` (and extra `env`); (job id, its Ray dir)."""
+    ray_tmp = tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp")  # short: Ray's unix sockets live there
     # The job's Ray must not find the session's cluster: no inherited address, its own port and dir.
-    env = {k: v for k, v in slurm.env.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE")} | {
+    job_env = {k: v for k, v in slurm.env.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE")} | {
         "RAY_AUTH_MODE": "disabled", "RAY_PORT": str(_free_ports(3)), "RAY_TMPDIR": ray_tmp,
         "RAY_START_ARGS": f"--object-store-memory={200 * 2**20}", "LOG_DIR": str(tmp_path / "logs"),
-        "VENV": sys.prefix, "RAY_JOIN_TIMEOUT": "180"}
-    start = time.monotonic()
+        "VENV": sys.prefix, "RAY_JOIN_TIMEOUT": "180"} | (env or {})
     submit = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", f"--chdir={tmp_path}", str(SBATCH), str(EXAMPLE),
-         *(f"{k}={v}" for k, v in overrides.items())], capture_output=True, text=True, env=env)
+        ["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}", str(SBATCH), str(EXAMPLE),
+         *(f"{k}={v}" for k, v in overrides.items())], capture_output=True, text=True, env=job_env)
     assert submit.returncode == 0, f"sbatch exited {submit.returncode}: {submit.stderr}"
-    job_id = submit.stdout.strip().split(";")[0]
+    return submit.stdout.strip().split(";")[0], ray_tmp
+
+
+def _wait(slurm: LocalSlurm, job_id: str, tmp_path: Path, start: float) -> tuple[dict[str, str], str]:
+    """Poll until the job is done; (scontrol's job record, the job's output)."""
     # `sbatch --wait` polls lazily (it doubled a 21 s job here): poll scontrol instead.
     job = slurm.job(job_id)
     while job.get("JobState") not in DONE_STATES and time.monotonic() - start < JOB_TIMEOUT_S:
         time.sleep(1)
         job = slurm.job(job_id)
     print(f"Slurm job {job_id}: {job.get('JobState')} exit {job.get('ExitCode')} in {time.monotonic() - start:.0f}s")
-    return job, log.read_text(errors="replace") if log.exists() else "(no job output)", ray_tmp
+    log = tmp_path / "job.out"
+    return job, log.read_text(errors="replace") if log.exists() else "(no job output)"
+
+
+def _submit(slurm: LocalSlurm, tmp_path: Path, overrides: dict) -> tuple[dict[str, str], str, str]:
+    """Run the sbatch script on the example with `overrides`; (scontrol's job record, its output, Ray dir)."""
+    start = time.monotonic()
+    job_id, ray_tmp = _sbatch(slurm, tmp_path, overrides)
+    job, log = _wait(slurm, job_id, tmp_path, start)
+    return job, log, ray_tmp
 
 
 def _assert_ray_stopped_and_session_cluster_untouched(ray_tmp: str) -> None:
@@ -256,4 +270,55 @@ def test_sbatch_failing_driver_fails_job_and_stops_ray(slurm, ray_cluster, tmp_p
     job, job_log, ray_tmp = _submit(slurm, tmp_path, {"trainer.total_stepz": 3})  # a config error
     assert job.get("JobState") == "FAILED" and job.get("ExitCode") == "2:0", _tail(job_log, 40)
     assert "did you mean 'total_steps'" in job_log and "stopping the Ray cluster" in job_log
+    _assert_ray_stopped_and_session_cluster_untouched(ray_tmp)
+
+
+def _logged_steps(out: Path) -> int:
+    """Lines metrics.jsonl holds (whole ones only: the driver may be writing one)."""
+    path = out / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _checkpoints(out: Path) -> list[int]:
+    """The steps of the finished checkpoints under out/checkpoints (step_NNNNNN holding trainer.json)."""
+    return sorted(int(d.name.removeprefix("step_")) for d in (out / "checkpoints").glob("step_*")
+                  if (d / "trainer.json").is_file())
+
+
+def test_sbatch_time_limit_warning_saves_exits_75_and_requeues_once(slurm, ray_cluster, tmp_path):
+    """The time-limit warning (SIGUSR1 to the batch shell, what `--signal=B:USR1@600` sends) makes the driver
+    finish its step, checkpoint it and exit 75, before the job's Ray is stopped. With MEGARL_REQUEUE=1 and
+    MEGARL_MAX_REQUEUES=1 the job is requeued once: the second allocation resumes from that checkpoint, and
+    the same warning there ends the job with 75 (a second requeue would pass the bound)."""
+    from megarl.testing.addition import make_task
+
+    task = make_task(tmp_path / "task")
+    out = tmp_path / "run"
+    start = time.monotonic()
+    job_id, ray_tmp = _sbatch(slurm, tmp_path, {
+        "model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+        "trainer.output_dir": out, "trainer.total_steps": 200, "trainer.save_every": 0, "trainer.val_every": 0,
+        "trainer.tensorboard": "false"}, env={"MEGARL_REQUEUE": "1", "MEGARL_MAX_REQUEUES": "1"})
+    warned: list[int] = []  # the number of finished steps when each allocation got its warning
+    job = slurm.job(job_id)
+    while job.get("JobState") not in DONE_STATES and time.monotonic() - start < JOB_TIMEOUT_S:
+        steps = _logged_steps(out)
+        # once per allocation, as soon as it has finished a step of its own
+        if job.get("JobState") == "RUNNING" and len(warned) == int(job.get("Restarts", 0)) and steps > max(
+                _checkpoints(out), default=0):
+            subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, env=slurm.env)
+            warned.append(steps)
+        time.sleep(0.5)
+        job = slurm.job(job_id)
+    job, job_log = _wait(slurm, job_id, tmp_path, start)
+    assert job.get("JobState") == "FAILED" and job.get("ExitCode") == "75:0", _tail(job_log, 60)
+    assert job.get("Restarts") == "1" and len(warned) == 2, (warned, _tail(job_log, 60))
+    # each allocation saved the step it was in when warned (or a later one) and stopped there
+    first, second = _checkpoints(out)  # trainer.keep_checkpoints: 2
+    assert warned[0] <= first < warned[1] <= second < 200, (warned, first, second)
+    # the second allocation resumed from the first one's checkpoint: every step once, none after the last save
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, second + 1)), _tail(job_log, 60)
+    assert job_log.count("the driver exited with status 75") == 2, _tail(job_log, 60)
+    assert "requeueing job" in job_log and "not requeueing: 1 requeue(s) done (MEGARL_MAX_REQUEUES=1)" in job_log
+    assert job_log.index("the driver exited with status 75") < job_log.index("stopping the Ray cluster")
     _assert_ray_stopped_and_session_cluster_untouched(ray_tmp)
