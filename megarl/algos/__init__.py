@@ -7,7 +7,7 @@ the driver and the workers call into this package, never the other way round.
 
 - :mod:`megarl.algos.ops`        masked reductions, whitening, :class:`LossAggregation`, :class:`LossNormalizer`
 - :mod:`megarl.algos.advantages` ``ADVANTAGE_ESTIMATORS``: GAE, GRPO, RLOO, REINFORCE++, ReMax
-- :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO; value loss; entropy
+- :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 """
 
@@ -47,10 +47,12 @@ from megarl.algos.losses import (
     PolicyLossOutput,
     ValueLossOutput,
     aggregate_entropy,
+    cispo_loss,
     compute_policy_loss,
     entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
+    sapo_loss,
     value_loss,
 )
 from megarl.algos.ops import (
@@ -91,6 +93,7 @@ __all__ = [
     "aggregate_loss",
     "apply_kl_penalty",
     "build_kl_controller",
+    "cispo_loss",
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
@@ -109,6 +112,7 @@ __all__ = [
     "reinforce_plus_plus",
     "remax",
     "rloo",
+    "sapo_loss",
     "value_loss",
     "zero_masked",
 ]

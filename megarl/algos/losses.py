@@ -1,7 +1,7 @@
 """Policy losses (registry ``POLICY_LOSSES``), the clipped value loss and entropy, as pure tensor functions.
 
-Owns the per-token surrogate objectives of PPO-family updates and their diagnostics (clip
-fractions, approximate KL between the sampling and the current policy). Losses are returned
+Owns the per-token surrogate objectives of PPO-family updates (PPO clip, GSPO, CISPO, SAPO) and their
+diagnostics (clip fractions, approximate KL between the sampling and the current policy). Losses are returned
 ready for ``backward()`` after :func:`~megarl.algos.ops.aggregate_loss`; metrics are detached
 token-means over this (micro-)batch's counted tokens, for logging only.
 
@@ -29,28 +29,53 @@ _LOG_RATIO_LIMIT = 20.0
 class PolicyLoss(enum.Enum):
     PPO_CLIP = "ppo_clip"  # token-level ratio, clipped (Schulman et al. 2017), optional dual-clip
     GSPO = "gspo"  # sequence-level ratio, clipped (Zheng et al. 2025, GSPO-token form)
+    CISPO = "cispo"  # clipped, stop-gradient IS weight times log pi (MiniMax-M1, arXiv 2506.13585)
+    SAPO = "sapo"  # soft sigmoid gate instead of the clip (Gao et al. 2025, arXiv 2511.20347)
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss: PolicyLoss = PolicyLoss.PPO_CLIP  # ppo_clip or gspo (sequence-level ratio)
-    clip_low: float = 0.2  # ratio kept >= 1 - clip_low
-    clip_high: float = 0.2  # ratio kept <= 1 + clip_high (DAPO "clip-higher": 0.28)
-    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (Ye et al. 2020: 3.0); None = off
+    loss: PolicyLoss = PolicyLoss.PPO_CLIP  # ppo_clip, gspo (sequence-level ratio), cispo or sapo
+    clip_low: float = 0.2  # ppo_clip, gspo: ratio kept >= 1 - clip_low
+    clip_high: float = 0.2  # ppo_clip, gspo: ratio kept <= 1 + clip_high (DAPO "clip-higher": 0.28)
+    clip_ratio_c: float | None = None  # ppo_clip only: dual-clip bound for A < 0 (Ye et al. 2020: 3.0); None = off
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     norm_constant: float | None = None  # for SEQ_MEAN_TOKEN_SUM_NORM: the maximum response length
+    # CISPO bounds its IS weight with fields of its own: clip_low/clip_high's PPO defaults would put a floor of
+    # 0.8 under the weight, and MiniMax-M1 has none. (verl reuses clip_ratio_low/high for CISPO; TRL caps the
+    # weight at epsilon_high, "5.0 recommended" after ScaleRL, arXiv 2510.13786: our 1 + 4.0.)
+    cispo_clip_low: float | None = None  # cispo: IS weight kept >= 1 - cispo_clip_low; None = no floor (MiniMax-M1)
+    cispo_clip_high: float = 4.0  # cispo: IS weight kept <= 1 + cispo_clip_high (ScaleRL / TRL: weight <= 5)
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature where A > 0 (paper default 1.0)
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature where A <= 0 (paper default 1.05; larger damps sooner)
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
             raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, found {self.clip_low}, {self.clip_high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ConfigError(f"dual-clip clip_ratio_c must be > 1 (e.g. 3.0) or None, found {self.clip_ratio_c}")
+        if (self.cispo_clip_low is not None and self.cispo_clip_low < 0.0) or self.cispo_clip_high < 0.0:
+            raise ConfigError(f"need cispo_clip_low >= 0 (or None) and cispo_clip_high >= 0, found "
+                              f"{self.cispo_clip_low}, {self.cispo_clip_high}")
+        if not (self.sapo_tau_pos > 0.0 and self.sapo_tau_neg > 0.0):
+            raise ConfigError(f"SAPO temperatures must be > 0, found sapo_tau_pos={self.sapo_tau_pos}, "
+                              f"sapo_tau_neg={self.sapo_tau_neg}")
+        if isinstance(self.loss, PolicyLoss):  # a string key is checked where the registry looks it up
+            _refuse_dual_clip(self.loss, self.clip_ratio_c)
+
+
+def _refuse_dual_clip(loss: PolicyLoss, clip_ratio_c: float | None) -> None:
+    """Dual-clip bounds PPO's clipped surrogate; the other losses have no such term to bound."""
+    if loss is not PolicyLoss.PPO_CLIP and clip_ratio_c is not None:
+        raise ConfigError(f"{loss.value} has no dual-clip; set clip_ratio_c to None, found {clip_ratio_c}")
 
 
 @dataclass(frozen=True)
 class PolicyLossOutput:
     loss: torch.Tensor  # scalar, differentiable
-    clip_frac: torch.Tensor  # fraction of counted tokens where the clipped surrogate is the active one
+    # fraction of counted tokens where the clip acts: ppo_clip, gspo: the clipped surrogate is the active one;
+    # cispo: the IS weight was clipped; sapo: the gate's gradient weight 4 s (1 - s) is below 1/2
+    clip_frac: torch.Tensor
     dual_clip_frac: torch.Tensor  # fraction of counted tokens (A < 0) bounded by -A * clip_ratio_c
     approx_kl_k1: torch.Tensor  # mean(log pi_old - log pi): KL(pi_old || pi), k1 estimator
     approx_kl_k3: torch.Tensor  # mean(r - 1 - log r), r = pi / pi_old: KL(pi_old || pi), k3 estimator
@@ -151,6 +176,78 @@ def gspo_loss(
     return PolicyLossOutput(loss, clip_frac, torch.zeros_like(clip_frac), k1, k3)
 
 
+def cispo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float | None,
+    clip_high: float,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> PolicyLossOutput:
+    """CISPO: REINFORCE on ``log pi`` weighted by the clipped importance-sampling weight, which gets no gradient.
+
+    ``r = exp(clamp(log pi - log pi_old, -20, 20))``, ``w = sg(clip(r, 1 - clip_low, 1 + clip_high))`` and::
+
+        l = -w A log pi          d l / d log pi = -w A
+
+    Unlike PPO's clip, which zeroes the gradient of a token whose ratio left the band, every token keeps
+    a gradient here; only its weight is bounded. ``clip_low=None`` is no lower bound (MiniMax-M1 sets
+    eps_low "to a large value" and tunes eps_high only). The paper averages over all tokens of the batch
+    (``TOKEN_MEAN``). ``clip_frac`` counts tokens with ``r`` strictly outside the bounds. No dual-clip.
+    """
+    log_prob, advantages = zero_masked(log_prob, mask), zero_masked(advantages, mask)
+    log_ratio = zero_masked(log_prob.detach() - old_log_prob, mask)
+    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, None if clip_low is None else 1.0 - clip_low, 1.0 + clip_high)
+    per_token = -weight * advantages * log_prob
+    clip_frac = masked_mean((weight != ratio).to(ratio.dtype), mask)
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer, norm_constant)
+    k1, k3 = _ratio_metrics(log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac, torch.zeros_like(clip_frac), k1, k3)
+
+
+def sapo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    normalizer: LossNormalizer | None = None,
+    norm_constant: float | None = None,
+) -> PolicyLossOutput:
+    """SAPO: the token ratio passes a smooth sigmoid gate instead of PPO's hard clip.
+
+    ``r = exp(clamp(log pi - log pi_old, -20, 20))``, ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``,
+    ``s = sigmoid(tau (r - 1))`` and::
+
+        l = -(4 / tau) s A          d l / d log pi = -4 s (1 - s) r A
+
+    The gradient is the unclipped one (``-A r``) times ``4 s (1 - s)``: exactly 1 at ``r = 1`` (on-policy,
+    plain policy gradient), decaying smoothly as ``r`` leaves 1, faster for larger ``tau``. The paper's
+    ``tau_neg > tau_pos`` damps negative-advantage updates sooner. The paper averages per sequence, then
+    over sequences (``SEQ_MEAN_TOKEN_MEAN``); the aggregation here is the caller's. ``clip_frac`` counts
+    tokens whose gate weight ``4 s (1 - s)`` is below 1/2 (``tau |r - 1| > 1.7627``). No dual-clip.
+    """
+    log_ratio = zero_masked(log_prob - old_log_prob, mask)
+    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    advantages = zero_masked(advantages, mask)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    per_token = -(4.0 / tau) * gate * advantages
+    s = gate.detach()
+    clip_frac = masked_mean((4.0 * s * (1.0 - s) < 0.5).to(ratio.dtype), mask).detach()
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer, norm_constant)
+    k1, k3 = _ratio_metrics(log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac, torch.zeros_like(clip_frac), k1, k3)
+
+
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, PolicyLossConfig, LossNormalizer | None], PolicyLossOutput]
 
 
@@ -165,14 +262,33 @@ def _ppo_clip_entry(
 def _gspo_entry(
     lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
 ) -> PolicyLossOutput:
-    if cfg.clip_ratio_c is not None:
-        raise ConfigError(f"GSPO has no dual-clip; set clip_ratio_c to None, found {cfg.clip_ratio_c}")
+    _refuse_dual_clip(PolicyLoss.GSPO, cfg.clip_ratio_c)
     return gspo_loss(lp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high, cfg.aggregation, norm, cfg.norm_constant)
+
+
+def _cispo_entry(
+    lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
+) -> PolicyLossOutput:
+    _refuse_dual_clip(PolicyLoss.CISPO, cfg.clip_ratio_c)
+    return cispo_loss(
+        lp, old_lp, adv, mask, cfg.cispo_clip_low, cfg.cispo_clip_high, cfg.aggregation, norm, cfg.norm_constant
+    )
+
+
+def _sapo_entry(
+    lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
+) -> PolicyLossOutput:
+    _refuse_dual_clip(PolicyLoss.SAPO, cfg.clip_ratio_c)
+    return sapo_loss(
+        lp, old_lp, adv, mask, cfg.sapo_tau_pos, cfg.sapo_tau_neg, cfg.aggregation, norm, cfg.norm_constant
+    )
 
 
 POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
     PolicyLoss.PPO_CLIP: _ppo_clip_entry,
     PolicyLoss.GSPO: _gspo_entry,
+    PolicyLoss.CISPO: _cispo_entry,
+    PolicyLoss.SAPO: _sapo_entry,
 }
 
 

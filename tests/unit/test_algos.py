@@ -551,7 +551,7 @@ def test_unknown_registry_keys_list_the_valid_ones():
         kl_divergence(x, x, "k3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"did you mean 'token-mean'"):
         aggregate_loss(x, x, "token_mean")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"\['ppo_clip', 'gspo'\]"):
+    with pytest.raises(ConfigError, match=r"\['ppo_clip', 'gspo', 'cispo', 'sapo'\]"):
         compute_policy_loss(PolicyLossConfig(loss="ppo"), x, x, x, x)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"\['fixed', 'adaptive'\]"):
         build_kl_controller(KLControllerConfig(kind="pid"))  # type: ignore[arg-type]
