@@ -9,6 +9,7 @@ the driver and the workers call into this package, never the other way round.
 - :mod:`megarl.algos.advantages` ``ADVANTAGE_ESTIMATORS``: GAE, GRPO, RLOO, REINFORCE++, ReMax
 - :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
+- :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
 """
 
 from megarl.algos.advantages import (
@@ -25,6 +26,7 @@ from megarl.algos.advantages import (
     remax,
     rloo,
 )
+from megarl.algos.correction import CorrectionOutput, ISLevel, RolloutCorrectionConfig, rollout_correction
 from megarl.algos.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -77,7 +79,9 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageInputs",
     "Advantages",
+    "CorrectionOutput",
     "FixedKLController",
+    "ISLevel",
     "KLController",
     "KLControllerConfig",
     "KLControllerType",
@@ -88,6 +92,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossConfig",
     "PolicyLossOutput",
+    "RolloutCorrectionConfig",
     "ValueLossOutput",
     "aggregate_entropy",
     "aggregate_loss",
@@ -112,6 +117,7 @@ __all__ = [
     "reinforce_plus_plus",
     "remax",
     "rloo",
+    "rollout_correction",
     "sapo_loss",
     "value_loss",
     "zero_masked",

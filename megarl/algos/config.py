@@ -10,6 +10,7 @@ import dataclasses
 
 from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
 from megarl.algos.correction import RolloutCorrectionConfig
+from megarl.algos.dapo import DynamicSamplingConfig
 from megarl.algos.kl import KLControllerConfig, KLEstimator
 from megarl.algos.losses import PolicyLossConfig
 
@@ -33,6 +34,9 @@ class AlgorithmConfig:
     recompute_old_log_probs: bool | None = None  # null: only where needed (see above); true: always
     # importance weights on pi_old / pi_rollout against the engines' mismatch (megarl.algos.correction)
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    # DAPO dynamic sampling: train only on prompt groups whose rewards differ (megarl.algos.dapo); null: off
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    mask_truncated: bool = False  # DAPO overlong filtering: responses cut at max_new_tokens count in no loss term
 
     @property
     def needs_reference(self) -> bool:

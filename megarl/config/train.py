@@ -87,6 +87,10 @@ class RewardConfig:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
     on_error: OnError = OnError.RAISE  # failures of the function (not of the reward model)
     error_score: float = 0.0  # the score of a row the function failed on (on_error: score)
+    # DAPO soft overlong penalty, added to the reward: 0 up to max_new_tokens - overlong_buffer tokens, then a
+    # linear ramp to -overlong_penalty_factor at max_new_tokens (megarl.algos.dapo)
+    overlong_buffer: int = 0  # tokens of the ramp; 0 = off
+    overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +265,22 @@ def check_config(cfg: TrainConfig) -> None:
                           f"update's own forward ({why}). Set algorithm.recompute_old_log_probs=true or leave it "
                           "unset (auto), or take one optimizer step per batch without kl_penalty.")
     _check_reward(cfg)
+    _check_dapo(cfg)
+
+
+def _check_dapo(cfg: TrainConfig) -> None:
+    a, r = cfg.algorithm, cfg.reward
+    if a.dynamic_sampling is not None and a.advantage.estimator not in (AdvantageEstimator.GRPO,
+                                                                        AdvantageEstimator.RLOO):
+        raise ConfigError(f"algorithm.dynamic_sampling keeps prompt groups whose rewards differ, which matters to the "
+                          f"group-relative estimators (grpo, rloo); found {a.advantage.estimator.value}. Unset it or "
+                          "use one of those.")
+    if r.overlong_buffer and not 0 < r.overlong_buffer <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer={r.overlong_buffer} must lie in (0, rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}] (or 0: off).")
+    if r.overlong_buffer < 0 or r.overlong_penalty_factor < 0:
+        raise ConfigError(f"reward.overlong_buffer and overlong_penalty_factor must be >= 0, found {r.overlong_buffer} "
+                          f"and {r.overlong_penalty_factor}.")
 
 
 def _check_cluster(cfg: TrainConfig) -> None:

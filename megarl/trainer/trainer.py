@@ -39,21 +39,20 @@ import torch
 
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
-from megarl.config.resolve import hf_files, resolve, sampling_params, stop_token_ids
+from megarl.config.resolve import hf_files, resolve, stop_token_ids
 from megarl.config.train import CorruptCheckpoint, TrainConfig, check_config, dump_config, to_plain
 from megarl.controller.handles import WorkerError
-from megarl.data.batch import Batch, prompt_batch
-from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts, load_row_adapter
+from megarl.data.batch import Batch
+from megarl.data.prompts import PromptSampler, load_prompts, load_row_adapter
 from megarl.engine.results import mean_metrics
 from megarl.errors import ConfigError, MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
-from megarl.rewards.base import score_samples
 from megarl.rewards.user import resolve_reward_function
-from megarl.rollout.base import SamplingConfig, SamplingParams
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.callbacks import Callback
+from megarl.trainer.experience import Experience
 from megarl.trainer.lock import RunLock
 from megarl.trainer.signals import Abandoned, StopRequest
 
@@ -133,6 +132,8 @@ class Trainer:
         from megarl.trainer.cluster import Cluster  # Ray and the workers: only once the config is known good
 
         self.cluster = Cluster(self.cfg, self.out, on_ray_started=self.stop.install)  # Ray replaces SIGTERM's handler
+        self.experience = Experience(self.cfg, self.cluster, self.tokenizer, self.reward_fn, self.stop_token_ids,
+                                     self._stage)
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
@@ -237,17 +238,17 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()
         a = self.cfg.algorithm
-        records = self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
         with timer("weight_sync"):
             metrics = self.cluster.sync_weights().metrics()
-        with timer("rollout"):
-            batch, baseline = self.rollout(records)
-            metrics |= self._rollout_metrics(batch)
+        batch, _, sampled = self.experience.collect(
+            lambda: self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size)), self._seed(), timer)
+        metrics |= sampled
+        if not len(batch):  # dynamic sampling found no prompt group with differing rewards: nothing to learn from
+            logger.warning("step %d: no prompt group with differing rewards; the update is skipped", self.step)
+            return metrics | timer.metrics() | {"batch/tokens": 0.0, "batch/num_sequences": 0.0}
         if a.recompute_old_log_probs:
             with timer("old_log_probs"):
                 metrics |= self.old_log_probs(batch)
-        with timer("reward"):
-            metrics |= self.score(batch, records, baseline=baseline)
         if a.needs_reference:
             with timer("reference"):
                 metrics |= self.reference_log_probs(batch)
@@ -259,8 +260,16 @@ class Trainer:
         if a.needs_critic:
             with timer("update_critic"):
                 metrics |= self.update_critic(batch)
-        with timer("update_policy"):
-            metrics |= self.update_policy(batch)
+        if a.mask_truncated:  # DAPO overlong filtering: from here on (the policy loss) they count for nothing
+            cut = torch.tensor([f == "length" for f in batch["finish_reasons"]])
+            batch.tensors["response_mask"] = batch["response_mask"] * (~cut).to(batch["response_mask"].dtype)[:, None]
+            metrics["response/truncated_masked_frac"] = cut.float().mean().item()
+        if batch["response_mask"].any():
+            with timer("update_policy"):
+                metrics |= self.update_policy(batch)
+        else:  # every response was cut at max_new_tokens and masked: no token to learn from
+            logger.warning("step %d: every response was truncated (algorithm.mask_truncated): no policy update",
+                           self.step)
         with timer("bookkeeping"):  # callbacks and the workers' memory peaks: part of the step's time
             self._stage("step", batch)
             metrics |= self.cluster.memory_peaks()
@@ -270,32 +279,6 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------- stages
-
-    def rollout(self, records: list[PromptRecord]) -> tuple[Batch, Batch | None]:
-        """The step's responses (rows grouped by prompt) and, for ReMax, one greedy response per prompt
-        (prompt-indexed); the policy returns to training afterwards."""
-        prompts = _prompt_batch(records)
-        batch = self.cluster.generate(prompts, self._params(self.cfg.rollout.sampling))
-        baseline = None
-        if self.cfg.algorithm.needs_greedy_baseline:  # ReMax
-            greedy = SamplingConfig(temperature=0.0)
-            baseline = self.cluster.generate(prompts, self._params(greedy, seeded=False))
-            self._stage("baseline", baseline)
-        batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
-        self._stage("rollout", batch)
-        return batch, baseline
-
-    def _params(self, sampling: SamplingConfig, *, seeded: bool = True) -> SamplingParams:
-        seed = self.cfg.trainer.seed * 1_000_003 + self.step if seeded else None
-        return sampling_params(sampling, self.cfg.rollout, self.stop_token_ids, seed)
-
-    @staticmethod
-    def _rollout_metrics(batch: Batch) -> dict[str, float]:
-        lengths = batch["response_lengths"].float()
-        return batch.meta.pop("metrics") | {
-            "rollout/num_tokens": lengths.sum().item(), "response/length_mean": lengths.mean().item(),
-            "response/length_max": lengths.max().item(),
-            "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
 
     def old_log_probs(self, batch: Batch) -> dict[str, float]:
         """The training model's log-probs of the sampled tokens at the sampling weights (the PPO ratio's
@@ -307,54 +290,6 @@ class Trainer:
         if limit is not None and diff > limit:
             raise mismatch_error(diff, limit)
         return {"rollout/logprob_abs_diff": diff}
-
-    def score(self, batch: Batch, records: list[PromptRecord], prefix: str = "reward",
-              baseline: Batch | None = None, stage: str = "reward") -> dict[str, float]:
-        """``scores``: each row's reward, the weighted sum of its sources' scores (kept as ``function_scores``
-        and ``model_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
-        ``baseline_scores``: the reward of the row's prompt's baseline response, from the same sources."""
-        scores, parts, num_errors = self._rewards(batch, records)
-        batch.tensors["scores"] = scores
-        for source, values in parts.items():
-            batch.tensors[f"{source}_scores"] = values
-        std = scores.std().item() if len(scores) > 1 else 0.0
-        metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
-                   f"{prefix}/max": scores.max().item()}
-        if "model" in parts:  # the sources apart (unweighted)
-            metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
-            metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
-        if baseline is not None:
-            if not torch.equal(baseline["prompt_uid"], torch.arange(len(records))):
-                raise ValueError(f"a baseline is one response per prompt in prompt order; found prompt ids "
-                                 f"{baseline['prompt_uid'].tolist()[:8]} for {len(records)} prompts")
-            per_prompt, _, baseline_errors = self._rewards(baseline, records)
-            batch.tensors["baseline_scores"] = per_prompt[batch["prompt_uid"]]
-            metrics[f"{prefix}/baseline_mean"] = per_prompt.mean().item()  # over prompts
-            num_errors += baseline_errors
-        metrics[f"{prefix}/num_errors"] = float(num_errors)
-        self._stage(stage, batch)
-        return metrics
-
-    def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """Each row's weighted reward, each source's own scores, and how many rows the function failed on."""
-        parts: dict[str, torch.Tensor] = {}
-        total, num_errors = torch.zeros(len(batch)), 0
-        if self.reward_fn is not None:
-            rows = [records[i] for i in batch["prompt_uid"].tolist()]
-            # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
-            masks = batch["response_mask"].bool().tolist()
-            responses = self.tokenizer.batch_decode(
-                [[t for t, m in zip(ids, row_mask, strict=True) if m]
-                 for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
-                skip_special_tokens=True)
-            parts["function"], info = score_samples(self.reward_fn, [r.text for r in rows], responses,
-                                                    [r.row for r in rows], self.cfg.reward.on_error,
-                                                    self.cfg.reward.error_score)
-            total, num_errors = total + self.cfg.reward.function_weight * parts["function"], info.num_errors
-        if self.cfg.reward_model is not None:
-            parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
-            total = total + self.cfg.reward_model.weight * parts["model"]
-        return total, parts, num_errors
 
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
@@ -416,9 +351,13 @@ class Trainer:
         sampling only (no training forward, no log-prob check), so any temperature and ``n`` work."""
         records = self.val_data.records
         self.cluster.sync_weights()
-        batch = self.cluster.generate(_prompt_batch(records), self._params(self.cfg.rollout.validation))
-        self.cluster.to_train()
-        return self.score(batch, records, prefix="val/reward", stage="validation")
+        batch, _ = self.experience.rollout(records, self.cfg.rollout.validation, self._seed())
+        num_errors = self.experience.score(batch, records, stage="validation")
+        return self.experience.reward_metrics(batch, "val/reward", num_errors)
+
+    def _seed(self) -> int:
+        """The sampling seed of this step (its rounds and validation derive theirs from it)."""
+        return self.cfg.trainer.seed * 1_000_003 + self.step
 
     def _stage(self, stage: str, batch: Batch) -> None:
         for cb in self.callbacks:
@@ -454,11 +393,6 @@ class Trainer:
         finally:
             self.lock.release()
             self.stop.restore()
-
-
-def _prompt_batch(records: list[PromptRecord]) -> Batch:
-    return prompt_batch([r.input_ids for r in records]).update(
-        Batch.from_dict({"prompt_uid": torch.arange(len(records))}))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

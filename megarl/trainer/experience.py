@@ -1,0 +1,216 @@
+"""What a step trains on: responses to prompts and their rewards (the trainer's rollout and reward stages).
+
+:meth:`Experience.collect` generates ``rollout.sampling.n`` responses to each of ``data.batch_size`` prompts
+and scores them. With DAPO dynamic sampling (``algorithm.dynamic_sampling``) it keeps only the prompt
+groups whose rewards differ and samples further batches of prompts (up to ``max_extra_rounds`` more) until
+it has ``data.batch_size`` such groups; the reward metrics describe every response sampled, the
+``dynamic/*`` counts what was kept. A response's reward is ``reward.function_weight * function +
+reward_model.weight * reward model`` over the sources configured, plus DAPO's soft overlong penalty where
+``reward.overlong_buffer`` is set. ReMax's greedy baseline (one response per prompt) is generated and
+scored in the same round. Validation samples and scores with the same methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megarl.algos.dapo import ShortBatch, informative_groups, overlong_penalty
+from megarl.config.resolve import sampling_params
+from megarl.config.train import TrainConfig
+from megarl.data.batch import Batch, prompt_batch
+from megarl.data.prompts import PromptRecord
+from megarl.errors import MegarlError
+from megarl.rewards.base import score_samples
+from megarl.rollout.base import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+Timer = Callable[[str], contextlib.AbstractContextManager[None]]
+Stage = Callable[[str, Batch], None]
+
+
+class ShortBatchError(MegarlError):
+    """Dynamic sampling found too few informative prompt groups and ``on_short: fail`` was set."""
+
+
+class Experience:
+    def __init__(self, cfg: TrainConfig, cluster: Any, tokenizer: Any, reward_fn: Any, stop_token_ids: list[int],
+                 stage: Stage) -> None:
+        self.cfg, self.cluster, self.tokenizer, self.reward_fn = cfg, cluster, tokenizer, reward_fn
+        self.stop_token_ids, self.stage = stop_token_ids, stage
+
+    # ------------------------------------------------------------------------------------ a step
+
+    def collect(self, next_prompts: Callable[[], list[PromptRecord]], seed: int,
+                timer: Timer) -> tuple[Batch, list[PromptRecord], dict[str, float]]:
+        """The rows a step trains on (grouped by prompt, ``prompt_uid`` indexing the returned records) with
+        ``scores``, and the step's rollout and reward metrics. The policy is in training mode afterwards; the
+        caller synced its weights for the first round."""
+        ds = self.cfg.algorithm.dynamic_sampling
+        batches: list[Batch] = []
+        records: list[PromptRecord] = []
+        num_errors, found = 0, 0
+        for round_ in range(1 + (ds.max_extra_rounds if ds is not None else 0)):
+            if round_:
+                with timer("weight_sync"):  # the engine slept while the previous round was scored
+                    self.cluster.sync_weights()
+            round_records = next_prompts()
+            with timer("rollout"):
+                batch, baseline = self.rollout(round_records, self.cfg.rollout.sampling, seed + 100_003 * round_)
+            with timer("reward"):
+                num_errors += self.score(batch, round_records, baseline)
+            if ds is not None:
+                found += int(informative_groups(batch["scores"], batch["prompt_uid"], len(round_records)).sum())
+            batch.tensors["prompt_uid"] = batch["prompt_uid"] + len(records)  # indexes the records of all rounds
+            batches.append(batch)
+            records += round_records
+            if ds is None or found >= self.cfg.data.batch_size:
+                break
+        full = _concat(batches)
+        metrics = self._rollout_metrics(full) | self.reward_metrics(full, "reward", num_errors)
+        if ds is None:
+            return full, records, metrics
+        return self._keep_informative(full, records, round_ + 1, metrics)
+
+    def _keep_informative(self, batch: Batch, records: list[PromptRecord], rounds: int,
+                          metrics: dict[str, float]) -> tuple[Batch, list[PromptRecord], dict[str, float]]:
+        """The first ``data.batch_size`` informative groups (fewer, trimmed to divide into the mini-batches,
+        when sampling ran out), renumbered 0..k-1."""
+        a, want, n = self.cfg.algorithm, self.cfg.data.batch_size, self.cfg.rollout.sampling.n
+        informative = informative_groups(batch["scores"], batch["prompt_uid"], len(records))
+        kept = informative.nonzero().flatten().tolist()
+        counts = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(len(records)),
+                  "dynamic/groups_kept": float(len(kept)), "dynamic/groups_dropped": float(len(records) - len(kept))}
+        if len(kept) < want:
+            if a.dynamic_sampling.on_short is ShortBatch.FAIL:
+                raise ShortBatchError(
+                    f"dynamic sampling found {len(kept)} prompt groups with differing rewards in {rounds} rounds "
+                    f"({len(records)} prompts), fewer than data.batch_size={want}, and "
+                    "algorithm.dynamic_sampling.on_short=fail. Raise max_extra_rounds, use on_short: train, or check "
+                    "that the rewards can differ (all correct or all wrong for every prompt).")
+            step = self.cfg.cluster.layout().dp * a.mini_batches  # the update splits rows into this many parts
+            while kept and (len(kept) * n) % step:
+                kept.pop()
+        kept = kept[:want]
+        counts |= {"dynamic/groups_trained": float(len(kept)), "dynamic/short": float(len(kept) < want)}
+        if not kept:
+            return batch.index([]), [], metrics | counts
+        rows = torch.cat([(batch["prompt_uid"] == uid).nonzero().flatten() for uid in kept])
+        out = batch.index(rows)
+        renumber = torch.full((len(records),), -1, dtype=torch.long)
+        renumber[torch.tensor(kept)] = torch.arange(len(kept))
+        out.tensors["prompt_uid"] = renumber[out["prompt_uid"]]
+        return out, [records[u] for u in kept], metrics | counts
+
+    # ------------------------------------------------------------------------------------ stages
+
+    def rollout(self, records: list[PromptRecord], sampling: SamplingConfig,
+                seed: int | None) -> tuple[Batch, Batch | None]:
+        """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
+        (prompt-indexed); the policy returns to training afterwards."""
+        prompts = _prompt_batch(records)
+        batch = self.cluster.generate(prompts, self._params(sampling, seed))
+        baseline = None
+        if self.cfg.algorithm.needs_greedy_baseline:  # ReMax
+            baseline = self.cluster.generate(prompts, self._params(SamplingConfig(temperature=0.0), None))
+            self.stage("baseline", baseline)
+        batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
+        self.stage("rollout", batch)
+        return batch, baseline
+
+    def _params(self, sampling: SamplingConfig, seed: int | None):
+        return sampling_params(sampling, self.cfg.rollout, self.stop_token_ids, seed)
+
+    def score(self, batch: Batch, records: list[PromptRecord], baseline: Batch | None = None,
+              stage: str = "reward") -> int:
+        """``scores``: each row's reward (its sources kept as ``function_scores``, ``model_scores``,
+        ``overlong_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
+        ``baseline_scores``: the reward of the row's prompt's baseline response. Returns how many rows the
+        reward function failed on (``reward.on_error: score``)."""
+        scores, parts, num_errors = self._rewards(batch, records)
+        batch.tensors["scores"] = scores
+        for source, values in parts.items():
+            batch.tensors[f"{source}_scores"] = values
+        if baseline is not None:
+            if not torch.equal(baseline["prompt_uid"], torch.arange(len(records))):
+                raise ValueError(f"a baseline is one response per prompt in prompt order; found prompt ids "
+                                 f"{baseline['prompt_uid'].tolist()[:8]} for {len(records)} prompts")
+            per_prompt, _, baseline_errors = self._rewards(baseline, records)
+            batch.tensors["baseline_scores"] = per_prompt[batch["prompt_uid"]]
+            num_errors += baseline_errors
+        self.stage(stage, batch)
+        return num_errors
+
+    def reward_metrics(self, batch: Batch, prefix: str, num_errors: int) -> dict[str, float]:
+        scores = batch["scores"]
+        std = scores.std().item() if len(scores) > 1 else 0.0
+        metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
+                   f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(num_errors)}
+        parts = {k.removesuffix("_scores"): batch[k] for k in ("function_scores", "model_scores", "overlong_scores")
+                 if k in batch}
+        if "model" in parts or "overlong" in parts:  # the sources apart (unweighted)
+            metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
+        if "model" in parts:
+            metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
+        if "baseline_scores" in batch:  # one value per prompt, repeated on its rows: the mean over prompts
+            first = torch.unique(batch["prompt_uid"], return_inverse=True)[1]
+            per_prompt = torch.zeros(int(first.max()) + 1).scatter(0, first, batch["baseline_scores"])
+            metrics[f"{prefix}/baseline_mean"] = per_prompt.mean().item()
+        return metrics
+
+    def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Each row's reward, each source's own scores, and how many rows the function failed on."""
+        r = self.cfg.reward
+        parts: dict[str, torch.Tensor] = {}
+        total, num_errors = torch.zeros(len(batch)), 0
+        if self.reward_fn is not None:
+            rows = [records[i] for i in batch["prompt_uid"].tolist()]
+            # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
+            masks = batch["response_mask"].bool().tolist()
+            responses = self.tokenizer.batch_decode(
+                [[t for t, m in zip(ids, row_mask, strict=True) if m]
+                 for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
+                skip_special_tokens=True)
+            parts["function"], info = score_samples(self.reward_fn, [rec.text for rec in rows], responses,
+                                                    [rec.row for rec in rows], r.on_error, r.error_score)
+            total, num_errors = total + r.function_weight * parts["function"], info.num_errors
+        if self.cfg.reward_model is not None:
+            parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
+            total = total + self.cfg.reward_model.weight * parts["model"]
+        if r.overlong_buffer:
+            parts["overlong"] = overlong_penalty(batch["response_lengths"], self.cfg.rollout.max_new_tokens,
+                                                 r.overlong_buffer, r.overlong_penalty_factor).float()
+            total = total + parts["overlong"]
+        return total, parts, num_errors
+
+    @staticmethod
+    def _rollout_metrics(batch: Batch) -> dict[str, float]:
+        lengths = batch["response_lengths"].float()
+        return batch.meta.pop("metrics") | {
+            "rollout/num_tokens": lengths.sum().item(), "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    """Several rounds' rows; the rollout engine's per-call metrics summed (timings) over the rounds."""
+    if len(batches) == 1:
+        return batches[0]
+    metrics: dict[str, float] = {}
+    for b in batches:
+        for k, v in b.meta["metrics"].items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    out = Batch.concat(batches)
+    out.meta["metrics"] = metrics
+    return out
+
+
+def _prompt_batch(records: list[PromptRecord]) -> Batch:
+    return prompt_batch([r.input_ids for r in records]).update(
+        Batch.from_dict({"prompt_uid": torch.arange(len(records))}))
+

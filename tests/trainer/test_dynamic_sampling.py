@@ -1,0 +1,89 @@
+"""DAPO dynamic sampling through the trainer (issue #22, item 2), CPU, local launcher.
+
+References: the trained batch itself (every group's rewards must differ, read from the batch the
+``advantages`` stage sees), the counts' own arithmetic (sampled = kept + dropped), and plain GRPO on the
+same config without dynamic sampling: at an equal number of trained samples, the dynamic run's reward
+must be at least as high.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dapo_addition_tiny" / "config.yaml"
+STEPS = 40
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.trained: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "advantages":
+            self.trained[step] = {k: batch[k].clone() for k in ("scores", "prompt_uid")}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megarl.config.train import load_config
+    from megarl.testing.addition import make_task
+    from megarl.trainer.trainer import run as train
+
+    root = tmp_path_factory.mktemp("dapo")
+    task = make_task(root / "task")
+    base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+            "trainer.tensorboard": "false", "trainer.total_steps": STEPS, "trainer.save_every": 0,
+            "trainer.val_every": 0, "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1,
+            "cluster.pools.main.tp": 1}
+    out = {}
+    for name, extra in {"dynamic": {}, "grpo": {"algorithm.dynamic_sampling": "null"}}.items():
+        overrides = base | extra | {"trainer.output_dir": root / name}
+        cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in overrides.items()])
+        recorder = Recorder()
+        out[name] = (train(cfg, callbacks=(recorder,)), recorder, cfg)
+    return out
+
+
+def test_every_trained_group_has_differing_rewards_and_the_counts_add_up(runs):
+    history, recorder, cfg = runs["dynamic"]
+    n, want = cfg.rollout.sampling.n, cfg.data.batch_size
+    assert cfg.algorithm.dynamic_sampling is not None
+    for step, m in enumerate(history, start=1):
+        trained = recorder.trained[step]
+        groups = trained["prompt_uid"].unique()
+        assert len(groups) == m["dynamic/groups_trained"] and len(trained["scores"]) == len(groups) * n
+        for g in groups:
+            scores = trained["scores"][trained["prompt_uid"] == g]
+            assert len(scores) == n and scores.max() > scores.min(), (step, int(g))
+        assert m["dynamic/groups_sampled"] == m["dynamic/groups_kept"] + m["dynamic/groups_dropped"]
+        assert m["dynamic/groups_sampled"] == m["dynamic/rounds"] * want
+        assert m["dynamic/groups_trained"] == min(want, m["dynamic/groups_kept"])
+        assert m["dynamic/short"] == float(m["dynamic/groups_kept"] < want)
+    assert sum(m["dynamic/groups_dropped"] for m in history) > 0  # the filter had something to do
+
+
+def test_learns_at_least_as_fast_per_trained_sample_as_grpo(runs):
+    n = runs["dynamic"][2].rollout.sampling.n
+    curves = {}
+    for name, (history, _, cfg) in runs.items():
+        trained = [m.get("dynamic/groups_trained", cfg.data.batch_size) * n for m in history]
+        cumulative = [sum(trained[: i + 1]) for i in range(len(trained))]
+        curves[name] = (cumulative, [m["reward/mean"] for m in history])
+    budget = curves["dynamic"][0][-1]  # what the dynamic run trained on in all
+    window = {}
+    for name, (cumulative, rewards) in curves.items():
+        within = [r for c, r in zip(cumulative, rewards, strict=True) if c <= budget]
+        window[name] = statistics.mean(within[-10:])
+        print(f"{name}: {len(within)} steps within {budget} trained samples, reward of the last 10: "
+              f"{window[name]:.3f}; first 10 steps {statistics.mean(rewards[:10]):.3f}")
+    assert window["dynamic"] >= window["grpo"]
+    assert window["dynamic"] > statistics.mean(curves["dynamic"][1][:10]) + 0.15
