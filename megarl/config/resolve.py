@@ -30,6 +30,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     rm = cfg.reward_model
     if rm is not None:
         rm = dataclasses.replace(rm, model=_model(rm.model), engine=_engine(rm.engine))
+    teacher = cfg.teacher
+    if teacher is not None:
+        teacher = dataclasses.replace(teacher, model=_model(teacher.model), engine=_engine(teacher.engine))
     function = cfg.reward.function
     if function is not None and function not in BUILTIN_REWARDS and ":" in function:  # "path/to/file.py:name"
         function = _file_spec(function)
@@ -46,6 +49,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         critic=_engine(cfg.critic),
         algorithm=dataclasses.replace(a, recompute_old_log_probs=a.recomputes_old_log_probs),
         reward_model=rm,
+        teacher=teacher,
         cluster=dataclasses.replace(cfg.cluster, placement=placement),
     )
 

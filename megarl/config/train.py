@@ -48,6 +48,7 @@ class Role(enum.Enum):
     REFERENCE = "reference"
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"
+    TEACHER = "teacher"  # on-policy distillation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,18 @@ class RewardModelSection:
 
     model: ModelConfig = ModelConfig()  # HF directory (converted once to <output_dir>/reward_model_checkpoint)
     weight: float = 1.0  # its score's weight in the reward
+    engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSection:
+    """On-policy distillation: a frozen teacher (any causal LM that reads the policy's token ids; converted
+    once to <output_dir>/teacher_checkpoint, placed on the policy's pool) scores every sampled token; the
+    token's reward gains ``kl_coef * (log pi_teacher - log pi_policy)``, the negative per-token reverse KL,
+    alone (reward.function_weight: 0) or beside the outcome reward, under any advantage estimator."""
+
+    model: ModelConfig = ModelConfig()  # HF directory or megarl checkpoint (a run's checkpoints/step_N/policy too)
+    kl_coef: float = 1.0  # weight of the per-token reward -(log pi_policy - log pi_teacher)
     engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
 
 
@@ -172,13 +185,15 @@ class TrainConfig:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
     reward_model: RewardModelSection | None = None  # e.g. reward_model.model.path=... adds one
+    teacher: TeacherSection | None = None  # on-policy distillation: teacher.model.path=... adds one
     trainer: TrainerSection = TrainerSection()
 
     def roles(self) -> list[Role]:
         """The roles this run needs, policy first."""
         a = self.algorithm
         return [Role.POLICY] + [r for r, on in ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
-                                                (Role.REWARD_MODEL, self.reward_model is not None)) if on]
+                                                (Role.REWARD_MODEL, self.reward_model is not None),
+                                                (Role.TEACHER, self.teacher is not None)) if on]
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -328,11 +343,18 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
 def _check_reward(cfg: TrainConfig) -> None:
     """At least one reward source, finite weights, an existing reward-model directory. (That it is a
     reward model sharing the policy's tokenizer is checked once the tokenizers load, before any worker
-    starts: :func:`megarl.trainer.trainer.check_reward_model`.)"""
+    starts: :func:`megarl.trainer.checks.check_frozen_models`.)"""
     rw, rm = cfg.reward, cfg.reward_model
-    if rw.function is None and rm is None:
-        raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function') and/or "
-                          "reward_model.model.path (a sequence-classification reward model).")
+    if rw.function is None and rm is None and cfg.teacher is None:
+        raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function'), "
+                          "reward_model.model.path (a sequence-classification reward model) and/or teacher.model.path "
+                          "(on-policy distillation).")
+    t = cfg.teacher
+    if t is not None and (not t.model.path or not Path(t.model.path).is_dir()):
+        raise ConfigError(f"teacher.model.path {t.model.path!r} is not a directory; give an HF causal LM directory or "
+                          "a megarl checkpoint (e.g. a run's checkpoints/step_N/policy).")
+    if t is not None and not (math.isfinite(t.kl_coef) and t.kl_coef > 0):
+        raise ConfigError(f"teacher.kl_coef must be a positive number, found {t.kl_coef}.")
     for name, weight in (("reward.function_weight", rw.function_weight),
                          ("reward_model.weight", rm.weight if rm is not None else 0.0)):
         if not math.isfinite(weight):

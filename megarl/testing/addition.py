@@ -83,5 +83,6 @@ def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], 
 
     make_task(task_dir, **model_kwargs)
     history = run(load_config(config, overrides))
-    logger.info("mean reward per step: %s", " ".join(f"{m['reward/mean']:.2f}" for m in history))
+    task_reward = [m.get("reward/function_mean", m["reward/mean"]) for m in history]  # distillation: weight 0
+    logger.info("mean task reward per step: %s", " ".join(f"{r:.2f}" for r in task_reward))
     return 0

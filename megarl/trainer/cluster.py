@@ -1,8 +1,8 @@
 """The run's roles, seen from the driver: the pool(s) hosting policy (with its rollout engine), reference,
-critic and reward model, behind typed methods the trainer calls. A pool is Ray worker processes, or
-(``cluster.launcher: local``) one rank in the driver process itself.
+critic, reward model and distillation teacher, behind typed methods the trainer calls. A pool is Ray
+worker processes, or (``cluster.launcher: local``) one rank in the driver process itself.
 
-Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model and of the reward
+Owns Ray start-up, the one-time HF -> Megatron conversion of the starting model, the teacher and the reward
 model (in a child process, so the driver never joins a torch.distributed world, except with the local
 launcher, where the driver hosts the rank anyway), what each role is built with (keyword arguments
 from the resolved config: :func:`megarl.config.resolve.resolve`), and the dispatch mode of each call
@@ -50,6 +50,8 @@ class Cluster:
         rm = cfg.reward_model
         self.reward_source = (megatron_checkpoint(Path(rm.model.path), out / "reward_model_checkpoint", cfg.cluster)
                               if rm is not None else None)
+        self.teacher_source = (megatron_checkpoint(Path(cfg.teacher.model.path), out / "teacher_checkpoint",
+                                                   cfg.cluster) if cfg.teacher is not None else None)
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
         self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
@@ -99,6 +101,10 @@ class Cluster:
                                                      checkpoint_dir=str(self.reward_source),
                                                      engine=cfg.reward_model.engine)
                              if Role.REWARD_MODEL in roles else None)
+        self.teacher = (self.placement.add_role(Role.TEACHER.value, ReferenceRole,
+                                                checkpoint_dir=str(self.teacher_source), engine=cfg.teacher.engine,
+                                                temperature=temperature)
+                        if Role.TEACHER in roles else None)
 
     # ------------------------------------------------------------------------------------- calls
 
@@ -123,6 +129,10 @@ class Cluster:
 
     def reference_log_probs(self, batch: Batch) -> Batch:
         return self.reference.dp(ReferenceRole.compute_log_probs, batch)
+
+    def teacher_log_probs(self, batch: Batch) -> Batch:
+        """The distillation teacher's ``log_probs`` of the sampled tokens (same temperature as the policy's)."""
+        return self.teacher.dp(ReferenceRole.compute_log_probs, batch)
 
     def values(self, batch: Batch) -> Batch:
         return self.critic.dp(CriticRole.compute_values, batch)

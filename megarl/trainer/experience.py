@@ -153,7 +153,7 @@ class Experience:
                    f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(num_errors)}
         parts = {k.removesuffix("_scores"): batch[k] for k in ("function_scores", "model_scores", "overlong_scores")
                  if k in batch}
-        if "model" in parts or "overlong" in parts:  # the sources apart (unweighted)
+        if len(parts) > 1 or self.cfg.reward.function_weight != 1.0:  # the sources apart (unweighted)
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
         if "model" in parts:
             metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0

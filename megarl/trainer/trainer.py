@@ -1,12 +1,13 @@
-"""The RL fit loop: weight sync -> rollout -> (old log-probs) -> rewards -> reference -> values -> advantages
--> updates.
+"""The RL fit loop: weight sync -> rollout and rewards (:mod:`megarl.trainer.experience`) -> (old log-probs)
+-> reference -> teacher -> values -> advantages -> updates.
 
 The driver holds the algorithm; workers (the policy with its rollout engine, reference, critic, reward
-model: :class:`megarl.trainer.cluster.Cluster`) do the model work. Each stage is a named method run
-inside a named timer, and :meth:`Trainer.train_step` reads as the recipe. Everything checkable is
-checked before a worker starts (:func:`megarl.config.train.check_config`, the dataset, the reward
-function, the reward model's tokens: :func:`check_reward_model`); :func:`megarl.config.resolve.resolve`
-then makes every "auto" decision, and the run writes that config to ``<output_dir>/config.yaml``.
+model, distillation teacher: :class:`megarl.trainer.cluster.Cluster`) do the model work. Each stage is a
+named method run inside a named timer, and :meth:`Trainer.train_step` reads as the recipe. Everything
+checkable is checked before a worker starts (:func:`megarl.config.train.check_config`, the dataset, the
+reward function, the frozen models' tokens: :func:`megarl.trainer.checks.check_frozen_models`);
+:func:`megarl.config.resolve.resolve` then makes every "auto" decision, and the run writes that config
+to ``<output_dir>/config.yaml``.
 Checkpoints every ``save_every`` steps; a new run in the same output directory resumes from the newest
 intact one (:func:`megarl.checkpoint.run.resume_point`), or reports "already complete" without starting
 a worker. Faults: the run holds its output directory (:class:`megarl.trainer.lock.RunLock`); a stop
@@ -39,19 +40,19 @@ import torch
 
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
-from megarl.config.resolve import hf_files, resolve, stop_token_ids
+from megarl.config.resolve import resolve, stop_token_ids
 from megarl.config.train import CorruptCheckpoint, TrainConfig, check_config, dump_config, to_plain
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler, load_prompts, load_row_adapter
 from megarl.engine.results import mean_metrics
-from megarl.errors import ConfigError, MegarlError, RunStopped, WorkersLostError
+from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
-from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.callbacks import Callback
+from megarl.trainer.checks import check_frozen_models
 from megarl.trainer.experience import Experience
 from megarl.trainer.lock import RunLock
 from megarl.trainer.signals import Abandoned, StopRequest
@@ -86,7 +87,7 @@ class Trainer:
         self.cfg, self.callbacks = cfg, callbacks
         self.out = Path(cfg.trainer.output_dir)
         self.tokenizer = _load_tokenizer(cfg.model.tokenizer)
-        check_reward_model(cfg, self.tokenizer)
+        check_frozen_models(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
         self.reward_fn = (resolve_reward_function(cfg.reward.function, **cfg.reward.options)
@@ -252,6 +253,9 @@ class Trainer:
         if a.needs_reference:
             with timer("reference"):
                 metrics |= self.reference_log_probs(batch)
+        if self.cfg.teacher is not None:
+            with timer("teacher"):
+                metrics |= self.teacher_log_probs(batch)
         if a.needs_critic:
             with timer("values"):
                 self.values(batch)
@@ -300,6 +304,15 @@ class Trainer:
         kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
         return {"actor/kl": algos.masked_mean(kl, mask).item()}
 
+    def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
+        """The distillation teacher's log-probs of the sampled tokens, and ``distill/reverse_kl``: the k1
+        estimate of KL(policy || teacher) per token, from the policy's own sampling log-probs."""
+        lp = self.cluster.teacher_log_probs(batch.select("input_ids", "attention_mask"))["log_probs"]
+        batch.tensors["teacher_log_probs"] = lp
+        mask = batch["response_mask"]
+        return {"distill/reverse_kl": algos.masked_mean(_student_log_probs(batch) - lp, mask).item(),
+                "distill/teacher_log_prob": algos.masked_mean(lp, mask).item()}
+
     def values(self, batch: Batch) -> None:
         batch.tensors["values"] = self.cluster.values(batch.select("input_ids", "attention_mask"))["values"]
 
@@ -308,6 +321,9 @@ class Trainer:
         last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask != 0)
         token_rewards = torch.where(last, batch["scores"].unsqueeze(-1), torch.zeros_like(mask))
         metrics = {}
+        if self.cfg.teacher is not None:  # on-policy distillation: every token's negative reverse KL to the teacher
+            token_rewards = token_rewards + self.cfg.teacher.kl_coef * mask * (
+                batch["teacher_log_probs"] - _student_log_probs(batch))
         if self.kl_ctl is not None:
             pen = algos.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
                                          self.kl_ctl.value, self.cfg.algorithm.kl_estimator)
@@ -395,6 +411,12 @@ class Trainer:
             self.stop.restore()
 
 
+def _student_log_probs(batch: Batch) -> torch.Tensor:
+    """The policy's log-probs of its sampled tokens at the sampling weights: the training model's where they
+    were recomputed, else the rollout engine's (the same up to ``rollout/logprob_abs_diff``)."""
+    return batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records of steps after the checkpoint (a crashed run logged them; they are redone)."""
     if path.exists():
@@ -406,40 +428,6 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def check_reward_model(cfg: TrainConfig, tokenizer) -> None:
-    """Before any worker starts: ``reward_model.model.path`` holds a reward model (one scalar output) that reads
-    the policy's token ids as they are - its tokenizer maps every string to the same id as the policy's
-    ``tokenizer`` and it embeds every id the policy can emit. Re-tokenization is not supported."""
-    from transformers import AutoTokenizer
-
-    rm = cfg.reward_model
-    if rm is None:
-        return
-    rm_config = load_hf_config(hf_files(rm.model.path))
-    if spec_from_hf_config(rm_config).head is not Head.SCALAR:
-        raise ConfigError(f"reward_model.model.path {rm.model.path} holds a {rm_config.get('architectures')} model, "
-                          "not a reward model: give an HF *ForSequenceClassification checkpoint with num_labels=1.")
-    policy_ids, rm_ids = int(load_hf_config(hf_files(cfg.model.path))["vocab_size"]), int(rm_config["vocab_size"])
-    if rm_ids < policy_ids:
-        raise ConfigError(f"the reward model embeds {rm_ids} token ids, the policy ({cfg.model.path}) emits up to "
-                          f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for a reward "
-                          "model is not supported).")
-    source = rm.model.tokenizer  # resolved: its directory, or the model's (hf/ of a megarl checkpoint)
-    try:
-        rm_vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"no tokenizer could be loaded from {source} ({e}), so it cannot be checked that the reward "
-                          "model shares the policy's; set reward_model.model.tokenizer to its tokenizer "
-                          "directory.") from e
-    policy_vocab = tokenizer.get_vocab()
-    if rm_vocab != policy_vocab:
-        differ = sorted(t for t in rm_vocab.keys() | policy_vocab.keys() if rm_vocab.get(t) != policy_vocab.get(t))
-        raise ConfigError(f"the reward model's tokenizer ({source}: {len(rm_vocab)} tokens) is not the policy's "
-                          f"({len(policy_vocab)} tokens; {len(differ)} differ, e.g. {differ[:3]}): re-tokenizing "
-                          "responses for a reward model is not supported. Use a reward model trained with the "
-                          "policy's tokenizer.")
 
 
 def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:

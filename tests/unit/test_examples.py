@@ -30,6 +30,7 @@ LLAMA3_70B = (80, 64, 8)  # huggingface.co/meta-llama/Meta-Llama-3-70B-Instruct/
 GPU_EXAMPLES = {
     "ppo_gsm8k_qwen2.5_0.5b": (QWEN25_05B, ParallelLayout(tp=1, pp=1, dp=8), 8),
     "grpo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
+    "dapo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "ppo_llama3_70b": (LLAMA3_70B, ParallelLayout(tp=8, pp=4, dp=2), 64),
 }
 
@@ -44,7 +45,8 @@ def test_config_loads_and_passes_checks(path, tmp_path):
     cfg = load_config(path)
     # check_config needs model.path to be a directory; everything else (layout vs world, batch and
     # mini-batch divisibility, algorithm/role consistency) is checked as written.
-    check_config(load_config(path, [f"model.path={tmp_path}"]))
+    teacher = [f"teacher.model.path={tmp_path}"] if cfg.teacher is not None else []  # e.g. make demo's output
+    check_config(load_config(path, [f"model.path={tmp_path}", *teacher]))
     assert cfg.trainer.output_dir and cfg.data.train
 
 

@@ -182,9 +182,9 @@ def test_reward_model_alone_is_a_reward_source(task, tmp_path):
 
 
 @pytest.mark.parametrize("kind, match", [
-    ("other_tokenizer", "re-tokenizing responses for a reward model is not supported"),
-    ("fewer_ids", "the reward model embeds 10 token ids, the policy .* emits up to 15"),
-    ("causal_lm", r"holds a \['Qwen2ForCausalLM'\] model, not a reward model"),
+    ("other_tokenizer", "reward_model's tokenizer .* re-tokenizing responses is not supported"),
+    ("fewer_ids", "the reward_model embeds 10 token ids, the policy .* emits up to 15"),
+    ("causal_lm", r"holds a \['Qwen2ForCausalLM'\] model; the reward_model needs an HF \*ForSeq"),
 ])
 def test_reward_model_must_share_the_policys_tokens(task, tmp_path, kind, match):
     """Refused by the trainer after loading the tokenizers, before any output, conversion or worker."""
@@ -201,6 +201,21 @@ def test_reward_model_must_share_the_policys_tokens(task, tmp_path, kind, match)
     cfg = load_config(EXAMPLE, [*_overrides(task), f"reward_model.model.path={rm}", f"trainer.output_dir={out}"])
     check_config(cfg)  # the paths are fine; the tokens are not
     with pytest.raises(ConfigError, match=match):
+        Trainer(cfg)
+    assert not out.exists()
+
+
+def test_teacher_must_be_a_causal_lm_reading_the_policys_tokens(task, tmp_path):
+    """The same checks for the distillation teacher: a reward model (scalar head) is refused."""
+    from megarl.trainer.trainer import Trainer
+
+    teacher = tmp_path / "teacher"
+    _reward_model_dir(teacher)
+    out = tmp_path / "out"
+    cfg = load_config(EXAMPLE, [*_overrides(task), f"teacher.model.path={teacher}", f"trainer.output_dir={out}"])
+    check_config(cfg)
+    assert [r.value for r in cfg.roles()][-1] == "teacher"
+    with pytest.raises(ConfigError, match=r"the teacher needs an HF \*ForCausalLM checkpoint"):
         Trainer(cfg)
     assert not out.exists()
 

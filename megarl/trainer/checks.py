@@ -1,0 +1,49 @@
+"""Checks of the frozen models a run scores with, before any worker starts (the driver loads only
+tokenizers and config.json files): the reward model and the distillation teacher read the policy's
+token ids as they are, so each must embed every id the policy can emit and map every string to the same
+id as the policy's tokenizer (re-tokenizing responses for another vocabulary is not supported), and each
+must have the right head (a scalar for a reward model, vocabulary logits for a teacher).
+"""
+
+from __future__ import annotations
+
+from megarl.config.resolve import hf_files
+from megarl.config.train import ModelConfig, TrainConfig
+from megarl.errors import ConfigError
+from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
+
+
+def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
+    if cfg.reward_model is not None:
+        _check("reward_model", cfg.reward_model.model, Head.SCALAR, cfg, tokenizer,
+               "an HF *ForSequenceClassification checkpoint with num_labels=1")
+    if cfg.teacher is not None:
+        _check("teacher", cfg.teacher.model, Head.LM, cfg, tokenizer,
+               "an HF *ForCausalLM checkpoint or a megarl checkpoint of one")
+
+
+def _check(section: str, model: ModelConfig, head: Head, cfg: TrainConfig, tokenizer, wanted: str) -> None:
+    from transformers import AutoTokenizer
+
+    config = load_hf_config(hf_files(model.path))
+    if spec_from_hf_config(config).head is not head:
+        raise ConfigError(f"{section}.model.path {model.path} holds a {config.get('architectures')} model; the "
+                          f"{section} needs {wanted}.")
+    policy_ids, ids = int(load_hf_config(hf_files(cfg.model.path))["vocab_size"]), int(config["vocab_size"])
+    if ids < policy_ids:
+        raise ConfigError(f"the {section} embeds {ids} token ids, the policy ({cfg.model.path}) emits up to "
+                          f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for another "
+                          "vocabulary is not supported).")
+    source = model.tokenizer  # resolved: its directory, or the model's (hf/ of a megarl checkpoint)
+    try:
+        vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"no tokenizer could be loaded from {source} ({e}), so it cannot be checked that the "
+                          f"{section} shares the policy's; set {section}.model.tokenizer to its tokenizer "
+                          "directory.") from e
+    policy_vocab = tokenizer.get_vocab()
+    if vocab != policy_vocab:
+        differ = sorted(t for t in vocab.keys() | policy_vocab.keys() if vocab.get(t) != policy_vocab.get(t))
+        raise ConfigError(f"the {section}'s tokenizer ({source}: {len(vocab)} tokens) is not the policy's "
+                          f"({len(policy_vocab)} tokens; {len(differ)} differ, e.g. {differ[:3]}): re-tokenizing "
+                          f"responses is not supported. Use a {section} trained with the policy's tokenizer.")
