@@ -89,13 +89,17 @@ def _rollout(policy, temperature: float):
     return rows, old
 
 
-def _update(policy, rows, cfg):
+def _update(policy, rows, cfg, old=None):
+    """One update; with ``old`` (the recomputed old log-probs) as the trainer sends it when they are recomputed,
+    else with the update's own forward standing in for them."""
     from megarl.data.batch import Batch
 
-    policy.algorithm = dataclasses.replace(policy.algorithm, rollout_correction=cfg, recompute_old_log_probs=False)
+    policy.algorithm = dataclasses.replace(policy.algorithm, rollout_correction=cfg,
+                                           recompute_old_log_probs=old is not None)
     adv = torch.randn(rows["input_ids"].shape, generator=torch.Generator().manual_seed(3)) * rows["response_mask"]
+    extra = {"advantages": adv} | ({"old_log_probs": old} if old is not None else {})
     train = rows.select("input_ids", "attention_mask", "response_mask", "rollout_log_probs").update(
-        Batch.from_dict({"advantages": adv}))
+        Batch.from_dict(extra))
     return policy.update(train), adv
 
 
@@ -110,9 +114,9 @@ def test_mismatch_metrics_and_applied_weights_equal_hand_computation(policy):
                                       reject_low=0.2, reject_high=5.0)),
     ]
     kl = []
-    for temperature, cfg in cases:
+    for i, (temperature, cfg) in enumerate(cases):
         rows, old = _rollout(policy, temperature)
-        result, adv = _update(policy, rows, cfg)
+        result, adv = _update(policy, rows, cfg, old=old if i == 2 else None)  # both sources of pi_old
         mask = rows["response_mask"]
         expected = _hand(old.double(), rows["rollout_log_probs"].double(), mask, adv.double(), cfg)
         for key, value in expected.items():

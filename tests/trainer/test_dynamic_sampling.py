@@ -1,9 +1,10 @@
-"""DAPO dynamic sampling through the trainer (issue #22, item 2), CPU, local launcher.
+"""DAPO's dynamic sampling and overlong filtering through the trainer (issue #22, item 2), CPU, local launcher.
 
 References: the trained batch itself (every group's rewards must differ, read from the batch the
 ``advantages`` stage sees), the counts' own arithmetic (sampled = kept + dropped), and plain GRPO on the
 same config without dynamic sampling: at an equal number of trained samples, the dynamic run's reward
-must be at least as high.
+must be at least as high. Overlong filtering: the rows cut at ``max_new_tokens`` (finish reason
+``length``) leave the loss, and the policy loss equals a hand computation over the other rows.
 """
 
 from __future__ import annotations
@@ -87,3 +88,46 @@ def test_learns_at_least_as_fast_per_trained_sample_as_grpo(runs):
               f"{window[name]:.3f}; first 10 steps {statistics.mean(rewards[:10]):.3f}")
     assert window["dynamic"] >= window["grpo"]
     assert window["dynamic"] > statistics.mean(curves["dynamic"][1][:10]) + 0.15
+
+
+class StepRecorder:
+    def __init__(self) -> None:
+        self.batches: dict[int, dict] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "step":  # after the updates: the mask the policy loss saw
+            self.batches[step] = {"response_mask": batch["response_mask"].clone(),
+                                  "advantages": batch["advantages"].clone(),
+                                  "finish_reasons": list(batch["finish_reasons"])}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def test_truncated_responses_leave_the_policy_loss(tmp_path):
+    """One mini-batch (the update's own forward is pi_old: ratio 1), so PPO-clip's token-mean loss is
+    ``-sum(A) / N`` over the tokens left; the random model ends a few responses with EOS ("stop")."""
+    from megarl.config.train import load_config
+    from megarl.testing.addition import make_task
+    from megarl.trainer.trainer import run as train
+
+    task = make_task(tmp_path / "task", train_rows=64, val_rows=8)
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "trainer.tensorboard": "false", "trainer.total_steps": 3, "trainer.save_every": 0,
+                 "trainer.val_every": 0, "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1,
+                 "cluster.pools.main.tp": 1, "trainer.output_dir": tmp_path / "out", "algorithm.mask_truncated": "true",
+                 "algorithm.dynamic_sampling": "null", "algorithm.mini_batches": 1, "rollout.sampling.temperature": 3.0}
+    cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in overrides.items()])
+    recorder = StepRecorder()
+    history = train(cfg, callbacks=(recorder,))
+    stopped = 0
+    for step, m in enumerate(history, start=1):
+        b = recorder.batches[step]
+        cut = torch.tensor([f == "length" for f in b["finish_reasons"]])
+        assert (b["response_mask"][cut] == 0).all() and (b["response_mask"][~cut].sum(-1) > 0).all()
+        assert m["response/truncated_masked_frac"] == pytest.approx(cut.float().mean().item())
+        mask = b["response_mask"].double()
+        expected = -(b["advantages"].double() * mask).sum().item() / mask.sum().item()
+        assert m["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
+        stopped += int((~cut).sum())
+    assert stopped > 0  # some responses ended with EOS, so the loss had tokens
