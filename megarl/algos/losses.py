@@ -99,6 +99,13 @@ def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
     return k1, k3
 
 
+def _token_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log r, r)`` per token, ``r = pi / pi_old``, 0 / 1 outside the mask, the log clamped to +-20."""
+    log_ratio = torch.clamp(zero_masked(log_prob - old_log_prob, mask), -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    return log_ratio, torch.exp(log_ratio)
+
+
 def ppo_clip_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -123,10 +130,8 @@ def ppo_clip_loss(
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ConfigError(f"dual-clip clip_ratio_c must be > 1, found {clip_ratio_c}")
-    log_ratio = zero_masked(log_prob - old_log_prob, mask)
-    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob, mask)
     advantages = zero_masked(advantages, mask)
-    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -199,9 +204,7 @@ def cispo_loss(
     (``TOKEN_MEAN``). ``clip_frac`` counts tokens with ``r`` strictly outside the bounds. No dual-clip.
     """
     log_prob, advantages = zero_masked(log_prob, mask), zero_masked(advantages, mask)
-    log_ratio = zero_masked(log_prob.detach() - old_log_prob, mask)
-    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _token_ratio(log_prob.detach(), old_log_prob, mask)
     weight = torch.clamp(ratio, None if clip_low is None else 1.0 - clip_low, 1.0 + clip_high)
     per_token = -weight * advantages * log_prob
     clip_frac = masked_mean((weight != ratio).to(ratio.dtype), mask)
@@ -234,10 +237,8 @@ def sapo_loss(
     over sequences (``SEQ_MEAN_TOKEN_MEAN``); the aggregation here is the caller's. ``clip_frac`` counts
     tokens whose gate weight ``4 s (1 - s)`` is below 1/2 (``tau |r - 1| > 1.7627``). No dual-clip.
     """
-    log_ratio = zero_masked(log_prob - old_log_prob, mask)
-    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    log_ratio, ratio = _token_ratio(log_prob, old_log_prob, mask)
     advantages = zero_masked(advantages, mask)
-    ratio = torch.exp(log_ratio)
     tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -(4.0 / tau) * gate * advantages
