@@ -112,8 +112,9 @@ def _world(rank, world_size, ckpt):
     # StepResults as dicts: results travel as JSON
     res["skip"] = dataclasses.asdict(
         skip.update(base.update(Batch.from_dict(common | {"rollout_log_probs": shifted}))))
-    res["recompute"] = dataclasses.asdict(
-        recompute.update(base.update(Batch.from_dict(common | {"old_log_probs": rows["old_log_probs"]}))))
+    # the trainer sends the rollout log-probs on both paths (the mismatch correction's denominator)
+    res["recompute"] = dataclasses.asdict(recompute.update(base.update(Batch.from_dict(
+        common | {"old_log_probs": rows["old_log_probs"], "rollout_log_probs": shifted}))))
     res["param_max_diff"] = max((a - b).abs().max().item()
                                 for a, b in zip(_params(skip), _params(recompute), strict=True))
     res["param_moved"] = max((a - b).abs().max().item() for a, b in zip(before, _params(skip), strict=True))

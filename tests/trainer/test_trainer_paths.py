@@ -119,7 +119,7 @@ def _check_complete(ckpt: Path, step: int) -> None:
     state = json.loads((ckpt / "trainer.json").read_text())
     assert state["step"] == step and state["kl_coef"] is not None and "sampler" in state
     policy = ckpt / "policy"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["policy", "trainer.json"]  # GRPO: no critic
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "policy", "trainer.json"]  # GRPO: no critic
     for name in ("megarl_checkpoint.json", "hf/config.json", "weights/metadata.json", "trainer_state.json"):
         assert (policy / name).is_file(), f"{policy / name} missing"
     assert any(p.suffix == ".distcp" for p in (policy / "weights").iterdir())
