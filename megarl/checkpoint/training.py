@@ -45,6 +45,7 @@ def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, ste
     """Collective. Writes ``out_dir`` atomically; ``source_dir`` is the checkpoint the run started
     from (its metadata and hf/ files are carried over)."""
     out_dir = Path(out_dir)
+    _init_optimizer_state(engine)  # a run that has not updated yet (every step skipped) has none to save
     tmp = [None]
     if dist.get_rank() == 0:
         check_output_dir(out_dir)

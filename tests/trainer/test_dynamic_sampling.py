@@ -131,3 +131,39 @@ def test_truncated_responses_leave_the_policy_loss(tmp_path):
         assert m["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
         stopped += int((~cut).sum())
     assert stopped > 0  # some responses ended with EOS, so the loss had tokens
+
+
+CONSTANT_REWARD = '''
+def score(prompt, response, row):
+    return 0.5
+'''
+
+
+@pytest.mark.parametrize("on_short", ["train", "fail"])
+def test_a_batch_without_informative_groups_skips_the_update_or_fails(tmp_path, on_short):
+    """A reward that never differs: every group is dropped; after the extra rounds the step trains on nothing
+    (no update, counted) or stops the run naming the counts, as ``on_short`` says."""
+    from megarl.config.train import load_config
+    from megarl.testing.addition import make_task
+    from megarl.trainer.experience import ShortBatchError
+    from megarl.trainer.trainer import run as train
+
+    task = make_task(tmp_path / "task", train_rows=64, val_rows=8)
+    (tmp_path / "constant.py").write_text(CONSTANT_REWARD)
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "trainer.tensorboard": "false", "trainer.total_steps": 2, "trainer.save_every": 0,
+                 "trainer.val_every": 0, "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1,
+                 "cluster.pools.main.tp": 1, "trainer.output_dir": tmp_path / "out", "data.batch_size": 4,
+                 "reward.function": f"{tmp_path / 'constant.py'}:score",
+                 "algorithm.dynamic_sampling.on_short": on_short, "algorithm.dynamic_sampling.max_extra_rounds": 2}
+    cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in overrides.items()])
+    if on_short == "fail":
+        with pytest.raises(ShortBatchError, match=r"found 0 prompt groups with differing rewards in 3 rounds \(12 "):
+            train(cfg)
+        return
+    history = train(cfg)
+    assert len(history) == 2
+    for m in history:
+        assert m["dynamic/rounds"] == 3 and m["dynamic/groups_sampled"] == 12 and m["dynamic/groups_dropped"] == 12
+        assert m["dynamic/groups_trained"] == 0 and m["dynamic/short"] == 1.0
+        assert m["batch/num_sequences"] == 0 and "actor/pg_loss" not in m  # no update
