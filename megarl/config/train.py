@@ -29,7 +29,7 @@ import yaml
 from megarl.algos.advantages import AdvantageEstimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.config.loader import from_dict
-from megarl.controller.spec import Launcher, PoolSpec, Timeouts
+from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError
@@ -151,9 +151,11 @@ def _one_pool() -> dict[str, PoolSpec]:
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """Where the roles run. ``pools`` are named sets of devices, each with the megatron-core layout of the
-    processes on it; ``placement`` maps each role to a pool (null entries: the only pool). Roles on one
-    pool share its processes (colocation). Today a run has one pool; splitting roles across pools is
-    issue #23.
+    processes on it; ``placement`` maps roles to pools. The policy (and the rollout engine inside it) runs on
+    its entry's pool, or the first pool; every other role on its entry's pool, or the policy's. Roles on one
+    pool share its processes (colocation, the default: one pool); a role on a pool of its own runs in
+    processes of its own, beside the policy's (split placement). Rollout engines on a pool apart from the
+    policy's are issue #23.
 
     ``launcher: local`` hosts the one rank in the driver process itself (one device; no Ray, no worker
     processes: the lightest way to run a small model on one GPU or on a machine's CPU cores)."""
@@ -164,14 +166,19 @@ class ClusterConfig:
     timeouts: Timeouts = Timeouts()
     worker_env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment of the workers
     pools: dict[str, PoolSpec] = dataclasses.field(default_factory=_one_pool)
-    placement: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> pool; {} = all on the one pool
+    placement: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> pool; missing: the policy's
 
-    def pool(self) -> PoolSpec:
-        """The run's one pool (:func:`check_config` refuses several)."""
-        return next(iter(self.pools.values()))
+    def pool_name(self, role: Role = Role.POLICY) -> str:
+        """The pool hosting ``role`` (see the class docstring)."""
+        policy = self.placement.get(Role.POLICY.value) or next(iter(self.pools))
+        return self.placement.get(role.value) or policy
 
-    def layout(self) -> ParallelLayout:
-        return self.pool().layout()
+    def pool(self, role: Role = Role.POLICY) -> PoolSpec:
+        """The pool hosting ``role``; by default the policy's (which hosts the rollout engine)."""
+        return self.pools[self.pool_name(role)]
+
+    def layout(self, role: Role = Role.POLICY) -> ParallelLayout:
+        return self.pool(role).layout()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,9 +264,12 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
                           f"({layout}); change one of them.")
     rows = d.batch_size * r.sampling.n
-    if rows % (a.mini_batches * layout.dp):
-        raise ConfigError(f"batch_size*n = {rows} responses per step must split into algorithm.mini_batches="
-                          f"{a.mini_batches} x dp={layout.dp} equal parts.")
+    for role in (Role.POLICY, Role.CRITIC) if a.needs_critic else (Role.POLICY,):  # the roles that update
+        dp = cfg.cluster.layout(role).dp
+        if rows % (a.mini_batches * dp):
+            raise ConfigError(f"batch_size*n = {rows} responses per step must split into algorithm.mini_batches="
+                              f"{a.mini_batches} x dp={dp} ({role.value}'s pool {cfg.cluster.pool_name(role)!r}) "
+                              "equal parts.")
     if a.advantage.estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and r.sampling.n < 2:
         raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set "
                           "rollout.sampling.n >= 2.")
@@ -301,10 +311,6 @@ def _check_dapo(cfg: TrainConfig) -> None:
 def _check_cluster(cfg: TrainConfig) -> None:
     c = cfg.cluster
     allocator.resolve(c.allocator)
-    if len(c.pools) != 1:
-        raise ConfigError(f"cluster.pools defines {len(c.pools)} pools ({sorted(c.pools)}); a run places every role "
-                          "on one pool today (split placement is issue #23). Keep one pool.")
-    (pool_name,) = c.pools
     needed = {r.value for r in cfg.roles()}
     valid = {r.value for r in Role}
     for role, pool in c.placement.items():
@@ -315,10 +321,12 @@ def _check_cluster(cfg: TrainConfig) -> None:
         if role not in needed:
             raise ConfigError(f"cluster.placement.{role}: this run has no {role} (its roles: {sorted(needed)}); "
                               "remove the entry.")
-    if c.launcher is Launcher.LOCAL and c.layout().world_size != 1:
-        raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but pool {pool_name!r} has "
-                          f"nodes x devices_per_node = {c.layout().world_size}; set both to 1 (tp=pp=1) or use "
-                          "cluster.launcher=ray.")
+    # the run's placement as the controller will build it: pools that host no role, layouts that do not fit
+    PlacementConfig(c.pools, {r.value: c.pool_name(r) for r in cfg.roles()})
+    if c.launcher is Launcher.LOCAL and (len(c.pools) != 1 or c.layout().world_size != 1):
+        raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but the pools are "
+                          f"{ {name: p.world_size for name, p in c.pools.items()} } (devices each); keep one pool "
+                          "with nodes = devices_per_node = 1 (tp=pp=1) or use cluster.launcher=ray.")
     if c.timeouts.init_s <= 0 or (c.timeouts.call_s is not None and c.timeouts.call_s <= 0):
         raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from megarl.algos.dapo import ShortBatch, informative_groups, overlong_penalty
 from megarl.config.resolve import sampling_params
-from megarl.config.train import TrainConfig
+from megarl.config.train import Role, TrainConfig
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.errors import MegarlError
@@ -93,7 +94,8 @@ class Experience:
                     f"({len(records)} prompts), fewer than data.batch_size={want}, and "
                     "algorithm.dynamic_sampling.on_short=fail. Raise max_extra_rounds, use on_short: train, or check "
                     "that the rewards can differ (all correct or all wrong for every prompt).")
-            step = self.cfg.cluster.layout().dp * a.mini_batches  # the update splits rows into this many parts
+            dps = [self.cfg.cluster.layout(r).dp for r in self.cfg.roles() if r in (Role.POLICY, Role.CRITIC)]
+            step = math.lcm(*dps) * a.mini_batches  # the updates split the rows into this many parts
             while kept and (len(kept) * n) % step:
                 kept.pop()
         kept = kept[:want]
