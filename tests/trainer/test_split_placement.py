@@ -1,9 +1,11 @@
-"""Split placement of the frozen roles (issue #23, item 1, first part): the reference on a pool of its own.
+"""Split placement of the roles beside the policy (issue #23, item 1, first part): the reference, or the
+critic, on a pool of its own.
 
-The demo's GRPO (policy + its embedded rollout engine, KL loss to a reference) runs twice on the test
-session's Ray cluster with the same seeds: colocated (one pool, one process hosting both roles) and split
-(the reference on a second pool, in a process of its own). Reference: the colocated run, step for step
-(every metric but timings and memory within 1e-5 relative), and the worker processes each role ran in.
+The demo's GRPO (policy + its embedded rollout engine, KL loss to a reference), and PPO with a GAE critic,
+each run twice on the test session's Ray cluster with the same seeds: colocated (one pool, one process
+hosting the roles) and split (the reference or the critic on a second pool, in a process of its own).
+Reference: the colocated run, step for step (every metric but timings and memory within 1e-5 relative),
+and the worker processes each role ran in.
 """
 
 from __future__ import annotations
@@ -54,3 +56,19 @@ def test_reference_on_its_own_pool_matches_the_colocated_run(ray_cluster, tmp_pa
         for k in keys:
             assert math.isclose(ours[k], ref[k], rel_tol=1e-5, abs_tol=1e-7), (step, k, ours[k], ref[k])
     assert split[-1]["actor/kl"] > 0  # the reference's log-probs reached the loss
+
+
+def test_critic_on_its_own_pool_matches_the_colocated_run(ray_cluster, tmp_path):
+    """PPO with a GAE critic: the critic's values and updates come from a pool of its own."""
+    from megarl.testing.addition import make_task
+
+    task = make_task(tmp_path / "task", train_rows=64, val_rows=8)
+    ppo = {"algorithm.advantage.estimator": "gae", "algorithm.kl_loss_coef": 0, "critic.optim.lr": "5e-3"}
+    colocated, _, _ = _train(task, tmp_path / "colocated", ppo)
+    split, pids, placement = _train(task, tmp_path / "split", ppo | {
+        "cluster.pools.values.devices_per_node": 1, "cluster.placement.critic": "values"})
+    assert placement == {"policy": "main", "critic": "values"} and not set(pids["main"]) & set(pids["values"])
+    for step, (ours, ref) in enumerate(zip(split, colocated, strict=True), start=1):
+        for k in (k for k in ref if not k.startswith(NOT_COMPARED)):
+            assert math.isclose(ours[k], ref[k], rel_tol=1e-5, abs_tol=1e-7), (step, k, ours[k], ref[k])
+    assert split[-1]["critic/vf_loss"] > 0
