@@ -127,7 +127,9 @@ class PolicyRole(Role):
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
         gap = (None if recompute or self.rollout is None
                else _RolloutGap(batch["response_mask"], normalizer, self.rollout.config.max_logprob_abs_diff))
-        loss_cfg, correction = a.policy_loss, a.rollout_correction if "rollout_log_probs" in batch else None
+        # the mismatch correction needs the rollout's log-probs and something to correct with
+        active = "rollout_log_probs" in batch and a.rollout_correction.active
+        loss_cfg, correction = a.policy_loss, a.rollout_correction if active else None
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
             lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
@@ -136,7 +138,7 @@ class PolicyRole(Role):
             # token-mean metrics of this micro-batch, weighted so that they add up to global means
             weight = mask.sum() / normalizer.token_count
             advantages, metrics = mb["advantages"], {}
-            if correction is not None and correction.active:
+            if correction is not None:
                 corr = algos.rollout_correction(old, mb["rollout_log_probs"], mask, correction)
                 advantages = advantages * corr.weights
                 seq_weight = (mask.sum(-1) > 0).sum() / normalizer.seq_count

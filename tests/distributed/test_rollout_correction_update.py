@@ -128,3 +128,11 @@ def test_mismatch_metrics_and_applied_weights_equal_hand_computation(policy):
         else:  # the gap truncates and rejects something, so the weights are not all 1
             assert result.terms["mismatch/truncated_frac"] > 0 and abs(result.terms["mismatch/weight_mean"] - 1) > 1e-3
     assert kl[0] < kl[1] < kl[2]  # a larger temperature gap: a larger measured mismatch
+
+    # switched off (no truncation, no rejection): plain advantages, no mismatch metrics
+    rows, old = _rollout(policy, 1.6)
+    result, adv = _update(policy, rows, RolloutCorrectionConfig(truncate=None))
+    mask = rows["response_mask"].double()
+    assert not any(k.startswith("mismatch/") for k in result.terms)
+    expected = -(adv.double() * mask).sum().item() / mask.sum().item()
+    assert abs(result.terms["pg_loss"] - expected) <= 2e-5 * max(1.0, abs(expected))
