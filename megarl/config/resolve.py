@@ -36,7 +36,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     function = cfg.reward.function
     if function is not None and function not in BUILTIN_REWARDS and ":" in function:  # "path/to/file.py:name"
         function = _file_spec(function)
-    placement = {r.value: cfg.cluster.pool_name(r) for r in cfg.roles()}
+    placement = cfg.cluster.role_pools(cfg.roles())
     return dataclasses.replace(
         cfg,
         model=_model(cfg.model),

@@ -173,6 +173,10 @@ class ClusterConfig:
         policy = self.placement.get(Role.POLICY.value) or next(iter(self.pools))
         return self.placement.get(role.value) or policy
 
+    def role_pools(self, roles: Sequence[Role]) -> dict[str, str]:
+        """The placement of ``roles``, every one named: role -> pool."""
+        return {r.value: self.pool_name(r) for r in roles}
+
     def pool(self, role: Role = Role.POLICY) -> PoolSpec:
         """The pool hosting ``role``; by default the policy's (which hosts the rollout engine)."""
         return self.pools[self.pool_name(role)]
@@ -322,7 +326,7 @@ def _check_cluster(cfg: TrainConfig) -> None:
             raise ConfigError(f"cluster.placement.{role}: this run has no {role} (its roles: {sorted(needed)}); "
                               "remove the entry.")
     # the run's placement as the controller will build it: pools that host no role, layouts that do not fit
-    PlacementConfig(c.pools, {r.value: c.pool_name(r) for r in cfg.roles()})
+    PlacementConfig(c.pools, c.role_pools(cfg.roles()))
     if c.launcher is Launcher.LOCAL and (len(c.pools) != 1 or c.layout().world_size != 1):
         raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but the pools are "
                           f"{ {name: p.world_size for name, p in c.pools.items()} } (devices each); keep one pool "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,27 +22,25 @@ def free_port_block(lo: int, hi: int, n: int) -> int | None:
 
 def processes_mentioning(text: str) -> list[str]:
     """``pid: command line`` of every process whose command line contains ``text`` (e.g. a Ray temp dir)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
+    return _processes(lambda proc, cmdline: text in cmdline)
 
 
 def processes_with_env(key: str, value: str) -> list[str]:
     """``pid: command line`` of every process whose environment has ``key=value``: Ray workers rewrite their
     command line (``ray::WorkerProcess``) but keep the environment of the run that started them."""
-    found, entry = [], f"{key}={value}".encode()
+    entry = f"{key}={value}".encode()
+    return _processes(lambda proc, cmdline: entry in (proc / "environ").read_bytes().split(b"\0"))
+
+
+def _processes(match: Callable[[Path, str], bool]) -> list[str]:
+    """``pid: command line`` (first 200 characters) of every process ``match(its /proc dir, command line)`` accepts;
+    processes that end or deny access while being read are skipped."""
+    found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if entry not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if match(proc, cmdline):
+                found.append(f"{proc.name}: {cmdline[:200]}")
         except OSError:
             continue
-        found.append(f"{proc.name}: {cmdline[:200]}")
     return found

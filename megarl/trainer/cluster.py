@@ -68,13 +68,12 @@ class Cluster:
         c, local = self.cfg.cluster, self.cfg.cluster.launcher is Launcher.LOCAL
         env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
         options = GroupOptions(seed=self.cfg.trainer.seed, timeouts=c.timeouts, env=env)
-        self.placement = None
-        placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
+        self.placement = None  # a Placement that fails to start shuts itself down
+        self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
         try:
-            self.placement = placement
             self._add_roles(self.cfg)
         except BaseException:
-            placement.shutdown()
+            self.placement.shutdown()
             self.placement = None
             raise
 
@@ -158,12 +157,12 @@ class Cluster:
         if self.critic is not None:
             self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))
 
-    def shutdown(self, *, stop_ray: bool = True) -> None:
-        """Kill the workers; with ``stop_ray``, also the run's private Ray cluster (its raylet, GCS and
-        agents), so that no process of the run outlives it."""
+    def shutdown(self) -> None:
+        """Kill the workers and the run's private Ray cluster (its raylet, GCS and agents), so that no process
+        of the run outlives it."""
         if self.placement is not None:
             self.placement.shutdown()
-        if stop_ray and self.owns_ray:
+        if self.owns_ray:
             import ray
 
             ray.shutdown()

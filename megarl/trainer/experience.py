@@ -48,50 +48,51 @@ class Experience:
     # ------------------------------------------------------------------------------------ a step
 
     def collect(self, next_prompts: Callable[[], list[PromptRecord]], seed: int,
-                timer: Timer) -> tuple[Batch, list[PromptRecord], dict[str, float]]:
-        """The rows a step trains on (grouped by prompt, ``prompt_uid`` indexing the returned records) with
+                timer: Timer) -> tuple[Batch, dict[str, float]]:
+        """The rows a step trains on (grouped by prompt, ``prompt_uid`` numbering the groups from 0) with
         ``scores``, and the step's rollout and reward metrics. The policy is in training mode afterwards; the
         caller synced its weights for the first round."""
         ds = self.cfg.algorithm.dynamic_sampling
         batches: list[Batch] = []
-        records: list[PromptRecord] = []
-        num_errors, found = 0, 0
+        informative: list[torch.Tensor] = []  # per round: which of its prompt groups have differing rewards
+        num_groups = num_errors = found = 0
         for round_ in range(1 + (ds.max_extra_rounds if ds is not None else 0)):
             if round_:
                 with timer("weight_sync"):  # the engine slept while the previous round was scored
                     self.cluster.sync_weights()
-            round_records = next_prompts()
+            records = next_prompts()
             with timer("rollout"):
-                batch, baseline = self.rollout(round_records, self.cfg.rollout.sampling, seed + 100_003 * round_)
+                batch, baseline = self.rollout(records, self.cfg.rollout.sampling, seed + 100_003 * round_)
             with timer("reward"):
-                num_errors += self.score(batch, round_records, baseline)
+                num_errors += self.score(batch, records, baseline)
             if ds is not None:
-                found += int(informative_groups(batch["scores"], batch["prompt_uid"], len(round_records)).sum())
-            batch.tensors["prompt_uid"] = batch["prompt_uid"] + len(records)  # indexes the records of all rounds
+                informative.append(informative_groups(batch["scores"], batch["prompt_uid"], len(records)))
+                found += int(informative[-1].sum())
+            batch.tensors["prompt_uid"] = batch["prompt_uid"] + num_groups  # numbers the groups of all rounds
             batches.append(batch)
-            records += round_records
+            num_groups += len(records)
             if ds is None or found >= self.cfg.data.batch_size:
                 break
         full = _concat(batches)
         metrics = self._rollout_metrics(full) | self.reward_metrics(full, "reward", num_errors)
         if ds is None:
-            return full, records, metrics
-        return self._keep_informative(full, records, round_ + 1, metrics)
+            return full, metrics
+        return self._keep_informative(full, torch.cat(informative), round_ + 1, metrics)
 
-    def _keep_informative(self, batch: Batch, records: list[PromptRecord], rounds: int,
-                          metrics: dict[str, float]) -> tuple[Batch, list[PromptRecord], dict[str, float]]:
+    def _keep_informative(self, batch: Batch, informative: torch.Tensor, rounds: int,
+                          metrics: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """The first ``data.batch_size`` informative groups (fewer, trimmed to divide into the mini-batches,
         when sampling ran out), renumbered 0..k-1."""
         a, want, n = self.cfg.algorithm, self.cfg.data.batch_size, self.cfg.rollout.sampling.n
-        informative = informative_groups(batch["scores"], batch["prompt_uid"], len(records))
+        sampled = len(informative)
         kept = informative.nonzero().flatten().tolist()
-        counts = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(len(records)),
-                  "dynamic/groups_kept": float(len(kept)), "dynamic/groups_dropped": float(len(records) - len(kept))}
+        counts = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(sampled),
+                  "dynamic/groups_kept": float(len(kept)), "dynamic/groups_dropped": float(sampled - len(kept))}
         if len(kept) < want:
             if a.dynamic_sampling.on_short is ShortBatch.FAIL:
                 raise ShortBatchError(
                     f"dynamic sampling found {len(kept)} prompt groups with differing rewards in {rounds} rounds "
-                    f"({len(records)} prompts), fewer than data.batch_size={want}, and "
+                    f"({sampled} prompts), fewer than data.batch_size={want}, and "
                     "algorithm.dynamic_sampling.on_short=fail. Raise max_extra_rounds, use on_short: train, or check "
                     "that the rewards can differ (all correct or all wrong for every prompt).")
             dps = [self.cfg.cluster.layout(r).dp for r in self.cfg.roles() if r in (Role.POLICY, Role.CRITIC)]
@@ -101,13 +102,13 @@ class Experience:
         kept = kept[:want]
         counts |= {"dynamic/groups_trained": float(len(kept)), "dynamic/short": float(len(kept) < want)}
         if not kept:
-            return batch.index([]), [], metrics | counts
+            return batch.index([]), metrics | counts
         rows = torch.cat([(batch["prompt_uid"] == uid).nonzero().flatten() for uid in kept])
         out = batch.index(rows)
-        renumber = torch.full((len(records),), -1, dtype=torch.long)
+        renumber = torch.full((sampled,), -1, dtype=torch.long)
         renumber[torch.tensor(kept)] = torch.arange(len(kept))
         out.tensors["prompt_uid"] = renumber[out["prompt_uid"]]
-        return out, [records[u] for u in kept], metrics | counts
+        return out, metrics | counts
 
     # ------------------------------------------------------------------------------------ stages
 
@@ -160,8 +161,8 @@ class Experience:
         if "model" in parts:
             metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
         if "baseline_scores" in batch:  # one value per prompt, repeated on its rows: the mean over prompts
-            first = torch.unique(batch["prompt_uid"], return_inverse=True)[1]
-            per_prompt = torch.zeros(int(first.max()) + 1).scatter(0, first, batch["baseline_scores"])
+            uid = batch["prompt_uid"]
+            per_prompt = torch.zeros(int(uid.max()) + 1).scatter(0, uid, batch["baseline_scores"])
             metrics[f"{prefix}/baseline_mean"] = per_prompt.mean().item()
         return metrics
 

@@ -97,7 +97,7 @@ class Trainer:
         self.lock = RunLock(self.out)
         self.cluster: Cluster | None = None
         self.restarts = 0  # workers replaced so far (run/restarts)
-        self._restarts: list[float] = []  # monotonic times of the restarts within trainer.restart_window_s
+        self._restart_times: list[float] = []  # monotonic times of the restarts within trainer.restart_window_s
         self._reset()
         self.stop.install()
         try:
@@ -121,8 +121,7 @@ class Trainer:
             logger.info("removed %s, a checkpoint an ended run did not finish writing", stale)
         dump_config(self.cfg, self.out / "config.yaml")
         t = self.cfg.trainer
-        fallback = t.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
-        self.resume_from = run_checkpoints.resume_point(self.out, fallback=fallback) if t.resume else None
+        self.resume_from = self._newest_intact() if t.resume else None
         if self.resume_from is not None:
             done = int(run_checkpoints.read_state(self.resume_from)["step"])
             if done >= t.total_steps:
@@ -137,6 +136,11 @@ class Trainer:
                                      self._stage)
         if self.resume_from is not None:
             self._restore(self.resume_from)
+
+    def _newest_intact(self) -> Path | None:
+        """The checkpoint to resume from (``trainer.on_corrupt_checkpoint`` decides about corrupt ones)."""
+        fallback = self.cfg.trainer.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
+        return run_checkpoints.resume_point(self.out, fallback=fallback)
 
     @property
     def complete(self) -> bool:
@@ -197,19 +201,18 @@ class Trainer:
         """Replace every worker after ``error`` lost one, resume from the newest intact checkpoint, record
         the incident; at most ``trainer.max_restarts`` times within ``trainer.restart_window_s``."""
         t, now, failed_step = self.cfg.trainer, time.monotonic(), self.step
-        self._restarts = [r for r in self._restarts if now - r < t.restart_window_s]
-        if len(self._restarts) >= t.max_restarts:
+        self._restart_times = [r for r in self._restart_times if now - r < t.restart_window_s]
+        if len(self._restart_times) >= t.max_restarts:
             raise WorkersLostError(
-                f"{error} The run restarted its workers {len(self._restarts)} time(s) within the last "
+                f"{error} The run restarted its workers {len(self._restart_times)} time(s) within the last "
                 f"{t.restart_window_s:.0f} s (trainer.max_restarts={t.max_restarts}); it stops here and resumes from "
                 "its newest intact checkpoint when run again.") from error
-        self._restarts.append(now)
+        self._restart_times.append(now)
         self.restarts += 1
         logger.warning("worker lost (%s, rank %s) in step %d: restarting the workers (restart %d of at most %d within "
-                       "%.0f s)", error.role, error.rank, failed_step, len(self._restarts), t.max_restarts,
+                       "%.0f s)", error.role, error.rank, failed_step, len(self._restart_times), t.max_restarts,
                        t.restart_window_s)
-        fallback = t.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
-        ckpt = run_checkpoints.resume_point(self.out, fallback=fallback)
+        ckpt = self._newest_intact()
         try:
             self.cluster.restart()
         except MegarlError as e:
@@ -241,7 +244,7 @@ class Trainer:
         a = self.cfg.algorithm
         with timer("weight_sync"):
             metrics = self.cluster.sync_weights().metrics()
-        batch, _, sampled = self.experience.collect(
+        batch, sampled = self.experience.collect(
             lambda: self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size)), self._seed(), timer)
         metrics |= sampled
         if not len(batch):  # dynamic sampling found no prompt group with differing rewards: nothing to learn from
