@@ -35,7 +35,7 @@ def make_buckets(plan: ReshardPlan, cap_bytes: int, itemsize: int, *, full_tenso
     buckets."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, found {cap_bytes}")
-    ranks = range(plan.train.world_size)
+    ranks = range(len(plan.places))  # every rank of the plan's world (training ranks, then any rollout pool)
     by_tensor: dict[str, list[Slab]] = {}
     for s in plan.slabs:
         by_tensor.setdefault(s.tensor, []).append(s)
@@ -84,8 +84,8 @@ def _transient_bytes(plan: ReshardPlan, t: HFTensor, slabs: list[Slab], itemsize
     full tensor with ``full_tensors``)."""
     out: dict[int, int] = {}
     sent: set[tuple[int, int, int]] = set()
-    if with_dest and full_tensors:  # every rank holds the full shape, even with an empty slice
-        out = dict.fromkeys(range(plan.train.world_size), t.length * t.row_elems * itemsize)
+    if with_dest and full_tensors:  # every receiving rank holds the full shape, even with an empty slice
+        out = dict.fromkeys(plan.receivers, t.length * t.row_elems * itemsize)
         with_dest = False
     for s in slabs:
         n = plan.slab_bytes(s, itemsize)

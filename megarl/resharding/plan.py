@@ -26,6 +26,12 @@ Rollout places (which rollout replica and TP rank each training rank plays):
 Sources: a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's own
 data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
 model-parallel group, as in HybridFlow.
+
+Split placement (``rollout_ranks``: the rollout engines run on a pool of their own): the plan's world is
+the training ranks ``0..T-1`` followed by the rollout ranks ``T..T+R-1`` (CONSECUTIVE groups among them);
+training ranks only send, rollout ranks only receive. Rollout replica ``g`` draws every slab from training
+data-parallel replica ``g mod DP`` (replicated tensors from TP rank ``(g div DP + its TP rank) mod TP``), so
+the sending load spreads over the data-parallel replicas and their TP ranks.
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ class ReshardPlan:
     grouping: Grouping
     padded_vocab: int
     tensors: tuple[HFTensor, ...]  # the global order every rank agrees on
-    places: tuple[RolloutPlace, ...]  # by global rank
+    places: tuple[RolloutPlace | None, ...]  # by rank of the plan's world; None: a training rank that only sends
     slabs: tuple[Slab, ...]  # in tensor order, then destination rank, then start
     dest: dict[tuple[str, int], tuple[int, int]]  # (tensor, rank) -> range that rank ends up holding
 
@@ -135,41 +141,63 @@ class ReshardPlan:
 
     @property
     def num_replicas(self) -> int:
-        return len({p.replica for p in self.places})
+        return len({p.replica for p in self.places if p is not None})
+
+    @property
+    def split(self) -> bool:
+        """Whether the rollout ranks are apart from the training ranks (ranks ``train.world_size`` and up)."""
+        return len(self.places) > self.train.world_size
+
+    @property
+    def receivers(self) -> list[int]:
+        """The ranks that hold rollout shards."""
+        return [r for r, p in enumerate(self.places) if p is not None]
 
 
 def make_plan(
     spec: ModelSpec, train: ParallelLayout, rollout_tp: int, *, padded_vocab: int | None = None,
-    grouping: Grouping | None = None,
+    grouping: Grouping | None = None, rollout_ranks: int | None = None,
 ) -> ReshardPlan:
     """The plan for moving ``spec``'s weights from ``train`` to rollout replicas of TP size ``rollout_tp``.
 
     ``grouping``: None picks ``HYBRID`` where it applies, else ``CONSECUTIVE``; engines with fixed TP groups
-    (vLLM) ask for ``CONSECUTIVE``."""
-    check_rollout_tp(spec, train, rollout_tp)
+    (vLLM) ask for ``CONSECUTIVE``. ``rollout_ranks``: the size of a separate rollout pool (split placement,
+    always ``CONSECUTIVE``); None: the rollout engines live in the training ranks."""
+    check_rollout_tp(spec, train, rollout_tp, rollout_ranks)
     vp = padded_vocab or spec.padded_vocab_size(train.tp)
-    hybrid_fits = (train.tp * train.pp) % rollout_tp == 0
+    hybrid_fits = rollout_ranks is None and (train.tp * train.pp) % rollout_tp == 0
     if grouping is Grouping.HYBRID and not hybrid_fits:
-        raise LayoutError(f"the HYBRID grouping needs rollout tp {rollout_tp} to divide tp*pp = {train.tp * train.pp}")
+        raise LayoutError(f"the HYBRID grouping needs colocated rollout engines and rollout tp {rollout_tp} to divide "
+                          f"tp*pp = {train.tp * train.pp}")
     grouping = grouping or (Grouping.HYBRID if hybrid_fits else Grouping.CONSECUTIVE)
     tensors = tuple(hf_tensors(spec, train))
-    places = tuple(rollout_places(train, rollout_tp, grouping))
+    if rollout_ranks is None:
+        places: tuple[RolloutPlace | None, ...] = tuple(rollout_places(train, rollout_tp, grouping))
+    else:
+        places = (None,) * train.world_size + tuple(RolloutPlace(i // rollout_tp, i % rollout_tp)
+                                                    for i in range(rollout_ranks))
     slabs: list[Slab] = []
     dest: dict[tuple[str, int], tuple[int, int]] = {}
     for t in tensors:
         sources = [source_range(t, spec, train, tp, vp) for tp in range(train.tp)]
         for rank, place in enumerate(places):
+            if place is None:
+                continue
             lo, hi = dest_range(t, spec, rollout_tp, place.tp_rank)
             dest[(t.name, rank)] = (lo, hi)
-            slabs.extend(_slabs_for(t, train, rank, lo, hi, sources))
+            slabs.extend(_slabs_for(t, train, rank, place, lo, hi, sources))
     return ReshardPlan(train, rollout_tp, grouping, vp, tensors, places, tuple(slabs), dest)
 
 
-def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int) -> None:
-    """Raise LayoutError unless vLLM-style TP of size ``rollout_tp`` can split this model on this world."""
+def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int, rollout_ranks: int | None = None) -> None:
+    """Raise LayoutError unless vLLM-style TP of size ``rollout_tp`` can split this model on this world (or on
+    a rollout pool of ``rollout_ranks``)."""
     if not isinstance(rollout_tp, int) or rollout_tp < 1:
         raise LayoutError(f"rollout tensor-parallel size must be a positive integer, found {rollout_tp!r}.")
-    if train.world_size % rollout_tp:
+    if rollout_ranks is not None and (rollout_ranks < 1 or rollout_ranks % rollout_tp):
+        raise LayoutError(f"rollout tp={rollout_tp} must divide the rollout pool's {rollout_ranks} ranks: every rank "
+                          "hosts one rollout shard.")
+    if rollout_ranks is None and train.world_size % rollout_tp:
         raise LayoutError(
             f"rollout tp={rollout_tp} must divide the training world ({train}, {train.world_size} ranks): "
             "every rank hosts one rollout shard."
@@ -284,18 +312,26 @@ def check_vllm_groups(layout: ParallelLayout, rollout_tp: int) -> None:
 
 
 def _slabs_for(
-    t: HFTensor, train: ParallelLayout, rank: int, lo: int, hi: int, sources: list[tuple[int, int]]
+    t: HFTensor, train: ParallelLayout, rank: int, place: RolloutPlace, lo: int, hi: int,
+    sources: list[tuple[int, int]],
 ) -> list[Slab]:
-    me = train.coords(rank)
+    """The slabs ``rank`` receives (or keeps) of ``t``'s range [lo, hi): from the holders in its own data-parallel
+    replica when it is a training rank, else from training replica ``replica mod DP`` (module docstring)."""
+    if rank < train.world_size:
+        me = train.coords(rank)
+        dp, replicated_tp = me.dp, me.tp
+    else:
+        me = None
+        dp, replicated_tp = place.replica % train.dp, (place.replica // train.dp + place.tp_rank) % train.tp
     if t.split is Split.NONE:
-        src = rank if me.pp == t.stage else train.rank_of(me.tp, t.stage, me.dp)
+        src = rank if me is not None and me.pp == t.stage else train.rank_of(replicated_tp, t.stage, dp)
         return [Slab(t.name, 0, 1, src, rank)]
     slabs = []
     for tp, (a, b) in enumerate(sources):
         start, stop = max(a, lo), min(b, hi)
         if start >= stop:
             continue
-        src = rank if (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, me.dp)
+        src = rank if me is not None and (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, dp)
         slabs.append(Slab(t.name, start, stop, src, rank))
     return slabs
 

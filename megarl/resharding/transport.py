@@ -6,6 +6,10 @@ the rollout shard when the slab is a contiguous part of it (dim-0 ranges), throu
 buffer otherwise. A rank yields each finished bucket as ``[(hf_name, rollout shard)]`` for its
 engine to load, then drops it. Extra memory is bounded by the bucket cap plus one Megatron
 parameter's converted pieces; never a second model copy.
+
+With split placement (a plan with ``rollout_ranks``) the messages travel over a
+:class:`~megarl.resharding.link.WeightLink` joining both pools: training ranks only send (their buckets
+come out empty), rollout ranks only receive (they pass no parameters).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from megarl.metrics import trace
 from megarl.models.spec import ModelSpec
 from megarl.resharding.buckets import Bucket, LocalPieces, dest_view, empty_dest, make_buckets
+from megarl.resharding.link import Message, WeightLink
 from megarl.resharding.plan import ReshardPlan
 from megarl.resharding.stats import TransferStats
 
@@ -34,26 +39,31 @@ def stream_weights(
     stats: TransferStats | None = None,
     group: dist.ProcessGroup | None = None,
     full_tensors: bool = False,
+    link: WeightLink | None = None,
+    device: torch.device | str | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield this rank's rollout shards bucket by bucket (HF names, ``dtype``, vocab trimmed).
 
     ``params``: global local-spec Megatron name -> this rank's shard (all its model chunks).
-    ``rank``: this process's rank in ``group`` (the world the plan's layout describes).
+    ``rank``: this process's rank in ``group`` (the world the plan's layout describes), or in ``link``.
     ``full_tensors``: yield each shard inside a full-shape HF tensor (the rest NaN; see ``empty_dest``),
     for engines that load checkpoint-format tensors; the bytes moved are the same.
+    ``link``: the group of a split placement (then ``group`` is unused); a rollout rank passes no ``params``
+    and the ``device`` its shards go to (default: where the training shards are).
     Every rank of the group must consume the whole iterator: buckets are collective.
     """
     stats = stats if stats is not None else TransferStats()
-    pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype)
+    sends = rank < plan.train.world_size  # a training rank (a rollout rank of a split plan only receives)
+    pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype) if sends else None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    device = next(iter(params.values())).device  # rollout shards live where the training shards do
+    device = device if device is not None else next(iter(params.values())).device
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize, full_tensors=full_tensors):
         start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
         for t in bucket.tensors:  # full-shape tensors also where this rank's slice is empty (vocabulary tails)
             if t.name not in dests and (full_tensors or any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)):
                 dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device, full=full_tensors)
-        _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group, full_tensors)
+        _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group, link, full_tensors)
         stats.seconds += time.perf_counter() - start
         trace.record(f"reshard bucket {stats.buckets}", start_ns, time.time_ns(), cat="reshard",
                      bytes_moved=stats.bytes_sent + stats.bytes_received - moved, tensors=len(bucket.tensors))
@@ -64,9 +74,10 @@ def stream_weights(
             del out  # hold no reference while the next bucket runs (the consumer clears the list)
 
 
-def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dict[str, torch.Tensor], rank: int,
-              dtype: torch.dtype, itemsize: int, stats: TransferStats, group, full_tensors: bool) -> None:
-    ops: list[dist.P2POp] = []
+def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces | None, dests: dict[str, torch.Tensor],
+              rank: int, dtype: torch.dtype, itemsize: int, stats: TransferStats, group, link: WeightLink | None,
+              full_tensors: bool) -> None:
+    messages: list[Message] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent: dict[tuple[str, int, int], torch.Tensor] = {}  # one contiguous copy per slab, however many peers
     for tag, s in enumerate(bucket.slabs):
@@ -82,16 +93,20 @@ def _exchange(plan: ReshardPlan, bucket: Bucket, pieces: LocalPieces, dests: dic
             key = (s.tensor, s.start, s.stop)
             if key not in sent:
                 sent[key] = pieces.slab(s)
-            ops.append(dist.P2POp(dist.isend, sent[key], _peer(s.dst, group), group=group, tag=tag))
+            messages.append(Message(True, sent[key], s.dst, tag))
             stats.bytes_sent += nbytes
         else:
             view = dest_view(dests[s.tensor], t, _dest_start(plan, s.tensor, rank, full_tensors), s)
             buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype, device=view.device)
             if buf is not view:
                 staged.append((view, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, _peer(s.src, group), group=group, tag=tag))
+            messages.append(Message(False, buf, s.src, tag))
             stats.bytes_received += nbytes
-    if ops:
+    if link is not None:
+        link.exchange(messages)
+    elif messages:
+        ops = [dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, _peer(m.peer, group), group=group,
+                          tag=m.tag) for m in messages]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     for view, buf in staged:

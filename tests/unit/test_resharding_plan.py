@@ -123,7 +123,7 @@ def _execute_in_memory(plan, spec, hf, dtype=torch.float32):
             full = mapping.to_mcore(m, spec, [hf[n] for n in m.hf], vp)
             params[m.mcore] = mapping.tp_shard(m, full, layout.tp, c.tp)
         pieces[rank] = LocalPieces(plan, spec, c.tp, params, dtype)
-    out = {r: {} for r in range(layout.world_size)}
+    out = {r: {} for r in plan.receivers}
     for bucket in make_buckets(plan, cap_bytes=4096, itemsize=4):  # small: the vocab tensors travel in parts
         for t in bucket.tensors:
             for r in out:
@@ -184,6 +184,31 @@ def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g,
             assert torch.equal(got[name], want[name]), (rank, name)
     if tied:
         assert "lm_head.weight" not in shards[0]
+
+
+@pytest.mark.parametrize("tp, pp, dp, tp_g, rollout_ranks", [(2, 1, 1, 1, 2), (2, 2, 1, 2, 4), (1, 2, 2, 1, 3),
+                                                              (2, 1, 2, 2, 2)])
+def test_split_placement_shards_equal_vllm_layout(tp, pp, dp, tp_g, rollout_ranks):
+    # rollout engines on a pool of their own: training ranks only send, rollout ranks (after them) only receive,
+    # and each replica's shards equal vLLM's slices; the sending spreads over the training DP replicas
+    spec = _spec("qwen2", vocab_size=300, num_heads=4, num_kv_heads=2, hidden_size=64)
+    hf = _hf_state(spec)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    plan = make_plan(spec, layout, tp_g, rollout_ranks=rollout_ranks)
+    assert plan.split and plan.grouping is Grouping.CONSECUTIVE
+    assert plan.receivers == list(range(layout.world_size, layout.world_size + rollout_ranks))
+    assert plan.num_replicas == rollout_ranks // tp_g
+    assert all(s.src < layout.world_size <= s.dst for s in plan.slabs)  # no rank both sends and receives
+    shards = _execute_in_memory(plan, spec, hf)
+    for i, rank in enumerate(plan.receivers):
+        want = _vllm_by_hand(spec, hf, i % tp_g, tp_g)
+        assert set(shards[rank]) == set(want)
+        for name in want:
+            assert torch.equal(shards[rank][name], want[name]), (rank, name)
+    senders_dp = {layout.coords(s.src).dp for s in plan.slabs}
+    assert senders_dp == set(range(min(dp, plan.num_replicas)))
+    with pytest.raises(LayoutError, match="rollout pool"):
+        make_plan(spec, layout, 2, rollout_ranks=3)
 
 
 def test_full_tensor_buckets_count_whole_tensors():
