@@ -46,7 +46,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         trainer=dataclasses.replace(cfg.trainer, output_dir=_path(cfg.trainer.output_dir)),
         policy=_engine(cfg.policy),
         critic=_engine(cfg.critic),
-        algorithm=dataclasses.replace(a, recompute_old_log_probs=a.recomputes_old_log_probs),
+        algorithm=dataclasses.replace(a, recompute_old_log_probs=(
+            a.recomputes_old_log_probs or cfg.rollout.max_version_lag > 0)),  # stale samples: pi_old != pi_rollout
         reward_model=rm,
         teacher=teacher,
         cluster=dataclasses.replace(cfg.cluster, placement=placement),

@@ -44,7 +44,8 @@ from megarl.rollout.config import RolloutBackend, RolloutConfig
 class Role(enum.Enum):
     """The roles a run places on its pools (``cluster.placement`` keys)."""
 
-    POLICY = "policy"  # trains; hosts the rollout engine
+    POLICY = "policy"  # trains; hosts the rollout engines unless they have a pool of their own
+    ROLLOUT = "rollout"  # the rollout engines: inside the policy's processes, or on a pool of their own (split)
     REFERENCE = "reference"
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"
@@ -68,6 +69,13 @@ class DataConfig(PromptConfig):
     shuffle: bool = True  # a fresh permutation of the training prompts every epoch
 
 
+class Schedule(enum.Enum):
+    """How generation and training take turns (:mod:`megarl.trainer.experience`)."""
+
+    SYNC = "sync"  # generate, then train on it: every sample from the weights being trained (version lag 0)
+    ONE_STEP_OFF = "one_step_off"  # step k+1's generation runs while step k trains (lag 1; needs a rollout pool)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
     sampling: SamplingConfig = SamplingConfig(n=4)  # training responses
@@ -76,6 +84,14 @@ class RolloutSection:
     stop_at_eos: bool = True  # the tokenizer's eos token ends a response
     stop_token_ids: tuple[int, ...] = ()  # more ids that end a response (e.g. Llama-3's <|eot_id|>)
     engine: RolloutConfig = RolloutConfig()
+    schedule: Schedule = Schedule.SYNC  # sync | one_step_off (overlaps generation and training; needs
+    # cluster.placement.rollout on a pool of its own; trains on samples one version old, with the old
+    # log-probs recomputed and algorithm.rollout_correction weighting them)
+
+    @property
+    def max_version_lag(self) -> int:
+        """How many updates behind the trained weights a sample may be (the schedule guarantees it)."""
+        return 1 if self.schedule is Schedule.ONE_STEP_OFF else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +170,10 @@ class ClusterConfig:
     processes on it; ``placement`` maps roles to pools. The policy (and the rollout engine inside it) runs on
     its entry's pool, or the first pool; every other role on its entry's pool, or the policy's. Roles on one
     pool share its processes (colocation, the default: one pool); a role on a pool of its own runs in
-    processes of its own, beside the policy's (split placement). Rollout engines on a pool apart from the
-    policy's are issue #23.
+    processes of its own, beside the policy's (split placement). The rollout engines (``placement.rollout``)
+    live in the policy's processes unless they have a pool of their own: then that pool's layout is
+    ``tp = rollout.engine.tp``, ``pp = 1``, one rollout replica per data-parallel rank, and weights travel to
+    it over a process group joining both pools after each update (:mod:`megarl.roles.split`).
 
     ``launcher: local`` hosts the one rank in the driver process itself (one device; no Ray, no worker
     processes: the lightest way to run a small model on one GPU or on a machine's CPU cores)."""
@@ -184,6 +202,11 @@ class ClusterConfig:
     def layout(self, role: Role = Role.POLICY) -> ParallelLayout:
         return self.pool(role).layout()
 
+    @property
+    def rollout_apart(self) -> bool:
+        """Whether the rollout engines run on a pool of their own (split placement)."""
+        return self.pool_name(Role.ROLLOUT) != self.pool_name(Role.POLICY)
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -202,9 +225,9 @@ class TrainConfig:
     def roles(self) -> list[Role]:
         """The roles this run needs, policy first."""
         a = self.algorithm
-        return [Role.POLICY] + [r for r, on in ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
-                                                (Role.REWARD_MODEL, self.reward_model is not None),
-                                                (Role.TEACHER, self.teacher is not None)) if on]
+        optional = ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
+                    (Role.REWARD_MODEL, self.reward_model is not None), (Role.TEACHER, self.teacher is not None))
+        return [Role.POLICY, Role.ROLLOUT] + [r for r, on in optional if on]
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -331,8 +354,26 @@ def _check_cluster(cfg: TrainConfig) -> None:
         raise ConfigError(f"cluster.launcher=local runs one rank in the driver process, but the pools are "
                           f"{ {name: p.world_size for name, p in c.pools.items()} } (devices each); keep one pool "
                           "with nodes = devices_per_node = 1 (tp=pp=1) or use cluster.launcher=ray.")
+    if c.rollout_apart:
+        _check_rollout_pool(cfg)
     if c.timeouts.init_s <= 0 or (c.timeouts.call_s is not None and c.timeouts.call_s <= 0):
         raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
+
+
+def _check_rollout_pool(cfg: TrainConfig) -> None:
+    c, engine = cfg.cluster, cfg.rollout.engine
+    name, pool = c.pool_name(Role.ROLLOUT), c.pool(Role.ROLLOUT)
+    others = sorted(r.value for r in cfg.roles() if r is not Role.ROLLOUT and c.pool_name(r) == name)
+    if others:
+        raise ConfigError(f"pool {name!r} hosts the rollout engines and {others}: a rollout pool hosts only the "
+                          "rollout engines. Place those roles on another pool.")
+    if engine.backend is not RolloutBackend.EMBEDDED:
+        raise ConfigError(f"rollout engines on a pool of their own run the embedded backend so far; found "
+                          f"rollout.engine.backend={engine.backend.value}. Colocate vLLM with the policy (remove "
+                          "cluster.placement.rollout) or use backend=embedded.")
+    if pool.pp != 1 or pool.tp != engine.tp:
+        raise ConfigError(f"the rollout pool {name!r} must have tp = rollout.engine.tp = {engine.tp} and pp = 1 "
+                          f"(one rollout replica per data-parallel rank); found tp={pool.tp}, pp={pool.pp}.")
 
 
 def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
@@ -342,11 +383,23 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
     if r.engine.backend is RolloutBackend.EMBEDDED and r.engine.tp != 1:
         raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.engine.tp must be 1, "
                           f"found {r.engine.tp}; use rollout.engine.backend=vllm for tensor-parallel generation.")
-    if r.engine.backend is RolloutBackend.VLLM:
+    if r.engine.backend is RolloutBackend.VLLM and not cfg.cluster.rollout_apart:
         check_vllm_groups(layout, r.engine.tp)
         for name, s in (("sampling", r.sampling), ("validation", r.validation)):
             if s.temperature > 2:  # vLLM's own limit (VLLMValidationError at the first call otherwise)
                 raise ConfigError(f"rollout.{name}.temperature={s.temperature}: vLLM accepts at most 2.")
+    if r.schedule is Schedule.ONE_STEP_OFF:
+        if not cfg.cluster.rollout_apart:
+            raise ConfigError("rollout.schedule=one_step_off generates while the policy trains, so the rollout engines "
+                              "need a pool of their own: add one to cluster.pools and set cluster.placement.rollout "
+                              "to it (or use rollout.schedule=sync).")
+        if cfg.algorithm.recompute_old_log_probs is False:
+            raise ConfigError("rollout.schedule=one_step_off trains on samples one version old: the PPO ratio needs "
+                              "old log-probs recomputed at the trained weights. Leave "
+                              "algorithm.recompute_old_log_probs unset (auto) or set it true.")
+        if cfg.algorithm.dynamic_sampling is not None:
+            raise ConfigError("algorithm.dynamic_sampling samples extra rounds within a step, which "
+                              "rollout.schedule=one_step_off does not support yet; use rollout.schedule=sync with it.")
     if r.sampling.temperature == 0:
         raise ConfigError("rollout.sampling.temperature=0 (greedy) gives no exploration to learn from; use > 0 for "
                           "training (rollout.validation.temperature may be 0).")

@@ -53,15 +53,17 @@ class HybridRollout:
         self.full_tensors = config.backend is RolloutBackend.VLLM
         self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
-        self.rollout = _build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan, seed)
+        self.rollout = build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan, seed)
         self.rollout.sleep()
         self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
+        self.version = 0  # of the weights the engine holds (the driver numbers them)
 
     # ------------------------------------------------------------------------------- transitions
 
     @trace.spanned("to_rollout", cat="weight_sync")
-    def to_rollout(self) -> WeightSync:
-        """Train -> rollout: offload training state (GPU), stream weights into the woken rollout engine."""
+    def to_rollout(self, version: int = 0) -> WeightSync:
+        """Train -> rollout: offload training state (GPU), stream weights into the woken rollout engine; they
+        are ``version`` from now."""
         start = time.perf_counter()
         offload = self._offload_train_state()
         if offload:
@@ -75,6 +77,7 @@ class HybridRollout:
             self.rollout.update_weights(bucket)
             bucket.clear()  # drop the shards as soon as the engine has copied them
         self.rollout.finish_weight_update()
+        self.version = version
         if offload:
             self.engine.offload(params=True, grads=False, optimizer=False)
         self.last_transfer = stats
@@ -132,7 +135,7 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
     return lo, lo + base + (index < extra)
 
 
-def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
+def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
                   plan: ReshardPlan, seed: int):
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
@@ -163,6 +166,19 @@ def _build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pa
 
 
 # ------------------------------------------------------------------------------- batch assembly
+
+
+def generation_rows(prompts: Batch, ids: list[list[int]], outputs: list[RolloutOutput], pad_token_id: int,
+                    metrics: dict[str, float]) -> Batch:
+    """What a generation call returns: training rows of ``outputs`` (:func:`rollout_batch`), each with its
+    prompt's per-prompt fields of ``prompts`` (e.g. a global prompt id; all but ``prompt_ids`` and
+    ``prompt_lengths``), and ``metrics`` with ``rollout/num_tokens`` in ``meta["metrics"]``."""
+    batch = rollout_batch(ids, outputs, pad_token_id)
+    per_prompt = [k for k in prompts.tensors.keys() if k not in ("prompt_ids", "prompt_lengths")]  # noqa: SIM118
+    if per_prompt:
+        batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
+    batch.meta["metrics"] = metrics | {"rollout/num_tokens": float(batch["response_lengths"].sum())}
+    return batch
 
 
 def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_token_id: int) -> Batch:

@@ -29,8 +29,9 @@ from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.init import comm_device, process_groups
-from megarl.roles.hybrid import HybridRollout, rollout_batch
+from megarl.roles.hybrid import HybridRollout, generation_rows
 from megarl.roles.results import WeightSync
+from megarl.roles.split import WeightSender
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.mismatch import mismatch_error
@@ -57,25 +58,54 @@ class PolicyRole(Role):
 
     def __init__(self, ctx: WorkerContext, *, checkpoint_dir: str, engine: EngineConfig, algorithm: AlgorithmConfig,
                  temperature: float, rollout: RolloutConfig | None = None, seed: int = 0,
-                 trainable: bool = True) -> None:
+                 trainable: bool = True, rollout_ranks: int | None = None) -> None:
         super().__init__(ctx)
         hf_config = read_meta(checkpoint_dir).hf_config
         self.spec = spec_from_hf_config(hf_config)
         self.algorithm, self.temperature = algorithm, temperature
         self.engine = MegatronEngine(self.spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=trainable,
                                      groups=process_groups())
-        self.rollout = None
-        if rollout is not None:
+        self.rollout_config = rollout
+        self.rollout: HybridRollout | None = None  # a colocated rollout engine
+        self.sender: WeightSender | None = None  # or rollout engines on a pool of their own (split placement)
+        if rollout is not None and rollout_ranks is not None:
+            self.sender = WeightSender(ctx, self.spec, self.engine, rollout, rollout_ranks)
+        elif rollout is not None:
             pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
             self.rollout = HybridRollout(ctx, self.spec, hf_config, self.engine, rollout, pad, seed=seed)
 
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.rollout.close()
+        if self.sender is not None:
+            self.sender.member.link = None
 
-    def sync_weights(self) -> WeightSync:
-        """Train -> rollout (collective): the rollout engine wakes up with the current training weights."""
-        return self._hybrid().to_rollout()
+    def sync_weights(self, version: int = 0) -> WeightSync:
+        """Train -> rollout (collective): the rollout engine wakes up with the current training weights, which
+        the rows it generates record as ``policy_version``."""
+        return self._hybrid().to_rollout(version)
+
+    # split placement: the rollout engines are a pool of their own (megarl.roles.split)
+
+    def open_weight_link(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: open the rendezvous of the weight link on a free port; (host, port) for every member."""
+        return self._sender().member.open(self.ctx.node_ip, timeout_s)
+
+    def join_weight_link(self, host: str, port: int, timeout_s: float) -> int:
+        """Collective with the rollout pool's :meth:`~megarl.roles.split.RolloutRole.join_weight_link`; the
+        link's size (training ranks + rollout ranks)."""
+        sender = self._sender()
+        sender.member.join(host, port, self.ctx.rank, sender.link_size, self.ctx.device, timeout_s)
+        return sender.link_size
+
+    def push_weights(self) -> WeightSync:
+        """Collective with the rollout pool's :meth:`~megarl.roles.split.RolloutRole.receive_weights`."""
+        return self._sender().push()
+
+    def _sender(self) -> WeightSender:
+        if self.sender is None:
+            raise ConfigError("this policy's rollout engines are colocated (no rollout pool of their own)")
+        return self.sender
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch | None:
         """Sample ``params.n`` responses per prompt with the synced rollout engine (collective; no training
@@ -88,15 +118,9 @@ class PolicyRole(Role):
         """
         ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
         outputs, metrics = self._hybrid().generate(ids, params)
-        batch = rollout_batch(ids, outputs, self.rollout.rollout.pad_token_id)
-        per_prompt = [k for k in prompts.tensors.keys() if k not in ("prompt_ids", "prompt_lengths")]  # noqa: SIM118
-        if per_prompt:
-            batch = batch.update(Batch.from_dict({k: prompts[k][batch["prompt_index"]] for k in per_prompt}))
-        metrics["rollout/num_tokens"] = float(batch["response_lengths"].sum())
-        if not self.ctx.is_collect_rank:
-            return None
-        batch.meta["metrics"] = metrics
-        return batch
+        batch = generation_rows(prompts, ids, outputs, self.rollout.rollout.pad_token_id, metrics)
+        batch.tensors["policy_version"] = torch.full((len(batch),), self.rollout.version, dtype=torch.long)
+        return batch if self.ctx.is_collect_rank else None
 
     def to_train(self) -> float:
         """Rollout -> train (collective): the rollout engine sleeps, training state returns; its seconds."""
@@ -125,8 +149,8 @@ class PolicyRole(Role):
         a, vocab, temperature, tp = self.algorithm, self.spec.vocab_size, self.temperature, self.engine.groups.tp
         recompute = a.recomputes_old_log_probs
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
-        gap = (None if recompute or self.rollout is None
-               else _RolloutGap(batch["response_mask"], normalizer, self.rollout.config.max_logprob_abs_diff))
+        gap = (None if recompute or self.rollout_config is None
+               else _RolloutGap(batch["response_mask"], normalizer, self.rollout_config.max_logprob_abs_diff))
         # the mismatch correction needs the rollout's log-probs and something to correct with
         active = "rollout_log_probs" in batch and a.rollout_correction.active
         loss_cfg, correction = a.policy_loss, a.rollout_correction if active else None
@@ -172,7 +196,7 @@ class PolicyRole(Role):
 
     def resources(self) -> RankResources:
         """What this rank holds and moved: training-state bytes and the latest weight sync's traffic."""
-        sync = self.rollout.last_transfer if self.rollout is not None else None
+        sync = next((s.last_transfer for s in (self.rollout, self.sender) if s is not None), None)
         return RankResources(rank=self.ctx.rank, coords=self.ctx.coords._asdict(), **self.engine.state_bytes(),
                              reshard_bytes_sent=sync.bytes_sent if sync else 0,
                              reshard_bytes_received=sync.bytes_received if sync else 0,

@@ -82,3 +82,8 @@ class EchoRole(Role):
 
     def noop(self) -> None:
         return None
+
+
+def rollout_engine_state(role) -> dict[str, torch.Tensor]:
+    """The weights a rollout pool's engine holds (call it on :class:`megarl.roles.split.RolloutRole` ranks)."""
+    return {n: p.detach().clone() for n, p in role.engine.model.state_dict().items()}

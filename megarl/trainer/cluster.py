@@ -20,8 +20,9 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from megarl.checkpoint.format import is_checkpoint
+from megarl.checkpoint.format import is_checkpoint, read_meta
 from megarl.config.train import ClusterConfig, Role, TrainConfig
+from megarl.controller.handles import PendingCall, wait_all
 from megarl.controller.placement import Placement
 from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
 from megarl.data.batch import Batch
@@ -31,6 +32,7 @@ from megarl.host import allocator
 from megarl.roles.critic import CriticRole, RewardModelRole
 from megarl.roles.policy import PolicyRole, ReferenceRole
 from megarl.roles.results import WeightSync
+from megarl.roles.split import RolloutRole
 from megarl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,11 +87,18 @@ class Cluster:
         self._place()
 
     def _add_roles(self, cfg: TrainConfig) -> None:
-        roles, a, src = cfg.roles(), cfg.algorithm, str(self.source)
+        roles, a, src, c = cfg.roles(), cfg.algorithm, str(self.source), cfg.cluster
         temperature = cfg.rollout.sampling.temperature  # the policy's log-probs are of the sampling distribution
+        rollout_ranks = c.pool(Role.ROLLOUT).world_size if c.rollout_apart else None
         self.policy = self.placement.add_role(
             Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
-            temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed)
+            temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed, rollout_ranks=rollout_ranks)
+        self.rollout = None  # rollout engines on a pool of their own, joined to the policy by a weight link
+        if rollout_ranks is not None:
+            self.rollout = self.placement.add_role(
+                Role.ROLLOUT.value, RolloutRole, hf_config=read_meta(src).hf_config, train_layout=c.layout(),
+                rollout=cfg.rollout.engine, seed=cfg.trainer.seed)
+            self._join_weight_link()
         self.reference = (self.placement.add_role(Role.REFERENCE.value, ReferenceRole, checkpoint_dir=src,
                                                   engine=cfg.policy, temperature=temperature)
                           if Role.REFERENCE in roles else None)
@@ -105,19 +114,42 @@ class Cluster:
                                                 temperature=temperature)
                         if Role.TEACHER in roles else None)
 
+    def _join_weight_link(self) -> None:
+        """Both pools join the process group of the weight sync (policy rank 0 hosts its rendezvous)."""
+        t = self.cfg.cluster.timeouts.init_s
+        host, port = self.policy.one(0, PolicyRole.open_weight_link, t)
+        size, _ = wait_all([self.policy.all_async(PolicyRole.join_weight_link, host, port, t),
+                            self.rollout.all_async(RolloutRole.join_weight_link, host, port,
+                                                   self.policy.group.world_size + self.rollout.group.world_size, t)])
+        logger.info("weight link: %d training ranks -> %d rollout ranks (%s:%d)", self.policy.group.world_size,
+                    self.rollout.group.world_size, host, port)
+
     # ------------------------------------------------------------------------------------- calls
 
-    def sync_weights(self) -> WeightSync:
-        """Train -> rollout on every policy rank; the slowest rank's transition (its traffic with it)."""
-        return max(self.policy.all(PolicyRole.sync_weights), key=lambda w: w.seconds)
+    def sync_weights(self, version: int = 0) -> WeightSync:
+        """Train -> rollout: the rollout engines hold the policy's current weights, which the rows they generate
+        record as ``policy_version`` = ``version``. The slowest rank's transition (its traffic with it);
+        with a rollout pool, the receiving side's (its seconds cover the whole transfer)."""
+        if self.rollout is None:
+            return max(self.policy.all(PolicyRole.sync_weights, version), key=lambda w: w.seconds)
+        _, received = wait_all([self.policy.all_async(PolicyRole.push_weights),
+                                self.rollout.all_async(RolloutRole.receive_weights, version)])
+        return max(received, key=lambda w: w.seconds)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` rows per prompt, grouped by prompt, in prompt order (after :meth:`sync_weights`)."""
-        return self.policy.dp(PolicyRole.generate, prompts, params)
+        return self.generate_async(prompts, params).result()
+
+    def generate_async(self, prompts: Batch, params: SamplingParams) -> PendingCall[Batch]:
+        """:meth:`generate`, started: with a rollout pool it runs while the policy's pool does other work."""
+        if self.rollout is None:
+            return self.policy.dp_async(PolicyRole.generate, prompts, params)
+        return self.rollout.dp_async(RolloutRole.generate, prompts, params)
 
     def to_train(self) -> float:
-        """Rollout -> train on every policy rank; the slowest rank's seconds."""
-        return max(self.policy.all(PolicyRole.to_train))
+        """Rollout -> train on every policy rank; the slowest rank's seconds (0 with a rollout pool: its engines
+        stay awake on their own devices)."""
+        return max(self.policy.all(PolicyRole.to_train)) if self.rollout is None else 0.0
 
     def old_log_probs(self, batch: Batch) -> Batch:
         return self.policy.dp(PolicyRole.compute_log_probs, batch)

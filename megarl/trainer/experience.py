@@ -8,11 +8,18 @@ it has ``data.batch_size`` such groups; the reward metrics describe every respon
 reward_model.weight * reward model`` over the sources configured, plus DAPO's soft overlong penalty where
 ``reward.overlong_buffer`` is set. ReMax's greedy baseline (one response per prompt) is generated and
 scored in the same round. Validation samples and scores with the same methods.
+
+Schedules (``rollout.schedule``): ``sync`` syncs the weights, generates and scores in turn (:meth:`collect`);
+``one_step_off`` (:meth:`collect_ahead`, rollout engines on a pool of their own) waits for the responses
+generated during the previous step, pushes the newest weights, starts generating the next step's responses
+and only then scores, so the next generation overlaps this step's scoring and training. Every row carries
+``policy_version``, the version of the weights that generated it (version v: the weights after step v).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -23,6 +30,7 @@ import torch
 from megarl.algos.dapo import ShortBatch, informative_groups, overlong_penalty
 from megarl.config.resolve import sampling_params
 from megarl.config.train import Role, TrainConfig
+from megarl.controller.handles import PendingCall
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.errors import MegarlError
@@ -39,27 +47,36 @@ class ShortBatchError(MegarlError):
     """Dynamic sampling found too few informative prompt groups and ``on_short: fail`` was set."""
 
 
+@dataclasses.dataclass
+class _Generation:
+    """Responses being generated: the prompts, the pending call, and ReMax's pending greedy baseline."""
+
+    records: list[PromptRecord]
+    rows: PendingCall[Batch]
+    baseline: PendingCall[Batch] | None
+
+
 class Experience:
     def __init__(self, cfg: TrainConfig, cluster: Any, tokenizer: Any, reward_fn: Any, stop_token_ids: list[int],
                  stage: Stage) -> None:
         self.cfg, self.cluster, self.tokenizer, self.reward_fn = cfg, cluster, tokenizer, reward_fn
         self.stop_token_ids, self.stage = stop_token_ids, stage
+        self.ahead: _Generation | None = None  # one_step_off: the next step's responses, being generated
 
     # ------------------------------------------------------------------------------------ a step
 
-    def collect(self, next_prompts: Callable[[], list[PromptRecord]], seed: int,
-                timer: Timer) -> tuple[Batch, dict[str, float]]:
+    def collect(self, next_prompts: Callable[[], list[PromptRecord]], seed: int, timer: Timer,
+                version: int) -> tuple[Batch, dict[str, float]]:
         """The rows a step trains on (grouped by prompt, ``prompt_uid`` numbering the groups from 0) with
-        ``scores``, and the step's rollout and reward metrics. The policy is in training mode afterwards; the
-        caller synced its weights for the first round."""
+        ``scores``, and the step's weight-sync, rollout and reward metrics: the rollout engines get the policy's
+        weights (``version``) first. The policy is in training mode afterwards."""
         ds = self.cfg.algorithm.dynamic_sampling
         batches: list[Batch] = []
         informative: list[torch.Tensor] = []  # per round: which of its prompt groups have differing rewards
         num_groups = num_errors = found = 0
         for round_ in range(1 + (ds.max_extra_rounds if ds is not None else 0)):
-            if round_:
-                with timer("weight_sync"):  # the engine slept while the previous round was scored
-                    self.cluster.sync_weights()
+            with timer("weight_sync"):  # (later rounds: the engine slept while the previous round was scored)
+                sync = self.cluster.sync_weights(version)
             records = next_prompts()
             with timer("rollout"):
                 batch, baseline = self.rollout(records, self.cfg.rollout.sampling, seed + 100_003 * round_)
@@ -74,10 +91,35 @@ class Experience:
             if ds is None or found >= self.cfg.data.batch_size:
                 break
         full = _concat(batches)
-        metrics = self._rollout_metrics(full) | self.reward_metrics(full, "reward", num_errors)
+        metrics = sync.metrics() | self._rollout_metrics(full) | self.reward_metrics(full, "reward", num_errors)
         if ds is None:
             return full, metrics
         return self._keep_informative(full, torch.cat(informative), round_ + 1, metrics)
+
+    def collect_ahead(self, next_prompts: Callable[[], list[PromptRecord]], seed: int, next_seed: int, timer: Timer,
+                      version: int) -> tuple[Batch, dict[str, float]]:
+        """One-step-off :meth:`collect`: the rows generated during the previous step (at ``version - 1``; at
+        ``version`` on the first step and the first after a resume, which generate theirs now). Before scoring
+        them, it pushes the weights (``version``) and starts generating the next step's rows (``next_seed``),
+        which then runs while this step trains. ``timing/rollout_s`` is the time the trainer waited for them."""
+        sampling = self.cfg.rollout.sampling
+        if self.ahead is None:
+            with timer("weight_sync"):
+                self.cluster.sync_weights(version)
+            self.ahead = self._start(next_prompts(), sampling, seed)
+        current, self.ahead = self.ahead, None
+        with timer("rollout"):
+            batch, baseline = self._finish(current)
+        with timer("weight_sync"):
+            sync = self.cluster.sync_weights(version)
+        self.ahead = self._start(next_prompts(), sampling, next_seed)
+        with timer("reward"):
+            num_errors = self.score(batch, current.records, baseline)
+        return batch, sync.metrics() | self._rollout_metrics(batch) | self.reward_metrics(batch, "reward", num_errors)
+
+    def drop_ahead(self) -> None:
+        """Forget responses being generated ahead (a restart or a checkpoint load makes them stale)."""
+        self.ahead = None
 
     def _keep_informative(self, batch: Batch, informative: torch.Tensor, rounds: int,
                           metrics: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -116,11 +158,19 @@ class Experience:
                 seed: int | None) -> tuple[Batch, Batch | None]:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
+        return self._finish(self._start(records, sampling, seed))
+
+    def _start(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> _Generation:
         prompts = _prompt_batch(records)
-        batch = self.cluster.generate(prompts, self._params(sampling, seed))
-        baseline = None
-        if self.cfg.algorithm.needs_greedy_baseline:  # ReMax
-            baseline = self.cluster.generate(prompts, self._params(SamplingConfig(temperature=0.0), None))
+        rows = self.cluster.generate_async(prompts, self._params(sampling, seed))
+        baseline = (self.cluster.generate_async(prompts, self._params(SamplingConfig(temperature=0.0), None))
+                    if self.cfg.algorithm.needs_greedy_baseline else None)  # ReMax
+        return _Generation(records, rows, baseline)
+
+    def _finish(self, generation: _Generation) -> tuple[Batch, Batch | None]:
+        batch = generation.rows.result()
+        baseline = generation.baseline.result() if generation.baseline is not None else None
+        if baseline is not None:
             self.stage("baseline", baseline)
         batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
         self.stage("rollout", batch)

@@ -41,7 +41,7 @@ import torch
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
 from megarl.config.resolve import resolve, stop_token_ids
-from megarl.config.train import CorruptCheckpoint, TrainConfig, check_config, dump_config, to_plain
+from megarl.config.train import CorruptCheckpoint, Schedule, TrainConfig, check_config, dump_config, to_plain
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler, load_prompts, load_row_adapter
@@ -220,6 +220,7 @@ class Trainer:
                                    "newest intact checkpoint when run again (on a new allocation if a node is "
                                    "gone).") from e
         self._reset()
+        self.experience.drop_ahead()
         if ckpt is not None:
             self._restore(ckpt)
         tracker.rewind(self.step)
@@ -241,15 +242,16 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()
-        a = self.cfg.algorithm
-        with timer("weight_sync"):
-            metrics = self.cluster.sync_weights().metrics()
-        batch, sampled = self.experience.collect(
-            lambda: self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size)), self._seed(), timer)
-        metrics |= sampled
+        a, version = self.cfg.algorithm, self.step - 1  # the weights after step - 1 sample this step's responses
+        if self.cfg.rollout.schedule is Schedule.ONE_STEP_OFF:
+            batch, metrics = self.experience.collect_ahead(self._draw_prompts, self._seed(), self._seed(self.step + 1),
+                                                           timer, version)
+        else:
+            batch, metrics = self.experience.collect(self._draw_prompts, self._seed(), timer, version)
         if not len(batch):  # dynamic sampling found no prompt group with differing rewards: nothing to learn from
             logger.warning("step %d: no prompt group with differing rewards; the update is skipped", self.step)
             return metrics | timer.metrics() | {"batch/tokens": 0.0, "batch/num_sequences": 0.0}
+        metrics |= self._version_lag(batch)
         if a.recompute_old_log_probs:
             with timer("old_log_probs"):
                 metrics |= self.old_log_probs(batch)
@@ -288,15 +290,24 @@ class Trainer:
     # ------------------------------------------------------------------------------------- stages
 
     def old_log_probs(self, batch: Batch) -> dict[str, float]:
-        """The training model's log-probs of the sampled tokens at the sampling weights (the PPO ratio's
-        denominator), compared with the rollout engine's (``rollout/logprob_abs_diff``)."""
+        """The training model's log-probs of the sampled tokens at the trained weights (the PPO ratio's
+        denominator), compared with the rollout engine's on the samples of those weights
+        (``rollout/logprob_abs_diff``; older samples' gap, which includes the updates since, is
+        ``async/stale_logprob_abs_diff``)."""
         lp = self.cluster.old_log_probs(batch.select("input_ids", "attention_mask"))["log_probs"]
         batch.tensors["old_log_probs"] = lp
-        diff = logprob_abs_diff(lp, batch["rollout_log_probs"], batch["response_mask"])
-        limit = self.cfg.rollout.engine.max_logprob_abs_diff
-        if limit is not None and diff > limit:
-            raise mismatch_error(diff, limit)
-        return {"rollout/logprob_abs_diff": diff}
+        fresh = (batch["policy_version"] == self.step - 1).to(lp.dtype)[:, None]
+        metrics = {}
+        if fresh.any():
+            diff = logprob_abs_diff(lp, batch["rollout_log_probs"], batch["response_mask"] * fresh)
+            limit = self.cfg.rollout.engine.max_logprob_abs_diff
+            if limit is not None and diff > limit:
+                raise mismatch_error(diff, limit)
+            metrics["rollout/logprob_abs_diff"] = diff
+        if not fresh.all():
+            metrics["async/stale_logprob_abs_diff"] = logprob_abs_diff(lp, batch["rollout_log_probs"],
+                                                                       batch["response_mask"] * (1 - fresh))
+        return metrics
 
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
@@ -369,14 +380,32 @@ class Trainer:
         """Sample the validation prompts with ``rollout.validation`` at the current weights and score them:
         sampling only (no training forward, no log-prob check), so any temperature and ``n`` work."""
         records = self.val_data.records
-        self.cluster.sync_weights()
+        self.cluster.sync_weights(self.step)
         batch, _ = self.experience.rollout(records, self.cfg.rollout.validation, self._seed())
         num_errors = self.experience.score(batch, records, stage="validation")
         return self.experience.reward_metrics(batch, "val/reward", num_errors)
 
-    def _seed(self) -> int:
-        """The sampling seed of this step (its rounds and validation derive theirs from it)."""
-        return self.cfg.trainer.seed * 1_000_003 + self.step
+    def _seed(self, step: int | None = None) -> int:
+        """The sampling seed of this step (its rounds and validation derive theirs from it), or of ``step``."""
+        return self.cfg.trainer.seed * 1_000_003 + (self.step if step is None else step)
+
+    def _draw_prompts(self) -> list:
+        """The next ``data.batch_size`` prompts; the sampler's state before the draw is kept: where a resume
+        starts when these prompts were drawn for a step not yet trained (one_step_off)."""
+        self._sampler_before_draw = self.sampler.state_dict()
+        return self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
+
+    def _version_lag(self, batch: Batch) -> dict[str, float]:
+        """How many updates behind the trained weights each sample's generating weights are; at most what the
+        schedule guarantees (``rollout.max_version_lag``)."""
+        lag = (self.step - 1 - batch["policy_version"]).float()
+        bound = self.cfg.rollout.max_version_lag
+        if lag.min() < 0 or lag.max() > bound:
+            raise RuntimeError(f"step {self.step} would train on samples {lag.min():.0f}..{lag.max():.0f} versions "
+                               f"behind the policy; rollout.schedule={self.cfg.rollout.schedule.value} allows 0.."
+                               f"{bound}. This is a bug in megarl's version accounting.")
+        return {"async/version_lag_min": lag.min().item(), "async/version_lag_mean": lag.mean().item(),
+                "async/version_lag_max": lag.max().item()}
 
     def _stage(self, stage: str, batch: Batch) -> None:
         for cb in self.callbacks:
@@ -387,7 +416,9 @@ class Trainer:
     def save(self) -> Path:
         tmp = run_checkpoints.begin(self.out, self.step)
         self.cluster.save(tmp, self.step)
-        state = {"step": self.step, "sampler": self.sampler.state_dict(),
+        # prompts drawn for a step not trained yet (one_step_off) are drawn again after a resume
+        sampler = self._sampler_before_draw if self.experience.ahead is not None else self.sampler.state_dict()
+        state = {"step": self.step, "sampler": sampler,
                  "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
         final = run_checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
         self.saved_step = self.step
@@ -399,6 +430,7 @@ class Trainer:
         self.cluster.load(ckpt)
         self.step = self.saved_step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
+        self.experience.drop_ahead()
         if self.kl_ctl is not None and state["kl_coef"] is not None:
             self.kl_ctl.value = state["kl_coef"]
         _truncate_metrics(self.out / "metrics.jsonl", self.step)

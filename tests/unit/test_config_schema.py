@@ -132,7 +132,7 @@ def test_resolution_decides_and_is_idempotent():
     one_step = resolve(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
                                    ["algorithm.mini_batches=1", "data.batch_size=16"]))
     assert one_step.algorithm.recompute_old_log_probs is False
-    assert once.cluster.placement == {"policy": "main", "reference": "main"}  # KL loss: a reference
+    assert once.cluster.placement == {"policy": "main", "rollout": "main", "reference": "main"}  # KL loss: a reference
     # forward passes: the training micro-batch's token budget, 4x its rows (megarl.engine.config.FORWARD_ROWS)
     fwd = once.policy.forward_micro_batch
     assert (fwd.max_tokens, fwd.max_size) == (8192, 4 * 64)
@@ -163,6 +163,15 @@ def test_resolution_decides_and_is_idempotent():
     ("algorithm.advantage.estimator=gae cluster.pools.c.devices_per_node=3 cluster.placement.critic=c "
      "data.batch_size=2 rollout.sampling.n=1 algorithm.mini_batches=1", r"dp=3 \(critic's pool 'c'\)"),
     ("cluster.timeouts.call_s=0", "cluster.timeouts must be > 0"),
+    ("rollout.schedule=one_step_off", "need a pool of their own"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=one_step_off "
+     "algorithm.recompute_old_log_probs=false", "old log-probs recomputed"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen cluster.placement.reference=gen",
+     r"hosts the rollout engines and \['reference'\]"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.engine.backend=vllm",
+     "embedded backend so far"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.pools.gen.tp=2 cluster.placement.rollout=gen",
+     "tp = rollout.engine.tp = 1 and pp = 1"),
 ])
 def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')

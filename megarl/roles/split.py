@@ -1,0 +1,158 @@
+"""Split placement: rollout engines on a pool of their own, fed by the policy's training ranks.
+
+Two halves of one weight sync, called together (the driver starts both, then waits for both):
+
+* :class:`WeightSender`, inside the policy's ranks: walks the resharding plan of a split placement
+  (:func:`megarl.resharding.plan.make_plan` with ``rollout_ranks``) and sends its Megatron shards' slabs,
+  bucket by bucket, over the :class:`~megarl.resharding.link.WeightLink` that joins both pools;
+* :class:`RolloutRole`, the role of the rollout pool: receives its rollout shard bucket by bucket into its
+  engine (the same plan, the same buckets), then generates for its data-parallel share of the prompts.
+  Each rollout replica is one data-parallel rank of its pool (``tp`` = the rollout tensor-parallel size).
+
+The engines never sleep (they own their devices) and the training state never leaves the training devices.
+Every row a rollout replica generates carries ``policy_version``: the version of the weights it holds (the
+driver numbers them: the number of policy updates behind them). Only the embedded engine runs on a rollout
+pool so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megarl.controller.role import Role, WorkerContext
+from megarl.data.batch import Batch
+from megarl.engine.engine import MegatronEngine
+from megarl.errors import ConfigError
+from megarl.metrics import trace
+from megarl.models.provider import global_named_parameters
+from megarl.models.spec import ModelSpec, spec_from_hf_config
+from megarl.parallel import cpu_compat
+from megarl.parallel.layout import ParallelLayout
+from megarl.resharding import link as weight_link
+from megarl.resharding.plan import ReshardPlan, make_plan
+from megarl.resharding.stats import TransferStats
+from megarl.resharding.transport import stream_weights
+from megarl.roles.hybrid import build_engine, generation_rows
+from megarl.roles.results import WeightSync
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.config import RolloutBackend, RolloutConfig
+
+
+def split_plan(spec: ModelSpec, train: ParallelLayout, config: RolloutConfig, rollout_ranks: int) -> ReshardPlan:
+    """The plan both pools walk (every rank computes the same one)."""
+    if config.backend is not RolloutBackend.EMBEDDED:
+        raise ConfigError(f"rollout engines on a pool of their own run the embedded backend so far; found "
+                          f"rollout.engine.backend={config.backend.value}. Colocate vLLM with the policy (drop "
+                          "cluster.placement.rollout) or use backend=embedded.")
+    return make_plan(spec, train, config.tp, rollout_ranks=rollout_ranks)
+
+
+class _LinkMember:
+    """A rank's membership of the weight link: rank 0 of the training side opens it, everyone joins."""
+
+    def __init__(self) -> None:
+        self._store = None
+        self.link: weight_link.WeightLink | None = None
+
+    def open(self, host: str, timeout_s: float) -> tuple[str, int]:
+        self._store, port = weight_link.listen(host, timeout_s)
+        return host, port
+
+    def join(self, host: str, port: int, rank: int, size: int, device: str, timeout_s: float) -> None:
+        self.link = weight_link.WeightLink(host, port, rank, size, device=device, timeout_s=timeout_s,
+                                           store=self._store)
+
+    def get(self) -> weight_link.WeightLink:
+        if self.link is None:
+            raise RuntimeError("the weight link is not joined yet: the driver joins both pools first")
+        return self.link
+
+
+class WeightSender:
+    """The policy ranks' half of a split weight sync."""
+
+    def __init__(self, ctx: WorkerContext, spec: ModelSpec, engine: MegatronEngine, config: RolloutConfig,
+                 rollout_ranks: int) -> None:
+        self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
+        self.plan = split_plan(spec, ctx.layout, config, rollout_ranks)
+        self.dtype = getattr(torch, config.dtype.value)
+        self.member = _LinkMember()
+        self.last_transfer = TransferStats()
+
+    @property
+    def link_size(self) -> int:
+        return len(self.plan.places)
+
+    @trace.spanned("push_weights", cat="weight_sync")
+    def push(self) -> WeightSync:
+        start = time.perf_counter()
+        stats = TransferStats()
+        params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
+        for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
+                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                     link=self.member.get()):
+            assert not bucket, "a training rank of a split plan holds no rollout shard"
+        self.last_transfer = stats
+        return WeightSync(transfer=stats, seconds=time.perf_counter() - start, sleep_frees_memory=False)
+
+
+class RolloutRole(Role):
+    """Rollout engines on a pool of their own (one replica per data-parallel rank of the pool)."""
+
+    def __init__(self, ctx: WorkerContext, *, hf_config: dict, train_layout: ParallelLayout, rollout: RolloutConfig,
+                 seed: int = 0) -> None:
+        super().__init__(ctx)
+        if ctx.layout.pp != 1 or ctx.layout.tp != rollout.tp:
+            raise ConfigError(f"a rollout pool's layout must be tp=rollout.engine.tp={rollout.tp}, pp=1 (one rollout "
+                              f"replica per data-parallel rank); found {ctx.layout}.")
+        self.spec = spec_from_hf_config(hf_config)
+        self.config = rollout
+        self.plan = split_plan(self.spec, train_layout, rollout, ctx.world_size)
+        self.link_rank = train_layout.world_size + ctx.rank
+        self.place = self.plan.places[self.link_rank]
+        self.dtype = getattr(torch, rollout.dtype.value)
+        pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
+        self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx, self.plan, seed)
+        self.engine.wake_up()
+        self.member = _LinkMember()
+        self.version: int | None = None  # of the weights the engine holds; None before the first sync
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def join_weight_link(self, host: str, port: int, size: int, timeout_s: float) -> None:
+        """Collective with the policy's :meth:`~megarl.roles.policy.PolicyRole.join_weight_link`."""
+        self.member.join(host, port, self.link_rank, size, self.ctx.device, timeout_s)
+
+    @trace.spanned("receive_weights", cat="weight_sync")
+    def receive_weights(self, version: int) -> WeightSync:
+        """Collective with the policy's push: load its weights into the engine; they are ``version`` from now."""
+        start = time.perf_counter()
+        stats = TransferStats()
+        for bucket in stream_weights(self.plan, self.spec, {}, rank=self.link_rank, dtype=self.dtype,
+                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                     link=self.member.get(), device=self.ctx.device):
+            self.engine.update_weights(bucket)
+            bucket.clear()
+        self.engine.finish_weight_update()
+        self.version = version
+        return WeightSync(transfer=stats, seconds=time.perf_counter() - start, sleep_frees_memory=False)
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+        """``params.n`` responses per prompt of this replica's share (rows as the policy's own
+        :meth:`~megarl.roles.policy.PolicyRole.generate` returns them), each with ``policy_version``."""
+        if self.version is None:
+            raise RuntimeError("generate before the first weight sync: the engine holds no weights")
+        seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
+        start = time.perf_counter()
+        with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=len(prompts), n=params.n):
+            ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
+                                                            strict=True)]
+            out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
+        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id,
+                                {"timing/generate_s": time.perf_counter() - start})
+        batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        return batch if self.ctx.is_collect_rank else None
