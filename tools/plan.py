@@ -3,9 +3,14 @@
 
     python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 [--tp 8 --pp 4 --rollout-tp 8]
     python tools/plan.py --hf-config /models/Qwen2.5-7B --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80
+    python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 --rollout-gpus 16 \
+        --tp 8 --pp 6 --gen-s 120 --train-s 90 --push-every 4
 
 With --tp/--pp the given layout is reported (NOT FITTING with the reason when it does not fit);
-without, the fitting layouts are listed cheapest first and the best one is reported. Exit status
+without, the fitting layouts are listed cheapest first and the best one is reported. --rollout-gpus R
+plans a split placement: the last R GPUs are the rollout engines' own pool (memory per pool, the bytes
+each weight sync moves between the pools). --gen-s and --train-s (measured stage seconds) add the
+predicted step time of each mode (colocated: sync; split: sync, one_step_off, async). Exit status
 0 either way; 2 for bad input (unknown preset, a layout that does not divide the model or cluster).
 """
 
@@ -40,16 +45,28 @@ def main() -> int:
     p.add_argument("--rollout-dtype", default="bfloat16")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.engine.bucket_mb")
     p.add_argument("--top", type=int, default=5, help="proposed layouts to list")
+    p.add_argument("--rollout-gpus", type=int, default=0,
+                   help="split placement: the last N GPUs form the rollout pool (cluster.placement.rollout); "
+                   "0: colocated")
+    p.add_argument("--gen-s", type=float, help="measured generation seconds per step (timing/rollout_s)")
+    p.add_argument("--train-s", type=float, help="measured seconds per step on the training pool (log-probs, "
+                   "reference, values, updates)")
+    p.add_argument("--sync-s", type=float, help="measured weight-sync seconds (default: the planned lower bound)")
+    p.add_argument("--reward-s", type=float, default=0.0, help="measured reward seconds per step (timing/reward_s)")
+    p.add_argument("--push-every", type=int, default=1, help="async mode: updates between weight pushes")
     args = p.parse_args()
 
     from megarl.engine.config import Precision
+    from megarl.errors import ConfigError
     from megarl.parallel.layout import ParallelLayout
     from megarl.planner import Cluster, Recompute, Role, Workload, closest, load_model, plan_layout, propose
-    from megarl.planner.layouts import proposals_table, render
+    from megarl.planner.report import proposals_table, render
 
+    if (args.gen_s is None) != (args.train_s is None):
+        raise ConfigError("--gen-s and --train-s go together: both measured stage times are needed for a step time.")
     spec, name = load_model(args.preset, args.hf_config)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.intra_node_gbps, args.inter_node_gbps,
-                      args.reserved_gb)
+                      args.reserved_gb, rollout_gpus=args.rollout_gpus)
     workload = Workload(
         roles=tuple(_choice(Role, r.strip(), "--roles") for r in args.roles.split(",") if r.strip()),
         precision=_choice(Precision, args.precision, "--precision"),
@@ -59,9 +76,11 @@ def main() -> int:
         concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb,
     )
     if args.tp is not None or args.pp is not None:
-        layout = ParallelLayout.for_world(cluster.world_size, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp)
+        layout = ParallelLayout.for_world(cluster.train_gpus, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp)
         rollout_tp = args.rollout_tp if args.rollout_tp is not None else layout.tp
-        print(render(plan_layout(spec, cluster, workload, layout, rollout_tp, name)))
+        plan = plan_layout(spec, cluster, workload, layout, rollout_tp, name)
+        print(render(plan))
+        _print_step_times(args, plan)
         return 0
     plans = propose(spec, cluster, workload, vpp=args.vpp, model_name=name)
     if not plans:
@@ -72,7 +91,23 @@ def main() -> int:
         return 0
     print(proposals_table(plans, args.top))
     print("\nbest:\n" + render(plans[0]))
+    _print_step_times(args, plans[0])
     return 0
+
+
+def _print_step_times(args, plan) -> None:
+    """The modes' predicted step times, when measured stage times were given (the sync's: given, or planned)."""
+    if args.gen_s is None:
+        return
+    from megarl.planner import StageTimes, predict_modes, step_time_lines
+
+    if args.sync_s is not None:
+        sync_s, source = args.sync_s, "given"
+    else:
+        sync_s, source = plan.reshard.seconds, "planned lower bound"
+    times = StageTimes(gen_s=args.gen_s, train_s=args.train_s, sync_s=sync_s, reward_s=args.reward_s)
+    predictions = predict_modes(times, split=plan.cluster.split, push_every=args.push_every)
+    print("\n" + "\n".join(step_time_lines(times, predictions, sync_source=source)))
 
 
 def _choice(enum_cls, value, flag):

@@ -1,10 +1,12 @@
 """The layout planner: memory per device, resharding traffic and config overrides of a training
-layout, computed from a model config and a cluster description (issue #7 item 3).
+layout, computed from a model config and a cluster description (issue #7 item 3); with split
+placement, memory per pool, the bytes crossing between the pools and the step time of the modes
+(issue #23 item 7).
 
 Pure package: no torch.distributed, no megatron-core, no Ray; torch only through the pure model
 mapping and resharding-plan modules it reuses. ``presets`` holds published HF configs, ``memory``
-the per-rank byte arithmetic, ``layouts`` the phases, fits, proposals and the text reports of
-``tools/plan.py``.
+the per-rank byte arithmetic, ``layouts`` the phases, fits and proposals, ``modes`` the step-time
+model of sync, one-step-off and asynchronous training, ``report`` the text reports of ``tools/plan.py``.
 """
 
 from megarl.planner.layouts import (
@@ -12,22 +14,24 @@ from megarl.planner.layouts import (
     LayoutPlan,
     Phase,
     PhasePeak,
+    Pool,
     ReshardEstimate,
     Role,
     Workload,
     candidate_layouts,
     closest,
     plan_layout,
-    proposals_table,
     propose,
-    render,
     reshard_estimate,
 )
 from megarl.planner.memory import GB, Recompute, StateBytes, training_state_bytes
+from megarl.planner.modes import Mode, StageTimes, StepPrediction, predict_modes, predict_step
 from megarl.planner.presets import PRESETS, load_model, preset_names, preset_spec
+from megarl.planner.report import proposals_table, render, step_time_lines
 
 __all__ = [
-    "GB", "PRESETS", "Cluster", "LayoutPlan", "Phase", "PhasePeak", "Recompute", "ReshardEstimate", "Role",
-    "StateBytes", "Workload", "candidate_layouts", "closest", "load_model", "plan_layout", "preset_names",
-    "preset_spec", "proposals_table", "propose", "render", "reshard_estimate", "training_state_bytes",
+    "GB", "PRESETS", "Cluster", "LayoutPlan", "Mode", "Phase", "PhasePeak", "Pool", "Recompute", "ReshardEstimate",
+    "Role", "StageTimes", "StateBytes", "StepPrediction", "Workload", "candidate_layouts", "closest", "load_model",
+    "plan_layout", "predict_modes", "predict_step", "preset_names", "preset_spec", "proposals_table", "propose",
+    "render", "reshard_estimate", "step_time_lines", "training_state_bytes",
 ]

@@ -18,12 +18,18 @@ Phases of one PPO iteration on a colocated pool (megarl.roles.hybrid, docs/resha
 * ``build``: once, when vLLM starts (it allocates weights and KV cache, then sleeps) with every
   engine already built, before the first optimizer step (Adam's moments do not exist yet).
 
+Split placement (``Cluster.rollout_gpus``: the rollout engines on a pool of their own, issue #23): the
+training pool holds no rollout weights or KV cache, so nothing is offloaded there; its phases are ``train``
+and ``sync`` (full state resident, weights leaving through send buffers). The rollout pool holds no
+training state; its phases are ``sync`` (rollout weights, KV cache and a receive buffer: vLLM stays awake)
+and ``generate``. The sync bytes come from the same plan with ``rollout_ranks``: the training ranks send,
+the rollout ranks (numbered after them, on the GPUs after theirs) receive.
+
 These are GPU phases (vLLM's CUDA sleep mode). On CPU (vLLM's CPU build) nothing sleeps or offloads:
 rollout weights and KV cache stay resident beside the full training state in every phase; the planner
 does not model that case.
 
-Text reports (what ``tools/plan.py`` prints) are formatted here too: strings out, nothing printed.
-Sizes are decimal GB, as in docs/planner.md.
+Sizes are decimal GB, as in docs/planner.md; the text reports are :mod:`megarl.planner.report`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from megarl.errors import ConfigError, LayoutError
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner import memory
-from megarl.planner.memory import GB, Recompute, micro_batch_shape
+from megarl.planner.memory import GB, Recompute
 from megarl.resharding.plan import Grouping, check_rollout_tp, check_vllm_groups, make_plan
 
 
@@ -46,6 +52,11 @@ class Role(enum.Enum):
     POLICY = "policy"
     REFERENCE = "reference"  # frozen: weights only
     CRITIC = "critic"  # the policy's decoder with a scalar head, trained
+
+
+class Pool(enum.Enum):
+    TRAINING = "training"  # the policy's pool (colocated: the rollout engines' too)
+    ROLLOUT = "rollout"  # split placement: the rollout engines' own pool
 
 
 class Phase(enum.Enum):
@@ -67,6 +78,7 @@ class Cluster:
     intra_node_gbps: float = 300.0  # per GPU, NVLink (docs/resharding.md §3.4)
     inter_node_gbps: float = 40.0  # per GPU, InfiniBand (docs/resharding.md §3.4)
     reserved_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    rollout_gpus: int = 0  # split placement: the last R GPUs are the rollout engines' own pool; 0: colocated
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -74,10 +86,36 @@ class Cluster:
                               f"{self.gpus_per_node}.")
         if min(self.gpu_mem_gb, self.intra_node_gbps, self.inter_node_gbps) <= 0 or self.reserved_gb < 0:
             raise ConfigError("GPU memory and link bandwidths must be positive and reserved memory >= 0.")
+        if not 0 <= self.rollout_gpus < self.world_size:
+            raise ConfigError(f"rollout GPUs must lie in [0, {self.world_size}) (0: colocated; the training pool keeps "
+                              f"at least one GPU), found {self.rollout_gpus}.")
+        if self.split:
+            self.pool_shape(self.train_gpus)
+            self.pool_shape(self.rollout_gpus)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def split(self) -> bool:
+        return self.rollout_gpus > 0
+
+    @property
+    def train_gpus(self) -> int:
+        """GPUs of the training pool: the first ones (all of them when colocated)."""
+        return self.world_size - self.rollout_gpus
+
+    def pool_shape(self, gpus: int) -> tuple[int, int]:
+        """(nodes, devices per node) of a pool of ``gpus`` GPUs, as megarl's pools are: whole nodes, or a part
+        of one node."""
+        if gpus % self.gpus_per_node == 0:
+            return gpus // self.gpus_per_node, self.gpus_per_node
+        if gpus < self.gpus_per_node:
+            return 1, gpus
+        raise ConfigError(f"split placement: a pool of {gpus} GPUs is neither whole nodes of {self.gpus_per_node} "
+                          f"GPUs nor a part of one node (the pools are {self.train_gpus} training + "
+                          f"{self.rollout_gpus} rollout GPUs); choose a rollout GPU count that leaves both so.")
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node  # ranks fill nodes in order (torchrun, Ray placement bundles)
@@ -112,7 +150,9 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class ReshardEstimate:
-    """Bytes each rank receives/sends in one weight sync (from make_plan) and the link-bound time."""
+    """Bytes each rank receives/sends in one weight sync (from make_plan) and the link-bound time. Ranks are
+    the plan's: with split placement the training ranks (they only send), then the rollout ranks (they only
+    receive); means are over the receiving and the sending ranks."""
 
     received_max: int
     received_mean: float
@@ -121,6 +161,10 @@ class ReshardEstimate:
     slowest_inter: int  # inter-node bytes of the same
     seconds: float  # lower bound: the slowest rank's intra/NVLink + inter/IB
     per_rank_received: tuple[int, ...]
+    per_rank_sent: tuple[int, ...]
+    sent_mean: float
+    total: int  # bytes moved between ranks in one sync (split: everything crossing from one pool to the other)
+    total_inter: int  # ... of which between nodes
 
 
 Breakdown = dict[tuple[str, str], int]  # (owner, term) -> bytes
@@ -129,8 +173,9 @@ Breakdown = dict[tuple[str, str], int]  # (owner, term) -> bytes
 @dataclasses.dataclass(frozen=True)
 class PhasePeak:
     phase: Phase
-    stage: int  # the fullest pipeline stage in this phase
+    stage: int  # the fullest pipeline stage in this phase (0 on the rollout pool, which has no stages)
     terms: Breakdown
+    pool: Pool = Pool.TRAINING
 
     @property
     def total(self) -> int:
@@ -168,9 +213,14 @@ class LayoutPlan:
                 continue
             top = sorted(p.terms.items(), key=lambda kv: -kv[1])[:3]
             terms = ", ".join(f"{o} {t} {b / GB:.1f} GB" for (o, t), b in top)
-            out.append(f"{p.phase.value} phase needs {p.total / GB:.1f} GB > {self.capacity / GB:.1f} GB on pipeline "
-                       f"stage {p.stage} (largest terms: {terms})")
+            where = "the fullest rollout GPU" if p.pool is Pool.ROLLOUT else f"pipeline stage {p.stage}"
+            pool = f"{p.pool.value} pool: " if self.cluster.split else ""
+            out.append(f"{pool}{p.phase.value} phase needs {p.total / GB:.1f} GB > {self.capacity / GB:.1f} GB on "
+                       f"{where} (largest terms: {terms})")
         return out
+
+    def pool_peaks(self, pool: Pool) -> tuple[PhasePeak, ...]:
+        return tuple(p for p in self.peaks if p.pool is pool)
 
     @property
     def reason(self) -> str:
@@ -183,18 +233,23 @@ class LayoutPlan:
     @property
     def gpu_memory_utilization(self) -> float:
         """vLLM's share of the GPU for the planned rollout weights + KV cache (rounded up to 0.01)."""
-        gen = next(p for p in self.peaks if p.phase is Phase.GENERATE).terms
+        gen = next(p for p in self.peaks if p.phase is Phase.GENERATE and (ROLLOUT, "weights") in p.terms).terms
         need = gen[(ROLLOUT, "weights")] + gen[(ROLLOUT, "kv cache")]
         return min(1.0, math.ceil(100 * need / self.capacity) / 100)
 
     def overrides(self) -> list[str]:
         """``key=value`` overrides of megarl's TrainConfig for this layout and workload."""
-        w, lay = self.workload, self.layout
+        w, lay, c = self.workload, self.layout, self.cluster
         pool = "cluster.pools.main"
-        out = [f"{pool}.nodes={self.cluster.nodes}", f"{pool}.devices_per_node={self.cluster.gpus_per_node}",
-               f"{pool}.tp={lay.tp}", f"{pool}.pp={lay.pp}"]
+        nodes, per_node = c.pool_shape(c.train_gpus)
+        out = [f"{pool}.nodes={nodes}", f"{pool}.devices_per_node={per_node}", f"{pool}.tp={lay.tp}",
+               f"{pool}.pp={lay.pp}"]
         if lay.vpp:
             out.append(f"{pool}.vpp={lay.vpp}")
+        if c.split:  # the rollout engines' own pool: tp = rollout.engine.tp, pp = 1 (issue #23)
+            nodes, per_node = c.pool_shape(c.rollout_gpus)
+            out += [f"cluster.pools.rollout.nodes={nodes}", f"cluster.pools.rollout.devices_per_node={per_node}",
+                    f"cluster.pools.rollout.tp={self.rollout_tp}", "cluster.placement.rollout=rollout"]
         out += [f"rollout.engine.tp={self.rollout_tp}", "rollout.engine.backend=vllm",
                 f"rollout.engine.dtype={w.rollout_dtype}",
                 f"rollout.engine.gpu_memory_utilization={self.gpu_memory_utilization:.2f}",
@@ -213,29 +268,35 @@ class LayoutPlan:
 
 def check_layout(spec: ModelSpec, cluster: Cluster, layout: ParallelLayout, rollout_tp: int) -> None:
     """Raise LayoutError unless the layout fills the cluster, divides the model and has a rollout tp
-    megarl's vLLM engine accepts (its TP groups are consecutive ranks inside one data-parallel replica)."""
-    layout.check_world_size(cluster.world_size)
+    megarl's vLLM engine accepts (its TP groups are consecutive ranks inside one data-parallel replica, or
+    inside the rollout pool with split placement)."""
+    layout.check_world_size(cluster.train_gpus)
     layout.check_model(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                        num_query_groups=spec.num_query_groups)
-    check_vllm_groups(layout, rollout_tp)
-    check_rollout_tp(spec, layout, rollout_tp)
+    if not cluster.split:
+        check_vllm_groups(layout, rollout_tp)
+    check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
 
 
 def plan_layout(spec: ModelSpec, cluster: Cluster, workload: Workload, layout: ParallelLayout, rollout_tp: int,
                 model_name: str = "model") -> LayoutPlan:
-    """Memory per device of every phase (fullest pipeline stage each); resharding bytes on demand."""
+    """Memory per device of every phase (fullest pipeline stage each; with split placement the training
+    pool's phases, then the rollout pool's); resharding bytes on demand."""
     check_layout(spec, cluster, layout, rollout_tp)
     stages = _phase_terms(spec, cluster, workload, layout, rollout_tp)
     peaks = []
-    for phase in Phase:
+    for phase in stages[0]:
         stage = max(range(layout.pp), key=lambda s, ph=phase: (sum(stages[s][ph].values()), -s))
         peaks.append(PhasePeak(phase, stage, stages[stage][phase]))
+    if cluster.split:
+        peaks += [PhasePeak(ph, 0, terms, Pool.ROLLOUT)
+                  for ph, terms in _rollout_pool_terms(spec, cluster, workload, layout, rollout_tp).items()]
     return LayoutPlan(spec, model_name, cluster, workload, layout, rollout_tp, tuple(peaks))
 
 
 def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: ParallelLayout,
                  rollout_tp: int) -> list[dict[Phase, Breakdown]]:
-    """Per pipeline stage, the terms of every phase."""
+    """Per pipeline stage, the terms of every phase of the training pool (the only pool when colocated)."""
     specs = {Role.POLICY: spec, Role.REFERENCE: spec, Role.CRITIC: spec.with_head(Head.SCALAR)}
     act_bytes = memory.param_bytes(w.precision)
     state, at_build, act = {}, {}, {}
@@ -248,12 +309,12 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
             act[role] = [memory.activation_bytes(s, layout, st, micro_batch_tokens=w.micro_batch_tokens,
                                                  seq_len=w.seq_len, recompute=w.recompute, act_bytes=act_bytes)
                          for st in range(layout.pp)]
-    r_bytes = memory.itemsize(w.rollout_dtype)
-    rollout_w = {(ROLLOUT, "weights"): memory.rollout_weight_bytes(spec, rollout_tp, r_bytes)}
-    kv = {(ROLLOUT, "kv cache"): memory.kv_cache_bytes(spec, rollout_tp, r_bytes, w.concurrent_seqs * w.seq_len)}
+    r_bytes, bucket = memory.itemsize(w.rollout_dtype), int(w.bucket_mb * 2**20)
+    rollout_w, kv = _rollout_terms(spec, w, rollout_tp)
     transient = {(ROLLOUT, "reshard transient"): memory.reshard_transient_bytes(
-        spec, layout, rollout_tp, param_dtype_bytes=act_bytes, rollout_dtype_bytes=r_bytes,
-        bucket_bytes=int(w.bucket_mb * 2**20))}
+        spec, layout, rollout_tp, param_dtype_bytes=act_bytes, rollout_dtype_bytes=r_bytes, bucket_bytes=bucket)}
+    send = {(Role.POLICY.value, "reshard transient"): memory.send_transient_bytes(
+        spec, layout, param_dtype_bytes=act_bytes, bucket_bytes=bucket)}
     reserved = {(RESERVED, ""): int(cluster.reserved_gb * GB)}
 
     def full(role: Role, states: dict, stage: int) -> Breakdown:
@@ -270,9 +331,12 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
         busiest = max(act, key=lambda r, st=st: act[r][st])
         policy_w = {(Role.POLICY.value, "weights"): state[Role.POLICY][st].params}
         resident = full(Role.REFERENCE, state, st) | full(Role.CRITIC, state, st)
+        train = full(Role.POLICY, state, st) | {(busiest.value, "activations"): act[busiest][st]} | resident | reserved
+        if cluster.split:  # no rollout engine here: nothing is offloaded, the weights only leave
+            out.append({Phase.TRAIN: train, Phase.SYNC: full(Role.POLICY, state, st) | resident | send | reserved})
+            continue
         out.append({
-            Phase.TRAIN: full(Role.POLICY, state, st) | {(busiest.value, "activations"): act[busiest][st]}
-            | resident | reserved,
+            Phase.TRAIN: train,
             Phase.SYNC: policy_w | resident | rollout_w | transient | reserved,
             Phase.GENERATE: resident | rollout_w | kv | reserved,
             Phase.BUILD: full(Role.POLICY, at_build, st) | full(Role.REFERENCE, at_build, st)
@@ -281,14 +345,35 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
     return out
 
 
+def _rollout_terms(spec: ModelSpec, w: Workload, rollout_tp: int) -> tuple[Breakdown, Breakdown]:
+    """The rollout engine's weights and its KV cache on its fullest GPU."""
+    r_bytes = memory.itemsize(w.rollout_dtype)
+    return ({(ROLLOUT, "weights"): memory.rollout_weight_bytes(spec, rollout_tp, r_bytes)},
+            {(ROLLOUT, "kv cache"): memory.kv_cache_bytes(spec, rollout_tp, r_bytes, w.concurrent_seqs * w.seq_len)})
+
+
+def _rollout_pool_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: ParallelLayout,
+                        rollout_tp: int) -> dict[Phase, Breakdown]:
+    """Split placement, the rollout pool: no training state; vLLM stays awake, so its KV cache is allocated
+    during the sync too, beside the receive buffer."""
+    weights, kv = _rollout_terms(spec, w, rollout_tp)
+    receive = {(ROLLOUT, "reshard transient"): memory.receive_transient_bytes(
+        spec, layout, rollout_dtype_bytes=memory.itemsize(w.rollout_dtype), bucket_bytes=int(w.bucket_mb * 2**20))}
+    reserved = {(RESERVED, ""): int(cluster.reserved_gb * GB)}
+    return {Phase.SYNC: weights | kv | receive | reserved, Phase.GENERATE: weights | kv | reserved}
+
+
 def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, cluster: Cluster,
                      rollout_dtype: str) -> ReshardEstimate:
     """Per-rank bytes of one weight sync from the resharding plan, split by link, and the lower bound
     on its time: for every rank, max(receive, send) of intra-node bytes / NVLink + inter-node bytes /
-    IB (docs/resharding.md §3.4 arithmetic), the slowest rank's."""
-    plan = make_plan(spec, layout, rollout_tp, grouping=Grouping.CONSECUTIVE)  # vLLM's groups
+    IB (docs/resharding.md §3.4 arithmetic), the slowest rank's. With split placement
+    (``cluster.rollout_gpus``) the plan's world is the training ranks, then the rollout ranks, on the GPUs
+    in that order, so every byte crosses from one pool to the other."""
+    plan = make_plan(spec, layout, rollout_tp, grouping=Grouping.CONSECUTIVE,  # vLLM's groups
+                     rollout_ranks=cluster.rollout_gpus or None)
     size = memory.itemsize(rollout_dtype)
-    world = layout.world_size
+    world = len(plan.places)
     recv = [[0, 0] for _ in range(world)]  # [intra, inter]
     sent = [[0, 0] for _ in range(world)]
     for s in plan.slabs:
@@ -305,10 +390,12 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
 
     sides = [max(recv[r], sent[r], key=seconds) for r in range(world)]  # the side that bounds each rank
     slowest = max(sides, key=seconds)
-    received = tuple(a + b for a, b in recv)
+    received, sends = tuple(a + b for a, b in recv), tuple(a + b for a, b in sent)
+    total = sum(received)
     return ReshardEstimate(
-        received_max=max(received), received_mean=sum(received) / world, sent_max=max(a + b for a, b in sent),
+        received_max=max(received), received_mean=total / len(plan.receivers), sent_max=max(sends),
         slowest_intra=slowest[0], slowest_inter=slowest[1], seconds=seconds(slowest), per_rank_received=received,
+        per_rank_sent=sends, sent_mean=total / layout.world_size, total=total, total_inter=sum(b for _, b in recv),
     )
 
 # -------------------------------------------------------------------------------------- proposals
@@ -316,19 +403,21 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
 
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None) -> list[tuple[ParallelLayout, int]]:
     """(layout, rollout tp) pairs: tp dividing the GPUs of a node, the heads and the KV groups; pp dividing
-    the layers (with vpp) and tp*pp dividing the cluster; dp filling it; rollout tp 1 or tp."""
+    the layers (with vpp) and tp*pp dividing the training pool; dp filling it; rollout tp 1 or tp (with
+    split placement, dividing the rollout pool)."""
     out = []
-    for tp in _divisors(cluster.gpus_per_node):
+    world = cluster.train_gpus
+    for tp in _divisors(math.gcd(cluster.gpus_per_node, world)):
         if spec.num_attention_heads % tp or spec.num_query_groups % tp:
             continue
-        for pp in _divisors(cluster.world_size // tp):
+        for pp in _divisors(world // tp):
             v = vpp if pp > 1 else None
             if spec.num_layers % (pp * (v or 1)):
                 continue
-            layout = ParallelLayout.for_world(cluster.world_size, tp=tp, pp=pp, vpp=v)
+            layout = ParallelLayout.for_world(world, tp=tp, pp=pp, vpp=v)
             for rollout_tp in sorted({1, tp}, reverse=True):
                 try:
-                    check_rollout_tp(spec, layout, rollout_tp)
+                    check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
                 except LayoutError:
                     continue
                 out.append((layout, rollout_tp))
@@ -361,94 +450,3 @@ def cost(plan: LayoutPlan) -> tuple[int, int, int]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# ------------------------------------------------------------------------------------- text reports
-
-_ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
-    (ROLLOUT, "weights"), (ROLLOUT, "kv cache"), (ROLLOUT, "reshard transient"), (RESERVED, "")]
-
-_PHASE_NOTES = {
-    Phase.TRAIN: "policy/critic update; rollout engine asleep",
-    Phase.SYNC: "policy grads + optimizer offloaded; weights stream into the rollout engine",
-    Phase.GENERATE: "policy weights offloaded too; rollout weights + KV cache",
-    Phase.BUILD: "vLLM start-up: every engine built, before the first step (no Adam moments yet)",
-}
-
-
-def _gb(n: float) -> str:
-    return f"{n / GB:8.2f}"
-
-
-def header(plan: LayoutPlan) -> list[str]:
-    spec, c, w, lay = plan.spec, plan.cluster, plan.workload, plan.layout
-    n = spec.num_parameters()
-    b, s = micro_batch_shape(w.micro_batch_tokens, w.seq_len)
-    return [
-        f"{plan.model_name}: {n / 1e9:.2f} B parameters ({2 * n / GB:.1f} GB in bf16), {spec.num_layers} layers, "
-        f"hidden {spec.hidden_size}, {spec.num_attention_heads}/{spec.num_query_groups} heads, "
-        f"FFN {spec.ffn_hidden_size}, vocab {spec.vocab_size}",
-        f"cluster: {c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_mem_gb:g} GB ({c.world_size} GPUs); "
-        f"{c.intra_node_gbps:g} GB/s intra-node, {c.inter_node_gbps:g} GB/s inter-node per GPU; "
-        f"{c.reserved_gb:g} GB reserved per GPU",
-        f"layout: {lay} -> rollout TP{plan.rollout_tp}; roles {', '.join(r.value for r in w.roles)}; "
-        f"{w.precision.value}{', distributed optimizer' if w.distributed_optimizer else ''}",
-        f"workload: micro-batch {b} x {s} tokens (prompt {w.prompt_tokens} + response {w.response_tokens}), "
-        f"{w.recompute.value} recompute; rollout {w.rollout_dtype}, {w.concurrent_seqs} sequences in flight per "
-        f"replica, bucket {w.bucket_mb:g} MiB",
-    ]
-
-
-def memory_table(plan: LayoutPlan) -> list[str]:
-    phases = list(plan.peaks)
-    rows = [k for k in _ROW_ORDER if any(k in p.terms for p in phases)]
-    lines = ["GB per GPU (fullest stage)  " + "".join(f"{p.phase.value:>10}" for p in phases),
-             " " * 28 + "".join(f"{'stage ' + str(p.stage):>10}" for p in phases)]
-    for owner, term in rows:
-        label = f"{owner} {term}".strip()
-        cells = "".join(f"{_gb(p.terms[(owner, term)]):>10}" if (owner, term) in p.terms else f"{'-':>10}"
-                        for p in phases)
-        lines.append(f"  {label:<26}{cells}")
-    lines.append(f"  {'total':<26}" + "".join(f"{_gb(p.total):>10}" for p in phases))
-    lines.append(f"  {'free of ' + format(plan.capacity / GB, 'g'):<26}"
-                 + "".join(f"{_gb(plan.capacity - p.total):>10}" for p in phases))
-    lines += [f"  {p.phase.value:<9} {_PHASE_NOTES[p.phase]}" for p in phases]
-    return lines
-
-
-def reshard_lines(plan: LayoutPlan) -> list[str]:
-    r = plan.reshard
-    c = plan.cluster
-    return [
-        f"resharding per sync ({plan.workload.rollout_dtype}, megarl.resharding.plan): received per GPU max "
-        f"{r.received_max / GB:.2f} GB, mean {r.received_mean / GB:.2f} GB; sent max {r.sent_max / GB:.2f} GB",
-        f"sync time lower bound: {r.seconds:.2f} s (the slowest GPU moves {r.slowest_intra / GB:.2f} GB intra-node "
-        f"at {c.intra_node_gbps:g} GB/s + {r.slowest_inter / GB:.2f} GB inter-node at {c.inter_node_gbps:g} GB/s)",
-    ]
-
-
-def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
-    """The full report of one layout."""
-    lines = header(plan) + [""] + memory_table(plan) + [""]
-    if plan.fits:
-        lines.append(f"FITS: peak {plan.worst.total / GB:.1f} GB of {plan.capacity / GB:g} GB "
-                     f"({plan.worst.phase.value} phase, stage {plan.worst.stage})")
-    else:
-        lines += ["NOT FITTING:"] + [f"  {r}" for r in plan.reasons]
-    if with_reshard:
-        lines += reshard_lines(plan)
-    lines += ["", "overrides: " + " ".join(plan.overrides())]
-    return "\n".join(lines)
-
-
-def proposals_table(plans: list[LayoutPlan], top: int) -> str:
-    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*pp, larger rollout tp, smaller pp):",
-             f"  {'layout':<20}{'rollout':>8}" + "".join(f"{p.value:>10}" for p in Phase) + f"{'free':>10}"]
-    for p in plans[:top]:
-        peaks = {x.phase: x.total for x in p.peaks}
-        lines.append(f"  {str(p.layout):<20}{'TP' + str(p.rollout_tp):>8}"
-                     + "".join(f"{_gb(peaks[ph]):>10}" for ph in Phase)
-                     + f"{_gb(p.capacity - p.worst.total):>10}")
-    if len(plans) > top:
-        lines.append(f"  ... {len(plans) - top} more")
-    return "\n".join(lines)

@@ -1,5 +1,6 @@
 """Per-device memory arithmetic for one role of one layout: training state, activations, rollout
-weights, KV cache and the resharding transient. Bytes, per rank, as pure functions.
+weights, KV cache and the resharding transient (either end of it with split placement). Bytes, per rank,
+as pure functions.
 
 Pure module: no torch.distributed, no megatron-core, no Ray. Parameter counts come from the same
 name/shape rules the engine and the converters use (:mod:`megarl.models.mapping`), so padding of
@@ -209,7 +210,25 @@ def reshard_transient_bytes(spec: ModelSpec, layout: ParallelLayout, rollout_tp:
     bucket cap, or the largest single HF tensor when that exceeds the cap (it travels alone, received into
     a full-shape buffer), plus the pieces of the largest Megatron parameter shard being split on the
     sending side. ``rollout_tp`` does not change it: vLLM's loaders take full-shape tensors at any tp."""
-    largest_dest = max(math.prod(t.shape) for t in hf_tensors(spec, layout)) * rollout_dtype_bytes
-    largest_shard = max(max(s) for s in stage_parameter_shards(spec, layout)) * param_dtype_bytes
-    return max(bucket_bytes, largest_dest) + largest_shard
+    return (receive_transient_bytes(spec, layout, rollout_dtype_bytes=rollout_dtype_bytes, bucket_bytes=bucket_bytes)
+            + largest_shard_bytes(spec, layout, param_dtype_bytes))
 
+
+def receive_transient_bytes(spec: ModelSpec, layout: ParallelLayout, *, rollout_dtype_bytes: int,
+                            bucket_bytes: int) -> int:
+    """The receiving side of a weight sync (a rollout rank of a split placement only receives): the bucket
+    cap, or the largest HF tensor in full shape when that exceeds the cap."""
+    largest_dest = max(math.prod(t.shape) for t in hf_tensors(spec, layout)) * rollout_dtype_bytes
+    return max(bucket_bytes, largest_dest)
+
+
+def send_transient_bytes(spec: ModelSpec, layout: ParallelLayout, *, param_dtype_bytes: int, bucket_bytes: int) -> int:
+    """The sending side of a weight sync (a training rank of a split placement only sends): one bucket of
+    outgoing slab copies (within the cap: a tensor over it travels in parts cut to fit) plus the converted
+    pieces of the largest Megatron parameter shard. An upper bound: a model smaller than the cap sends less."""
+    return bucket_bytes + largest_shard_bytes(spec, layout, param_dtype_bytes)
+
+
+def largest_shard_bytes(spec: ModelSpec, layout: ParallelLayout, param_dtype_bytes: int) -> int:
+    """The largest Megatron parameter shard any rank holds, in the training dtype."""
+    return max(max(s) for s in stage_parameter_shards(spec, layout)) * param_dtype_bytes

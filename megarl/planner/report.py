@@ -1,0 +1,166 @@
+"""Text reports of the planner (what ``tools/plan.py`` prints): a layout's header, memory table per pool,
+fit verdict, weight-sync traffic and config overrides; the proposals table; the predicted step times of the
+modes. Strings out, nothing printed; sizes in decimal GB (docs/planner.md).
+
+Pure module: formatting of :mod:`megarl.planner.layouts` and :mod:`megarl.planner.modes` results only.
+"""
+
+from __future__ import annotations
+
+from megarl.planner.layouts import RESERVED, ROLLOUT, LayoutPlan, Phase, PhasePeak, Pool, Role
+from megarl.planner.memory import GB, micro_batch_shape
+from megarl.planner.modes import Mode, StageTimes, StepPrediction
+
+_ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
+    (Role.POLICY.value, "reshard transient"), (ROLLOUT, "weights"), (ROLLOUT, "kv cache"),
+    (ROLLOUT, "reshard transient"), (RESERVED, "")]
+
+_PHASE_NOTES = {
+    Phase.TRAIN: "policy/critic update; rollout engine asleep",
+    Phase.SYNC: "policy grads + optimizer offloaded; weights stream into the rollout engine",
+    Phase.GENERATE: "policy weights offloaded too; rollout weights + KV cache",
+    Phase.BUILD: "vLLM start-up: every engine built, before the first step (no Adam moments yet)",
+}
+
+_SPLIT_NOTES = {
+    (Pool.TRAINING, Phase.TRAIN): "policy/critic update; no rollout engine on this pool",
+    (Pool.TRAINING, Phase.SYNC): "all state resident; weights leave for the rollout pool through send buffers",
+    (Pool.ROLLOUT, Phase.SYNC): "vLLM stays awake: rollout weights + KV cache + receive buffer",
+    (Pool.ROLLOUT, Phase.GENERATE): "rollout weights + KV cache",
+}
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:8.2f}"
+
+
+def _gpus(plan: LayoutPlan, pool: Pool) -> str:
+    """``N GPUs (nodes x per node, GPUs a-b)`` of a split placement's pool."""
+    c = plan.cluster
+    first, n = (0, c.train_gpus) if pool is Pool.TRAINING else (c.train_gpus, c.rollout_gpus)
+    nodes, per_node = c.pool_shape(n)
+    return f"{n} GPUs ({nodes} x {per_node}, GPUs {first}-{first + n - 1})"
+
+
+def header(plan: LayoutPlan) -> list[str]:
+    spec, c, w, lay = plan.spec, plan.cluster, plan.workload, plan.layout
+    n = spec.num_parameters()
+    b, s = micro_batch_shape(w.micro_batch_tokens, w.seq_len)
+    rollout = f"rollout TP{plan.rollout_tp}"
+    if c.split:
+        rollout += f" x {c.rollout_gpus // plan.rollout_tp} replicas on a pool of their own"
+    lines = [
+        f"{plan.model_name}: {n / 1e9:.2f} B parameters ({2 * n / GB:.1f} GB in bf16), {spec.num_layers} layers, "
+        f"hidden {spec.hidden_size}, {spec.num_attention_heads}/{spec.num_query_groups} heads, "
+        f"FFN {spec.ffn_hidden_size}, vocab {spec.vocab_size}",
+        f"cluster: {c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_mem_gb:g} GB ({c.world_size} GPUs); "
+        f"{c.intra_node_gbps:g} GB/s intra-node, {c.inter_node_gbps:g} GB/s inter-node per GPU; "
+        f"{c.reserved_gb:g} GB reserved per GPU",
+    ]
+    if c.split:
+        lines.append(f"split placement: training pool {_gpus(plan, Pool.TRAINING)}, "
+                     f"rollout pool {_gpus(plan, Pool.ROLLOUT)}")
+    return lines + [
+        f"layout: {lay} -> {rollout}; roles {', '.join(r.value for r in w.roles)}; "
+        f"{w.precision.value}{', distributed optimizer' if w.distributed_optimizer else ''}",
+        f"workload: micro-batch {b} x {s} tokens (prompt {w.prompt_tokens} + response {w.response_tokens}), "
+        f"{w.recompute.value} recompute; rollout {w.rollout_dtype}, {w.concurrent_seqs} sequences in flight per "
+        f"replica, bucket {w.bucket_mb:g} MiB",
+    ]
+
+
+def memory_table(plan: LayoutPlan) -> list[str]:
+    if not plan.cluster.split:
+        return _table(plan, plan.peaks, "GB per GPU (fullest stage)",
+                      {p.phase: _PHASE_NOTES[p.phase] for p in plan.peaks})
+    lines = []
+    for pool, title in ((Pool.TRAINING, "training pool, fullest stage"), (Pool.ROLLOUT, "rollout pool, GB per GPU")):
+        peaks = plan.pool_peaks(pool)
+        lines += _table(plan, peaks, title, {p.phase: _SPLIT_NOTES[(pool, p.phase)] for p in peaks},
+                        stages=pool is Pool.TRAINING)
+    return lines
+
+
+def _table(plan: LayoutPlan, phases: tuple[PhasePeak, ...], title: str, notes: dict[Phase, str], *,
+           stages: bool = True) -> list[str]:
+    rows = [k for k in _ROW_ORDER if any(k in p.terms for p in phases)]
+    lines = [f"{title:<28}" + "".join(f"{p.phase.value:>10}" for p in phases)]
+    if stages:
+        lines.append(" " * 28 + "".join(f"{'stage ' + str(p.stage):>10}" for p in phases))
+    for owner, term in rows:
+        label = f"{owner} {term}".strip()
+        cells = "".join(f"{_gb(p.terms[(owner, term)]):>10}" if (owner, term) in p.terms else f"{'-':>10}"
+                        for p in phases)
+        lines.append(f"  {label:<26}{cells}")
+    lines.append(f"  {'total':<26}" + "".join(f"{_gb(p.total):>10}" for p in phases))
+    lines.append(f"  {'free of ' + format(plan.capacity / GB, 'g'):<26}"
+                 + "".join(f"{_gb(plan.capacity - p.total):>10}" for p in phases))
+    lines += [f"  {p.phase.value:<9} {notes[p.phase]}" for p in phases]
+    return lines
+
+
+def reshard_lines(plan: LayoutPlan) -> list[str]:
+    r = plan.reshard
+    c = plan.cluster
+    if c.split:
+        head = [f"weight sync between the pools per push ({plan.workload.rollout_dtype}, megarl.resharding.plan): "
+                f"{r.total / GB:.2f} GB in all ({r.total_inter / GB:.2f} GB inter-node); each training GPU sends max "
+                f"{r.sent_max / GB:.2f} GB, mean {r.sent_mean / GB:.2f} GB; each rollout GPU receives max "
+                f"{r.received_max / GB:.2f} GB, mean {r.received_mean / GB:.2f} GB"]
+    else:
+        head = [f"resharding per sync ({plan.workload.rollout_dtype}, megarl.resharding.plan): received per GPU max "
+                f"{r.received_max / GB:.2f} GB, mean {r.received_mean / GB:.2f} GB; sent max {r.sent_max / GB:.2f} GB"]
+    return head + [
+        f"sync time lower bound: {r.seconds:.2f} s (the slowest GPU moves {r.slowest_intra / GB:.2f} GB intra-node "
+        f"at {c.intra_node_gbps:g} GB/s + {r.slowest_inter / GB:.2f} GB inter-node at {c.inter_node_gbps:g} GB/s)",
+    ]
+
+
+def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
+    """The full report of one layout."""
+    lines = header(plan) + [""] + memory_table(plan) + [""]
+    if plan.fits:
+        w = plan.worst
+        where = f"{w.phase.value} phase, stage {w.stage}"
+        if plan.cluster.split:
+            where = f"{w.pool.value} pool, " + (where if w.pool is Pool.TRAINING else f"{w.phase.value} phase")
+        lines.append(f"FITS: peak {w.total / GB:.1f} GB of {plan.capacity / GB:g} GB ({where})")
+    else:
+        lines += ["NOT FITTING:"] + [f"  {r}" for r in plan.reasons]
+    if with_reshard:
+        lines += reshard_lines(plan)
+    lines += ["", "overrides: " + " ".join(plan.overrides())]
+    return "\n".join(lines)
+
+
+def proposals_table(plans: list[LayoutPlan], top: int) -> str:
+    """The fitting layouts, one line each: the peak of every phase (split: ``r.`` the rollout pool's)."""
+    split = bool(plans) and plans[0].cluster.split
+    keys = [(p.pool, p.phase) for p in plans[0].peaks] if split else [(Pool.TRAINING, ph) for ph in Phase]
+    width = 11 if split else 10
+    label = {k: ("r." if k[0] is Pool.ROLLOUT else "") + k[1].value for k in keys}
+    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*pp, larger rollout tp, smaller pp"
+             + ("; r.: the rollout pool):" if split else "):"),
+             f"  {'layout':<20}{'rollout':>8}" + "".join(f"{label[k]:>{width}}" for k in keys) + f"{'free':>10}"]
+    for p in plans[:top]:
+        peaks = {(x.pool, x.phase): x.total for x in p.peaks}
+        lines.append(f"  {str(p.layout):<20}{'TP' + str(p.rollout_tp):>8}"
+                     + "".join(f"{_gb(peaks[k]):>{width}}" for k in keys)
+                     + f"{_gb(p.capacity - p.worst.total):>10}")
+    if len(plans) > top:
+        lines.append(f"  ... {len(plans) - top} more")
+    return "\n".join(lines)
+
+
+def step_time_lines(times: StageTimes, predictions: list[StepPrediction], *, sync_source: str = "given") -> list[str]:
+    """The predicted step of every mode, and its speed-up over ``sync`` (docs/planner.md §8)."""
+    sync = next(p.step_s for p in predictions if p.mode is Mode.SYNC)
+    push = next((p.push_every for p in predictions if p.mode is Mode.ASYNC), None)
+    lines = [f"predicted step (ideal overlap) from stage times: generation {times.gen_s:g} s + reward "
+             f"{times.reward_s:g} s, training {times.train_s:g} s, weight sync {times.sync_s:.3g} s ({sync_source})"
+             + (f"; async pushes every {push} updates" if push else ""),
+             f"  {'mode':<14}{'step s':>10}{'vs sync':>10}{'training pool busy':>20}{'rollout pool busy':>19}"]
+    for p in predictions:
+        lines.append(f"  {p.mode.value:<14}{p.step_s:>10.2f}{sync / p.step_s:>9.2f}x{100 * p.train_busy:>19.0f}%"
+                     f"{100 * p.rollout_busy:>18.0f}%")
+    return lines
