@@ -74,6 +74,26 @@ class Schedule(enum.Enum):
 
     SYNC = "sync"  # generate, then train on it: every sample from the weights being trained (version lag 0)
     ONE_STEP_OFF = "one_step_off"  # step k+1's generation runs while step k trains (lag 1; needs a rollout pool)
+    ASYNC = "async"  # the rollout pool generates into a buffer all along (lag <= rollout.asynchronous.max_staleness)
+
+
+class OnStale(enum.Enum):
+    WAIT = "wait"  # generation waits, so that no sample gets more than max_staleness versions old
+    DROP = "drop"  # generation runs on; prompt groups staler than max_staleness are dropped (async/dropped_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """``rollout.schedule: async`` (:mod:`megarl.trainer.asynchronous`): the rollout pool generates into a buffer
+    of finished prompt groups while the trainer takes ``data.batch_size`` of them per step."""
+
+    max_staleness: int = 1  # eta: a sample's oldest token is at most this many versions behind the trained weights
+    on_stale: OnStale = OnStale.WAIT  # wait | drop
+    push_every: int = 1  # K: weights pushed to the rollout pool every K updates (wait: K <= max_staleness + 1)
+    buffer_batches: int = 2  # finished prompt groups held (and generated ahead), in batches of data.batch_size
+    partial_chunk_tokens: int | None = None  # partial rollouts: tokens per generation call; a weight push lands
+    # between calls and in-flight responses continue under the new weights (each token keeps its version);
+    # null: whole responses per call (a push waits for them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +104,16 @@ class RolloutSection:
     stop_at_eos: bool = True  # the tokenizer's eos token ends a response
     stop_token_ids: tuple[int, ...] = ()  # more ids that end a response (e.g. Llama-3's <|eot_id|>)
     engine: RolloutConfig = RolloutConfig()
-    schedule: Schedule = Schedule.SYNC  # sync | one_step_off (overlaps generation and training; needs
-    # cluster.placement.rollout on a pool of its own; trains on samples one version old, with the old
+    schedule: Schedule = Schedule.SYNC  # sync | one_step_off | async (both overlap generation and training;
+    # they need cluster.placement.rollout on a pool of its own, and train on older samples with the old
     # log-probs recomputed and algorithm.rollout_correction weighting them)
+    asynchronous: AsyncConfig = AsyncConfig()  # rollout.schedule=async only
 
     @property
     def max_version_lag(self) -> int:
         """How many updates behind the trained weights a sample may be (the schedule guarantees it)."""
-        return 1 if self.schedule is Schedule.ONE_STEP_OFF else 0
+        return {Schedule.SYNC: 0, Schedule.ONE_STEP_OFF: 1, Schedule.ASYNC: self.asynchronous.max_staleness}[
+            self.schedule]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +398,38 @@ def _check_rollout_pool(cfg: TrainConfig) -> None:
                           f"(one rollout replica per data-parallel rank); found tp={pool.tp}, pp={pool.pp}.")
 
 
+def _check_overlapped(cfg: TrainConfig) -> None:
+    """The schedules that generate while the policy trains (one_step_off, async)."""
+    r, name = cfg.rollout, f"rollout.schedule={cfg.rollout.schedule.value}"
+    if not cfg.cluster.rollout_apart:
+        raise ConfigError(f"{name} generates while the policy trains, so the rollout engines need a pool of their "
+                          "own: add one to cluster.pools and set cluster.placement.rollout to it (or use "
+                          "rollout.schedule=sync).")
+    if cfg.algorithm.recompute_old_log_probs is False:
+        raise ConfigError(f"{name} trains on samples older than the trained weights: the PPO ratio needs old "
+                          "log-probs recomputed at the trained weights. Leave algorithm.recompute_old_log_probs "
+                          "unset (auto) or set it true.")
+    if cfg.algorithm.dynamic_sampling is not None:
+        raise ConfigError(f"algorithm.dynamic_sampling samples extra rounds within a step, which {name} does not "
+                          "support yet; use rollout.schedule=sync with it.")
+    a = r.asynchronous
+    if r.schedule is Schedule.ASYNC:
+        if a.max_staleness < 0 or a.push_every < 1 or a.buffer_batches < 1:
+            raise ConfigError(f"rollout.asynchronous needs max_staleness >= 0, push_every >= 1 and buffer_batches >= "
+                              f"1; found {a.max_staleness}, {a.push_every}, {a.buffer_batches}.")
+        if a.on_stale is OnStale.WAIT and a.push_every > a.max_staleness + 1:
+            raise ConfigError(f"rollout.asynchronous.push_every={a.push_every} with on_stale=wait and max_staleness="
+                              f"{a.max_staleness}: generation would wait for weights that come only after samples "
+                              f"it has not made yet. Use push_every <= max_staleness + 1 = {a.max_staleness + 1}, or "
+                              "on_stale=drop.")
+        if a.partial_chunk_tokens is not None and a.partial_chunk_tokens < 1:
+            raise ConfigError(f"rollout.asynchronous.partial_chunk_tokens must be >= 1 or null (whole responses); "
+                              f"found {a.partial_chunk_tokens}.")
+        if cfg.algorithm.needs_greedy_baseline:
+            raise ConfigError("ReMax's greedy baseline is generated beside each batch, which rollout.schedule=async "
+                              "does not do yet; use sync or one_step_off with it.")
+
+
 def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
     r = cfg.rollout
     if r.max_new_tokens < 1:
@@ -388,18 +442,8 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
         for name, s in (("sampling", r.sampling), ("validation", r.validation)):
             if s.temperature > 2:  # vLLM's own limit (VLLMValidationError at the first call otherwise)
                 raise ConfigError(f"rollout.{name}.temperature={s.temperature}: vLLM accepts at most 2.")
-    if r.schedule is Schedule.ONE_STEP_OFF:
-        if not cfg.cluster.rollout_apart:
-            raise ConfigError("rollout.schedule=one_step_off generates while the policy trains, so the rollout engines "
-                              "need a pool of their own: add one to cluster.pools and set cluster.placement.rollout "
-                              "to it (or use rollout.schedule=sync).")
-        if cfg.algorithm.recompute_old_log_probs is False:
-            raise ConfigError("rollout.schedule=one_step_off trains on samples one version old: the PPO ratio needs "
-                              "old log-probs recomputed at the trained weights. Leave "
-                              "algorithm.recompute_old_log_probs unset (auto) or set it true.")
-        if cfg.algorithm.dynamic_sampling is not None:
-            raise ConfigError("algorithm.dynamic_sampling samples extra rounds within a step, which "
-                              "rollout.schedule=one_step_off does not support yet; use rollout.schedule=sync with it.")
+    if r.schedule is not Schedule.SYNC:
+        _check_overlapped(cfg)
     if r.sampling.temperature == 0:
         raise ConfigError("rollout.sampling.temperature=0 (greedy) gives no exploration to learn from; use > 0 for "
                           "training (rollout.validation.temperature may be 0).")

@@ -37,7 +37,7 @@ from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
 from megarl.roles.hybrid import build_engine, generation_rows
 from megarl.roles.results import WeightSync
-from megarl.rollout.base import SamplingParams
+from megarl.rollout.base import FINISH_STOP, SamplingParams
 from megarl.rollout.config import RolloutBackend, RolloutConfig
 
 
@@ -156,3 +156,22 @@ class RolloutRole(Role):
                                 {"timing/generate_s": time.perf_counter() - start})
         batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
         return batch if self.ctx.is_collect_rank else None
+
+    def extend(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+        """Up to ``params.max_new_tokens`` more tokens for each of ``params.n`` rows per prompt, where a prompt
+        may end with the start of a response (a partial rollout continued, prefilled under the weights held
+        now). Rows grouped by prompt: ``tokens`` [rows, T] (padded), ``log_probs`` [rows, T], ``lengths``,
+        ``stopped`` (a stop token ended the row), ``policy_version``; the per-prompt fields are copied."""
+        if self.version is None:
+            raise RuntimeError("extend before the first weight sync: the engine holds no weights")
+        seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
+        with cpu_compat.suspended(), trace.span("extend", cat="rollout", prompts=len(prompts), n=params.n):
+            ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
+                                                            strict=True)]
+            out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
+        fields = {"tokens": out.responses.long(), "log_probs": out.log_probs.float(), "lengths": out.response_lengths,
+                  "stopped": torch.tensor([f == FINISH_STOP for f in out.finish_reasons]),
+                  "policy_version": torch.full((len(out),), self.version, dtype=torch.long)}
+        fields |= {k: prompts[k][out.prompt_index] for k in prompts.tensors.keys()  # noqa: SIM118
+                   if k not in ("prompt_ids", "prompt_lengths")}
+        return Batch.from_dict(fields) if self.ctx.is_collect_rank else None

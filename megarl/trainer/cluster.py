@@ -146,6 +146,10 @@ class Cluster:
             return self.policy.dp_async(PolicyRole.generate, prompts, params)
         return self.rollout.dp_async(RolloutRole.generate, prompts, params)
 
+    def extend_async(self, prompts: Batch, params: SamplingParams) -> PendingCall[Batch]:
+        """Partial generation on the rollout pool (:meth:`megarl.roles.split.RolloutRole.extend`), started."""
+        return self.rollout.dp_async(RolloutRole.extend, prompts, params)
+
     def to_train(self) -> float:
         """Rollout -> train on every policy rank; the slowest rank's seconds (0 with a rollout pool: its engines
         stay awake on their own devices)."""

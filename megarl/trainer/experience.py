@@ -12,8 +12,10 @@ scored in the same round. Validation samples and scores with the same methods.
 Schedules (``rollout.schedule``): ``sync`` syncs the weights, generates and scores in turn (:meth:`collect`);
 ``one_step_off`` (:meth:`collect_ahead`, rollout engines on a pool of their own) waits for the responses
 generated during the previous step, pushes the newest weights, starts generating the next step's responses
-and only then scores, so the next generation overlaps this step's scoring and training. Every row carries
-``policy_version``, the version of the weights that generated it (version v: the weights after step v).
+and only then scores, so the next generation overlaps this step's scoring and training; ``async``
+(:meth:`collect_async`) takes finished prompt groups from a buffer that the rollout pool fills all along
+(:mod:`megarl.trainer.asynchronous`). Every row carries ``policy_version``, the version of the weights that
+generated it (version v: the weights after step v; with partial rollouts, its oldest token's).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from megarl.data.prompts import PromptRecord
 from megarl.errors import MegarlError
 from megarl.rewards.base import score_samples
 from megarl.rollout.base import SamplingConfig
+from megarl.trainer.asynchronous import RolloutProducer, groups_batch
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ class Experience:
         self.cfg, self.cluster, self.tokenizer, self.reward_fn = cfg, cluster, tokenizer, reward_fn
         self.stop_token_ids, self.stage = stop_token_ids, stage
         self.ahead: _Generation | None = None  # one_step_off: the next step's responses, being generated
+        self.producer: RolloutProducer | None = None  # async: the generating thread and its buffer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     # ------------------------------------------------------------------------------------ a step
 
@@ -120,6 +125,30 @@ class Experience:
     def drop_ahead(self) -> None:
         """Forget responses being generated ahead (a restart or a checkpoint load makes them stale)."""
         self.ahead = None
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    def collect_async(self, version: int, timer: Timer, start: Callable[[], RolloutProducer]) -> tuple[
+            Batch, dict[str, float]]:
+        """Asynchronous :meth:`collect` (:mod:`megarl.trainer.asynchronous`): ``data.batch_size`` finished prompt
+        groups from the producer's buffer (``start`` makes the producer on the first step or after a resume);
+        first the weights (``version``) are pushed when ``push_every`` updates have passed since the last push."""
+        metrics: dict[str, float] = {}
+        if self.producer is None:
+            with timer("weight_sync"):
+                self.producer = start()
+        elif version != self.producer.engine_version and version % self.cfg.rollout.asynchronous.push_every == 0:
+            with timer("weight_sync"):
+                metrics |= self.producer.push(version).metrics()
+        with timer("rollout"):  # the trainer's wait for the buffer
+            groups, taken = self.producer.take(version)
+        batch = groups_batch(groups, self.pad_token_id)
+        batch.meta["metrics"] = taken
+        self.stage("rollout", batch)
+        with timer("reward"):
+            num_errors = self.score(batch, [g.record for g in groups])
+        return batch, metrics | self._rollout_metrics(batch) | self.reward_metrics(batch, "reward", num_errors)
 
     def _keep_informative(self, batch: Batch, informative: torch.Tensor, rounds: int,
                           metrics: dict[str, float]) -> tuple[Batch, dict[str, float]]:

@@ -29,6 +29,7 @@ only samples and scores: no training forward, no checks that tie it to the train
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -40,7 +41,7 @@ import torch
 
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
-from megarl.config.resolve import resolve, stop_token_ids
+from megarl.config.resolve import resolve, sampling_params, stop_token_ids
 from megarl.config.train import CorruptCheckpoint, Schedule, TrainConfig, check_config, dump_config, to_plain
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
@@ -51,6 +52,7 @@ from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
+from megarl.trainer.asynchronous import RolloutProducer
 from megarl.trainer.callbacks import Callback
 from megarl.trainer.checks import check_frozen_models
 from megarl.trainer.experience import Experience
@@ -114,6 +116,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         a = cfg.algorithm
         self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
+        self._async_skip: list[list[int]] = []  # async: per wave, prompts a checkpoint says were consumed
 
     def _start(self) -> None:
         """Find the checkpoint to resume from; start the workers unless the run is complete already."""
@@ -213,6 +216,7 @@ class Trainer:
                        "%.0f s)", error.role, error.rank, failed_step, len(self._restart_times), t.max_restarts,
                        t.restart_window_s)
         ckpt = self._newest_intact()
+        self.experience.drop_ahead()  # stops the asynchronous producer before its workers go
         try:
             self.cluster.restart()
         except MegarlError as e:
@@ -220,7 +224,6 @@ class Trainer:
                                    "newest intact checkpoint when run again (on a new allocation if a node is "
                                    "gone).") from e
         self._reset()
-        self.experience.drop_ahead()
         if ckpt is not None:
             self._restore(ckpt)
         tracker.rewind(self.step)
@@ -246,6 +249,8 @@ class Trainer:
         if self.cfg.rollout.schedule is Schedule.ONE_STEP_OFF:
             batch, metrics = self.experience.collect_ahead(self._draw_prompts, self._seed(), self._seed(self.step + 1),
                                                            timer, version)
+        elif self.cfg.rollout.schedule is Schedule.ASYNC:
+            batch, metrics = self.experience.collect_async(version, timer, lambda: self._producer(version))
         else:
             batch, metrics = self.experience.collect(self._draw_prompts, self._seed(), timer, version)
         if not len(batch):  # dynamic sampling found no prompt group with differing rewards: nothing to learn from
@@ -395,6 +400,16 @@ class Trainer:
         self._sampler_before_draw = self.sampler.state_dict()
         return self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
 
+    def _producer(self, version: int) -> RolloutProducer:
+        """The asynchronous schedule's generating thread, from the weights of ``version`` on."""
+        r = self.cfg.rollout
+        return RolloutProducer(
+            cluster=self.cluster, data=self.train_data, sampler=self.sampler, batch_size=self.cfg.data.batch_size,
+            n=r.sampling.n, max_new_tokens=r.max_new_tokens, config=r.asynchronous, version=version,
+            params=lambda n, max_new, seed: dataclasses.replace(
+                sampling_params(r.sampling, r, self.stop_token_ids, seed), n=n, max_new_tokens=max_new),
+            seed=self._seed(), skip=self._async_skip)
+
     def _version_lag(self, batch: Batch) -> dict[str, float]:
         """How many updates behind the trained weights each sample's generating weights are; at most what the
         schedule guarantees (``rollout.max_version_lag``)."""
@@ -416,9 +431,13 @@ class Trainer:
     def save(self) -> Path:
         tmp = run_checkpoints.begin(self.out, self.step)
         self.cluster.save(tmp, self.step)
-        # prompts drawn for a step not trained yet (one_step_off) are drawn again after a resume
-        sampler = self._sampler_before_draw if self.experience.ahead is not None else self.sampler.state_dict()
-        state = {"step": self.step, "sampler": sampler,
+        # prompts drawn for steps not trained yet (one_step_off, async) are drawn again after a resume
+        sampler, skip = self.sampler.state_dict(), []
+        if self.experience.ahead is not None:
+            sampler = self._sampler_before_draw
+        elif self.experience.producer is not None:
+            sampler, skip = self.experience.producer.resume_state()
+        state = {"step": self.step, "sampler": sampler, "async_skip": skip,
                  "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
         final = run_checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
         self.saved_step = self.step
@@ -429,8 +448,9 @@ class Trainer:
         state = run_checkpoints.read_state(ckpt)
         self.cluster.load(ckpt)
         self.step = self.saved_step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
         self.experience.drop_ahead()
+        self.sampler.load_state_dict(state["sampler"])
+        self._async_skip = state.get("async_skip", [])
         if self.kl_ctl is not None and state["kl_coef"] is not None:
             self.kl_ctl.value = state["kl_coef"]
         _truncate_metrics(self.out / "metrics.jsonl", self.step)
@@ -440,6 +460,7 @@ class Trainer:
         """Stop the workers and the run's own Ray cluster, release the output directory, restore signals."""
         try:
             if self.cluster is not None:
+                self.experience.drop_ahead()
                 self.cluster.shutdown()
         finally:
             self.lock.release()

@@ -11,14 +11,24 @@ The demo's GRPO on the addition task, on the test session's Ray cluster:
 * one-step-off: every trained sample is at most one version old (0 on the first step and the first after a
   resume), the next step's generation overlaps this step's update in the workers' trace spans, a run
   stopped by a failure after its checkpoint resumes with the prompts of the step it lost and learns
-  (reward up 0.2 within 150 steps, against the run's own first steps).
+  (reward up 0.2 within 150 steps, against the run's own first steps);
+* fully asynchronous, drop mode, eta = 2, partial rollouts (2 tokens per call, responses of 6), a trainer
+  slowed down by a callback: no sample trains more than 2 versions behind, stale groups are dropped and
+  counted, responses are continued across weight pushes, and every token's rollout log-prob equals HF
+  transformers' log-prob of it under the weights of the version it was recorded with (the policy's
+  checkpoints converted offline, fp32, 1e-5): the behaviour log-probs the loss corrects with are exact;
+* fully asynchronous, wait mode, eta = 1: a run that fails after its checkpoint resumes with consistent
+  version accounting (lag 0 on the first step of each run, never above 1), the prompts the lost steps drew,
+  and learns (reward +0.2).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -225,7 +235,122 @@ def test_one_step_off_overlaps_generation_with_training_resumes_and_learns(ray_c
     assert lag[0] == 0 and lag[20] == 0 and set(lag[1:20] + lag[21:]) == {1.0}
 
 
-def _metrics(out):
-    import json
 
+# ------------------------------------------------------------------------------- fully asynchronous
+
+ASYNC = {"cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1,
+         "cluster.pools.gen.devices_per_node": 1, "cluster.placement.rollout": "gen", "rollout.schedule": "async"}
+
+
+class _Rows(_Recorder):
+    """Also keeps every trained row's tokens, per-token rollout log-probs and versions; in each of the first
+    ``slow_steps`` steps it holds the trainer until the producer has filled its buffer (a slow trainer)."""
+
+    def __init__(self, slow_steps=0):
+        super().__init__()
+        self.slow_steps, self.rows = slow_steps, []
+
+    def on_stage_end(self, stage, step, batch):
+        super().on_stage_end(stage, step, batch)
+        if stage == "rollout":
+            for i in range(len(batch)):
+                n = int(batch["attention_mask"][i].sum())
+                self.rows.append((batch["input_ids"][i, :n].clone(), batch["response_mask"][i, :n].bool(),
+                                  batch["rollout_log_probs"][i, :n].clone(), batch["rollout_versions"][i, :n].clone()))
+            producer = self.trainer.experience.producer
+            capacity = producer.config.buffer_batches * producer.batch_size
+            deadline = time.monotonic() + 120
+            while step <= self.slow_steps and len(producer.buffer) < capacity and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_async_drop_mode_with_partial_rollouts_bounds_staleness_and_keeps_exact_log_probs(ray_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megarl.testing.addition import make_task
+
+    task = make_task(tmp_path / "task", train_rows=128, val_rows=8)
+    steps = 12
+    cfg = _config(task, tmp_path / "run", ASYNC | {
+        "rollout.asynchronous.max_staleness": 2, "rollout.asynchronous.on_stale": "drop",
+        "rollout.asynchronous.buffer_batches": 4, "rollout.asynchronous.partial_chunk_tokens": 2,
+        "rollout.max_new_tokens": 24, "rollout.stop_at_eos": "false", "data.batch_size": 4, "rollout.sampling.n": 4,
+        # slow generation (one row at a time, 12 calls per response): once the trainer runs free, a wave of
+        # responses outlasts a step several times, so that each weight push interrupts the wave in flight
+        "rollout.engine.max_batch_size": 1,
+        "trainer.total_steps": steps, "trainer.save_every": 1, "trainer.keep_checkpoints": steps + 1})
+    # steps 1-3 wait for a full buffer (4 waves): step 4, at version 3, meets two waves of version 0 (dropped)
+    recorder = _Rows(slow_steps=3)
+    history, _ = _fit(cfg, recorder)
+    assert len(history) == steps
+
+    lag_max = [m["async/version_lag_max"] for m in history]
+    assert lag_max[:4] == [0, 1, 2, 2] and max(lag_max) <= 2
+    assert [m["async/dropped_groups"] for m in history[:4]] == [0, 0, 0, 8]  # staler than 2: dropped, counted
+    assert sum(m["async/interrupted_responses"] for m in history) > 0
+    for step, versions in recorder.versions.items():
+        assert int((step - 1 - versions).max()) <= 2, step
+
+    # every token's rollout log-prob against HF transformers at the weights of its version
+    versions = sorted({int(v) for _, mask, _, vs in recorder.rows for v in vs[mask]})
+    assert len(versions) > 3
+    ckpts = tmp_path / "run" / "checkpoints"
+    pairs = [(str(ckpts / f"step_{v:06d}" / "policy"), str(tmp_path / f"hf_v{v}")) for v in versions if v > 0]
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_convert_all, pairs).result()
+    models = {v: AutoModelForCausalLM.from_pretrained(task / "model" if v == 0 else tmp_path / f"hf_v{v}",
+                                                      torch_dtype=torch.float32).eval() for v in versions}
+    mixed = checked = 0
+    with torch.no_grad():
+        for ids, mask, rollout_lp, token_versions in recorder.rows:
+            mixed += len(set(token_versions[mask].tolist())) > 1
+            for v in set(token_versions[mask].tolist()):
+                logits = models[v](ids[None]).logits[0].float()  # temperature 1
+                lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)  # token i from i-1
+                sel = mask[1:] & (token_versions[1:] == v)
+                gap = (lp[sel] - rollout_lp[1:][sel]).abs()
+                assert gap.max() < 1e-5, (v, gap.max())
+                checked += int(sel.sum())
+    assert mixed > 0 and checked == sum(int(m.sum()) for _, m, _, _ in recorder.rows)
+
+
+def test_async_wait_mode_resumes_with_consistent_versions_and_learns(ray_cluster, tmp_path):
+    from megarl.data.prompts import PromptSampler, load_prompts
+    from megarl.testing.addition import make_task
+    from megarl.trainer.trainer import Trainer, _load_tokenizer
+
+    task = make_task(tmp_path / "task", train_rows=256, val_rows=8)
+    cfg = _config(task, tmp_path / "run", ASYNC | {
+        "rollout.asynchronous.max_staleness": 1, "trainer.total_steps": 70, "trainer.save_every": 20})
+
+    first = _Recorder()
+    trainer = Trainer(cfg, (first, _StopAt(25)))
+    first.trainer = trainer
+    try:
+        with pytest.raises(RuntimeError, match="injected failure after step 25"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    second = _Recorder()
+    resumed, _ = _fit(cfg, second)
+    assert len(resumed) == 50
+
+    # version accounting: lag 0 on the first step of each run, never above max_staleness = 1
+    for rec, start in ((first, 1), (second, 21)):
+        lags = {step: (step - 1 - v) for step, v in rec.versions.items()}
+        assert int(lags[start].max()) == 0
+        assert all(int(lag.min()) >= 0 and int(lag.max()) <= 1 for lag in lags.values())
+        assert any(int(lag.max()) == 1 for lag in lags.values())  # it did run ahead
+    # the resumed run redraws the wave of step 21 (drawn, not trained, by the failed run): the sampler's 21st draw
+    sampler = PromptSampler(256, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    draws = [sampler.next_batch(cfg.data.batch_size) for _ in range(21)]
+    data = load_prompts(cfg.data.train, cfg.data, _load_tokenizer(str(task / "model")))
+    assert second.prompts[21] == sorted({tuple(r.input_ids) for r in data.select(draws[20])})
+
+    rewards = [m["reward/mean"] for m in _metrics(tmp_path / "run")]
+    assert len(rewards) == 70
+    assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, rewards

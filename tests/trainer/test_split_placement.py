@@ -46,7 +46,8 @@ def test_reference_on_its_own_pool_matches_the_colocated_run(ray_cluster, tmp_pa
     colocated, colocated_pids, colocated_placement = _train(task, tmp_path / "colocated", {})
     split, split_pids, split_placement = _train(task, tmp_path / "split", {
         "cluster.pools.ref.devices_per_node": 1, "cluster.placement.reference": "ref"})
-    assert colocated_placement == {"policy": "main", "rollout": "main", "reference": "main"} and len(colocated_pids) == 1
+    assert colocated_placement == {"policy": "main", "rollout": "main", "reference": "main"}
+    assert len(colocated_pids) == 1
     assert split_placement == {"policy": "main", "rollout": "main", "reference": "ref"}
     assert set(split_pids) == {"main", "ref"} and not set(split_pids["main"]) & set(split_pids["ref"])
     assert len(colocated) == len(split) == 3
@@ -67,7 +68,8 @@ def test_critic_on_its_own_pool_matches_the_colocated_run(ray_cluster, tmp_path)
     colocated, _, _ = _train(task, tmp_path / "colocated", ppo)
     split, pids, placement = _train(task, tmp_path / "split", ppo | {
         "cluster.pools.values.devices_per_node": 1, "cluster.placement.critic": "values"})
-    assert placement == {"policy": "main", "rollout": "main", "critic": "values"} and not set(pids["main"]) & set(pids["values"])
+    assert placement == {"policy": "main", "rollout": "main", "critic": "values"}
+    assert not set(pids["main"]) & set(pids["values"])
     for step, (ours, ref) in enumerate(zip(split, colocated, strict=True), start=1):
         for k in (k for k in ref if not k.startswith(NOT_COMPARED)):
             assert math.isclose(ours[k], ref[k], rel_tol=1e-5, abs_tol=1e-7), (step, k, ours[k], ref[k])
