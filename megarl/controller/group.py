@@ -131,6 +131,11 @@ class WorkerGroup:
                 ) from e
         return results
 
+    def finished(self, futures: dict[int, ray.ObjectRef]) -> list[int]:
+        done, _ = ray.wait(list(futures.values()), num_returns=len(futures), timeout=0)
+        done_refs = set(done)
+        return [rank for rank, ref in futures.items() if ref in done_refs]
+
     def set_tracing(self, on: bool) -> None:
         """Turn span recording on or off in every rank (:mod:`megarl.metrics.trace`)."""
         self.gather("trace", {r: a.set_tracing.remote(on) for r, a in enumerate(self.actors)},

@@ -17,6 +17,8 @@ Each has an ``*_async`` twin returning a :class:`PendingCall`, so calls on indep
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
@@ -62,6 +64,9 @@ class GroupLike(Protocol):
     def gather(self, role: str, futures: dict[int, Any], timeout_s: float | None) -> dict[int, Any]:
         """Results by rank; raises :class:`WorkerError` (after tearing the group down) on a failure or timeout."""
 
+    def finished(self, futures: dict[int, Any]) -> list[int]:
+        """The ranks whose futures are done (without waiting)."""
+
 
 class PendingCall(Generic[T]):
     """Futures of one group call; :meth:`result` waits, fails fast on the first error."""
@@ -69,10 +74,19 @@ class PendingCall(Generic[T]):
     def __init__(self, group: GroupLike, role: str, futures: dict[int, Any],
                  finish: Callable[[dict[int, Any]], T]) -> None:
         self._group, self._role, self._futures, self._finish = group, role, futures, finish
+        self._results: dict[int, Any] = {}  # of the ranks :meth:`poll` found done
 
     def result(self, timeout_s: float | None = ...) -> T:  # type: ignore[assignment]
         timeout = self._group.options.timeouts.call_s if timeout_s is ... else timeout_s
-        return self._finish(self._group.gather(self._role, self._futures, timeout))
+        rest = {r: f for r, f in self._futures.items() if r not in self._results}
+        return self._finish(self._results | self._group.gather(self._role, rest, timeout))
+
+    def poll(self) -> bool:
+        """Whether every rank is done, without waiting; raises :class:`WorkerError` if one that is done failed."""
+        done = [r for r in self._group.finished(self._futures) if r not in self._results]
+        if done:
+            self._results |= self._group.gather(self._role, {r: self._futures[r] for r in done}, 0)
+        return len(self._results) == len(self._futures)
 
 
 class RoleHandle(Generic[R]):
@@ -142,6 +156,13 @@ class RoleHandle(Generic[R]):
         return self.dp_async(method, batch, *args, **kwargs).result()
 
 
-def wait_all(calls: Sequence[PendingCall[Any]]) -> list[Any]:
-    """Results of several pending calls (on different groups, running concurrently), in order."""
-    return [c.result() for c in calls]
+def wait_all(calls: Sequence[PendingCall[Any]], poll_s: float = 0.02) -> list[Any]:
+    """Results of several pending calls (on different groups, running concurrently), in order. The first
+    failure in any of them raises at once: the ranks of another call may be blocked in a collective with the
+    failed ones (a weight sync across pools) and would otherwise hold the wait until their own timeout."""
+    deadline = time.monotonic() + max((c._group.options.timeouts.call_s or math.inf) for c in calls)
+    while not all([c.poll() for c in calls]):  # every call polled each round: the first failure raises
+        if time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    return [c.result() for c in calls]  # past the deadline: the calls' own timeouts tear their groups down

@@ -154,6 +154,17 @@ def test_call_timeout_tears_down_instead_of_hanging(ray_cluster):
         assert time.monotonic() - start < 10 and not group.alive
 
 
+def test_waiting_on_two_groups_fails_at_the_first_failure(ray_cluster):
+    # a weight sync across pools: one group's ranks wait (here: sleep) on a peer of another group that fails;
+    # the wait must raise the failure at once, not after the waiting group's call
+    with _dp2_group("waiting", "policy", devices_per_node=2) as (_, waiting), \
+            _dp2_group("failing", "rollout", devices_per_node=2) as (_, failing):
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rollout failed on rank 1 .*deliberate failure"):
+            wait_all([waiting.all_async(EchoRole.sleep, 60.0), failing.all_async(EchoRole.fail, 1)])
+        assert time.monotonic() - start < 20
+
+
 def test_unsatisfiable_pools_fail_fast(ray_cluster):
     start = time.monotonic()
     with pytest.raises(ConfigError, match=r"needs 1 node\(s\) x 64 bundle\(s\) of CPU=1.*can never provide"):
