@@ -389,10 +389,6 @@ def _check_rollout_pool(cfg: TrainConfig) -> None:
     if others:
         raise ConfigError(f"pool {name!r} hosts the rollout engines and {others}: a rollout pool hosts only the "
                           "rollout engines. Place those roles on another pool.")
-    if engine.backend is not RolloutBackend.EMBEDDED:
-        raise ConfigError(f"rollout engines on a pool of their own run the embedded backend so far; found "
-                          f"rollout.engine.backend={engine.backend.value}. Colocate vLLM with the policy (remove "
-                          "cluster.placement.rollout) or use backend=embedded.")
     if pool.pp != 1 or pool.tp != engine.tp:
         raise ConfigError(f"the rollout pool {name!r} must have tp = rollout.engine.tp = {engine.tp} and pp = 1 "
                           f"(one rollout replica per data-parallel rank); found tp={pool.tp}, pp={pool.pp}.")
@@ -437,8 +433,9 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
     if r.engine.backend is RolloutBackend.EMBEDDED and r.engine.tp != 1:
         raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.engine.tp must be 1, "
                           f"found {r.engine.tp}; use rollout.engine.backend=vllm for tensor-parallel generation.")
-    if r.engine.backend is RolloutBackend.VLLM and not cfg.cluster.rollout_apart:
-        check_vllm_groups(layout, r.engine.tp)
+    if r.engine.backend is RolloutBackend.VLLM:
+        if not cfg.cluster.rollout_apart:  # (a rollout pool's layout is its rollout TP groups: checked above)
+            check_vllm_groups(layout, r.engine.tp)
         for name, s in (("sampling", r.sampling), ("validation", r.validation)):
             if s.temperature > 2:  # vLLM's own limit (VLLMValidationError at the first call otherwise)
                 raise ConfigError(f"rollout.{name}.temperature={s.temperature}: vLLM accepts at most 2.")

@@ -148,6 +148,12 @@ class ReshardPlan:
         """Whether the rollout ranks are apart from the training ranks (ranks ``train.world_size`` and up)."""
         return len(self.places) > self.train.world_size
 
+    def tp_group(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s rollout replica, in rollout TP order."""
+        replica = self.places[rank].replica
+        return [r for _, r in sorted((p.tp_rank, r) for r, p in enumerate(self.places)
+                                     if p is not None and p.replica == replica)]
+
     @property
     def receivers(self) -> list[int]:
         """The ranks that hold rollout shards."""

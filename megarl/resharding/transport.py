@@ -60,8 +60,9 @@ def stream_weights(
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize, full_tensors=full_tensors):
         start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
-        for t in bucket.tensors:  # full-shape tensors also where this rank's slice is empty (vocabulary tails)
-            if t.name not in dests and (full_tensors or any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)):
+        for t in bucket.tensors:  # full-shape tensors also where a receiver's slice is empty (vocabulary tails)
+            if t.name not in dests and ((full_tensors and (t.name, rank) in plan.dest)
+                                        or any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)):
                 dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device, full=full_tensors)
         _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group, link, full_tensors)
         stats.seconds += time.perf_counter() - start

@@ -53,7 +53,8 @@ class HybridRollout:
         self.full_tensors = config.backend is RolloutBackend.VLLM
         self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
-        self.rollout = build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan, seed)
+        self.rollout = build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan.tp_group(ctx.rank),
+                                    seed)
         self.rollout.sleep()
         self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
         self.version = 0  # of the weights the engine holds (the driver numbers them)
@@ -136,7 +137,8 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
-                  plan: ReshardPlan, seed: int):
+                  tp_group: list[int], seed: int):
+    """The rollout engine of this rank; ``tp_group``: the ranks of its rollout replica (in ``ctx``'s world)."""
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
 
@@ -156,12 +158,11 @@ def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad
         from megarl.rollout.vllm_engine import VLLMEngine
 
         check_vllm_groups(ctx.layout, config.tp)  # vLLM's TP groups: the plan's CONSECUTIVE groups, in one DP replica
-        group = sorted((p.tp_rank, r) for r, p in enumerate(plan.places) if p.replica == plan.places[ctx.rank].replica)
         kv_bytes = None if config.kv_cache_mb is None else int(config.kv_cache_mb * 2**20)
         return VLLMEngine.from_hf_config(
             hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_bytes=kv_bytes, seed=seed, max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=[r for _, r in group])
+            enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=tp_group)
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")
 
 

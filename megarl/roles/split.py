@@ -11,8 +11,7 @@ Two halves of one weight sync, called together (the driver starts both, then wai
 
 The engines never sleep (they own their devices) and the training state never leaves the training devices.
 Every row a rollout replica generates carries ``policy_version``: the version of the weights it holds (the
-driver numbers them: the number of policy updates behind them). Only the embedded engine runs on a rollout
-pool so far.
+driver numbers them: the number of policy updates behind them).
 """
 
 from __future__ import annotations
@@ -43,11 +42,12 @@ from megarl.rollout.config import RolloutBackend, RolloutConfig
 
 def split_plan(spec: ModelSpec, train: ParallelLayout, config: RolloutConfig, rollout_ranks: int) -> ReshardPlan:
     """The plan both pools walk (every rank computes the same one)."""
-    if config.backend is not RolloutBackend.EMBEDDED:
-        raise ConfigError(f"rollout engines on a pool of their own run the embedded backend so far; found "
-                          f"rollout.engine.backend={config.backend.value}. Colocate vLLM with the policy (drop "
-                          "cluster.placement.rollout) or use backend=embedded.")
     return make_plan(spec, train, config.tp, rollout_ranks=rollout_ranks)
+
+
+def _full_tensors(config: RolloutConfig) -> bool:
+    """vLLM's loaders take checkpoint-format (full-shape) tensors, of which each rank receives its slice."""
+    return config.backend is RolloutBackend.VLLM
 
 
 class _LinkMember:
@@ -93,7 +93,7 @@ class WeightSender:
         params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
         for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
                                      bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                     link=self.member.get()):
+                                     link=self.member.get(), full_tensors=_full_tensors(self.config)):
             assert not bucket, "a training rank of a split plan holds no rollout shard"
         self.last_transfer = stats
         return WeightSync(transfer=stats, seconds=time.perf_counter() - start, sleep_frees_memory=False)
@@ -115,8 +115,9 @@ class RolloutRole(Role):
         self.place = self.plan.places[self.link_rank]
         self.dtype = getattr(torch, rollout.dtype.value)
         pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
-        self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx, self.plan, seed)
-        self.engine.wake_up()
+        t = train_layout.world_size  # link rank = t + this pool's rank
+        self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx,
+                                   [r - t for r in self.plan.tp_group(self.link_rank)], seed)
         self.member = _LinkMember()
         self.version: int | None = None  # of the weights the engine holds; None before the first sync
 
@@ -132,9 +133,11 @@ class RolloutRole(Role):
         """Collective with the policy's push: load its weights into the engine; they are ``version`` from now."""
         start = time.perf_counter()
         stats = TransferStats()
+        self.engine.wake_up()  # begins a sync (the engine never sleeps here)
         for bucket in stream_weights(self.plan, self.spec, {}, rank=self.link_rank, dtype=self.dtype,
                                      bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                     link=self.member.get(), device=self.ctx.device):
+                                     link=self.member.get(), device=self.ctx.device,
+                                     full_tensors=_full_tensors(self.config)):
             self.engine.update_weights(bucket)
             bucket.clear()
         self.engine.finish_weight_update()

@@ -1,5 +1,6 @@
 """The trainer on the vLLM backend (vLLM's CPU build) end to end, on the session's Ray cluster: GRPO learns the
-addition task with vLLM generating, and PPO with a critic runs its whole loop with two rollout replicas.
+addition task with vLLM generating, and PPO with a critic runs its whole loop with two vLLM replicas on a
+rollout pool of their own.
 
 References: the task itself (a random policy answers ~7% right; what counts is a clear rise) and the
 training model's own log-probs of every sampled token (``rollout/logprob_abs_diff``): after every update
@@ -58,9 +59,14 @@ def test_grpo_on_vllm_learns_addition(ray_cluster, task, tmp_path):
     assert "val/reward/mean" in history[24]  # greedy validation through vLLM
 
 
-def test_ppo_with_critic_on_two_vllm_replicas(ray_cluster, task, tmp_path):
+def test_ppo_with_critic_on_a_vllm_rollout_pool(ray_cluster, task, tmp_path):
+    """Two vLLM replicas (rollout tp 1) on a pool of their own, fed by the TP2 policy over the weight link
+    (full-shape tensors, each rank's slice filled); the training model's log-probs equal vLLM's after every
+    update."""
     history = _run(task, tmp_path / "ppo", **{"rollout.engine.tp": 1, "algorithm.advantage.estimator": "gae",
                                                "algorithm.kl_loss_coef": 0, "trainer.total_steps": 12,
-                                               "trainer.val_every": 0})
+                                               "trainer.val_every": 0, "cluster.pools.gen.devices_per_node": 2,
+                                               "cluster.placement.rollout": "gen"})
     assert len(history) == 12 and "critic/vf_loss" in history[0]
     assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in history)
+    assert all(m["reshard/bytes_received"] > 0 and m["reshard/bytes_kept"] == 0 for m in history)

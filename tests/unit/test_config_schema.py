@@ -168,8 +168,8 @@ def test_resolution_decides_and_is_idempotent():
      "algorithm.recompute_old_log_probs=false", "old log-probs recomputed"),
     ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen cluster.placement.reference=gen",
      r"hosts the rollout engines and \['reference'\]"),
-    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.engine.backend=vllm",
-     "embedded backend so far"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.engine.backend=vllm "
+     "rollout.engine.tp=2", "tp = rollout.engine.tp = 2 and pp = 1"),
     ("cluster.pools.gen.devices_per_node=2 cluster.pools.gen.tp=2 cluster.placement.rollout=gen",
      "tp = rollout.engine.tp = 1 and pp = 1"),
     ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=async "
