@@ -4,8 +4,8 @@ buffer of finished prompt groups; the trainer takes ``data.batch_size`` groups p
 :class:`RolloutProducer` is a thread of the driver. It draws a wave of ``data.batch_size`` prompts, generates
 their ``n`` responses on the rollout pool call by call (:meth:`megarl.roles.split.RolloutRole.extend`) and
 moves each group to the buffer once its responses are finished. The trainer pushes the policy's weights
-every ``push_every`` updates (:meth:`RolloutProducer.push`); the push is submitted to the rollout ranks
-between two generation calls, so it lands there after the call in flight. With partial rollouts
+every ``push_every`` updates (:meth:`RolloutProducer.push`); the cluster submits calls to the rollout ranks
+one at a time (every rank gets them in the same order), so the push lands after the call in flight. With partial rollouts
 (``partial_chunk_tokens``) a call adds at most that many tokens to each response, so a push interrupts the
 responses in flight and the next call continues them under the new weights: it prefills the prompt and the
 response so far again, so every token's log-prob is exactly the one of the weights it was sampled with.
@@ -106,7 +106,6 @@ class RolloutProducer:
         self.skip = collections.deque(set(s) for s in skip or [])
         self.chunk = config.partial_chunk_tokens or max_new_tokens
         self.cond = threading.Condition()
-        self.submit_lock = threading.Lock()  # a weight push and a generation call are submitted one at a time
         self.buffer: collections.deque[Group] = collections.deque()
         self.waves: collections.deque[_Wave] = collections.deque()  # drawn and not wholly consumed, oldest first
         self.engine_version = version
@@ -133,12 +132,11 @@ class RolloutProducer:
         return sync
 
     def _push(self, version: int) -> WeightSync:
-        with self.submit_lock:
-            try:
-                sync = self.cluster.sync_weights(version)
-            except Exception:
-                self._raise_error()  # the producer saw the failure first: its error is the cause
-                raise
+        try:
+            sync = self.cluster.sync_weights(version)
+        except Exception:
+            self._raise_error()  # the producer saw the failure first: its error is the cause
+            raise
         with self.cond:
             self.engine_version = version
             self.cond.notify_all()
@@ -258,9 +256,7 @@ class RolloutProducer:
             budget = min(self.chunk, max(self.max_new_tokens - len(r.tokens) for r in rows))
             batch = prompt_batch(prompts)
             params = self.params(self.n if first else 1, budget, self.seed + 7_919 * wave + call)
-            with self.submit_lock:
-                result = self.cluster.extend_async(batch, params)
-            out = result.result()
+            out = self.cluster.extend_async(batch, params).result()
             self._record(rows, out)
             first, call = False, call + 1
             finished = [g for g in pending if g.done]

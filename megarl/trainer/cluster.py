@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,6 +95,9 @@ class Cluster:
             Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
             temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed, rollout_ranks=rollout_ranks)
         self.rollout = None  # rollout engines on a pool of their own, joined to the policy by a weight link
+        # calls to the rollout pool come from the trainer and the asynchronous producer's thread: each is submitted
+        # to all its ranks before the next, so every rank runs them in one order (a vLLM TP group's ranks must)
+        self._rollout_calls = threading.Lock()
         if rollout_ranks is not None:
             self.rollout = self.placement.add_role(
                 Role.ROLLOUT.value, RolloutRole, hf_config=read_meta(src).hf_config, train_layout=c.layout(),
@@ -132,8 +136,10 @@ class Cluster:
         with a rollout pool, the receiving side's (its seconds cover the whole transfer)."""
         if self.rollout is None:
             return max(self.policy.all(PolicyRole.sync_weights, version), key=lambda w: w.seconds)
-        _, received = wait_all([self.policy.all_async(PolicyRole.push_weights),
-                                self.rollout.all_async(RolloutRole.receive_weights, version)])
+        with self._rollout_calls:
+            calls = [self.policy.all_async(PolicyRole.push_weights),
+                     self.rollout.all_async(RolloutRole.receive_weights, version)]
+        _, received = wait_all(calls)
         return max(received, key=lambda w: w.seconds)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -144,11 +150,13 @@ class Cluster:
         """:meth:`generate`, started: with a rollout pool it runs while the policy's pool does other work."""
         if self.rollout is None:
             return self.policy.dp_async(PolicyRole.generate, prompts, params)
-        return self.rollout.dp_async(RolloutRole.generate, prompts, params)
+        with self._rollout_calls:
+            return self.rollout.dp_async(RolloutRole.generate, prompts, params)
 
     def extend_async(self, prompts: Batch, params: SamplingParams) -> PendingCall[Batch]:
         """Partial generation on the rollout pool (:meth:`megarl.roles.split.RolloutRole.extend`), started."""
-        return self.rollout.dp_async(RolloutRole.extend, prompts, params)
+        with self._rollout_calls:
+            return self.rollout.dp_async(RolloutRole.extend, prompts, params)
 
     def to_train(self) -> float:
         """Rollout -> train on every policy rank; the slowest rank's seconds (0 with a rollout pool: its engines
