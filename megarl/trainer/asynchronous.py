@@ -6,9 +6,10 @@ their ``n`` responses on the rollout pool call by call (:meth:`megarl.roles.spli
 moves each group to the buffer once its responses are finished. The trainer pushes the policy's weights
 every ``push_every`` updates (:meth:`RolloutProducer.push`); the cluster submits calls to the rollout ranks
 one at a time (every rank gets them in the same order), so the push lands after the call in flight. With
-partial rollouts (``partial_chunk_tokens``) a call adds at most that many tokens to each response, so a push interrupts the
-responses in flight and the next call continues them under the new weights: it prefills the prompt and the
-response so far again, so every token's log-prob is exactly the one of the weights it was sampled with.
+partial rollouts (``partial_chunk_tokens``) a call adds at most that many tokens to each response, so a
+push interrupts the responses in flight and the next call continues them under the new weights: it
+prefills the prompt and the response so far again, so every token's log-prob is exactly the one of the
+weights it was sampled with.
 Each token keeps its version; a response's version (``policy_version``) is its oldest token's.
 
 Staleness (``max_staleness`` = eta, versions between a sample's oldest token and the weights it trains):
