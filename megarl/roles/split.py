@@ -26,6 +26,7 @@ from megarl.data.batch import Batch
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
+from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel import cpu_compat
@@ -155,8 +156,10 @@ class RolloutRole(Role):
             ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
                                                             strict=True)]
             out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
-        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id,
-                                {"timing/generate_s": time.perf_counter() - start})
+        # this process's memory peak since the previous generation rides along (no call that would wait for it)
+        metrics = {"timing/generate_s": time.perf_counter() - start} | peaks().metrics("memory/rollout_pool/")
+        reset_peaks()
+        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, metrics)
         batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
         return batch if self.ctx.is_collect_rank else None
 
