@@ -29,12 +29,13 @@ from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.init import comm_device, process_groups
-from megarl.roles.hybrid import HybridRollout, generation_rows
+from megarl.roles.hybrid import HybridRollout
 from megarl.roles.results import WeightSync
 from megarl.roles.split import WeightSender
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.mismatch import mismatch_error
+from megarl.rollout.rows import generation_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class PolicyRole(Role):
 
         ``prompts``: ``prompt_ids`` [N, P] right-padded and ``prompt_lengths`` [N] (this DP rank's share),
         plus any per-prompt fields (e.g. a global prompt id), which are copied to each of the prompt's rows.
-        Returns training rows (:func:`megarl.roles.hybrid.rollout_batch`) grouped by prompt, with
+        Returns training rows (:func:`megarl.rollout.rows.rollout_batch`) grouped by prompt, with
         ``rollout/*`` metrics in ``meta["metrics"]``, on each DP rank's owner (None elsewhere).
         """
         ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]

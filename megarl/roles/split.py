@@ -35,10 +35,11 @@ from megarl.resharding import link as weight_link
 from megarl.resharding.plan import ReshardPlan, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
-from megarl.roles.hybrid import build_engine, generation_rows
+from megarl.roles.hybrid import build_engine
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import FINISH_STOP, SamplingParams
 from megarl.rollout.config import RolloutBackend, RolloutConfig
+from megarl.rollout.rows import generation_rows
 
 
 def split_plan(spec: ModelSpec, train: ParallelLayout, config: RolloutConfig, rollout_ranks: int) -> ReshardPlan:

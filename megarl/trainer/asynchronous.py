@@ -43,9 +43,9 @@ import torch
 from megarl.config.train import AsyncConfig, OnStale
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
-from megarl.roles.hybrid import rollout_batch
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from megarl.rollout.rows import rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class RolloutProducer:
 
 
 def groups_batch(groups: list[Group], pad_token_id: int) -> Batch:
-    """Training rows of ``groups`` (as :func:`megarl.roles.hybrid.rollout_batch` builds them; ``prompt_uid``
+    """Training rows of ``groups`` (as :func:`megarl.rollout.rows.rollout_batch` builds them; ``prompt_uid``
     numbers the groups), with each token's ``rollout_versions`` and each row's ``policy_version`` (its oldest)."""
     rows = [r for g in groups for r in g.responses]
     width = max(len(r.tokens) for r in rows)

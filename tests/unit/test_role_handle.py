@@ -55,6 +55,9 @@ class InProcessGroup:
     def gather(self, role: str, futures: dict[int, Any], timeout_s: float | None) -> dict[int, Any]:
         return futures
 
+    def finished(self, futures: dict[int, Any]) -> list[int]:
+        return list(futures)
+
 
 def test_dp_drops_filler_in_proportion_to_rows_per_input():
     group = InProcessGroup(ParallelLayout(tp=2, dp=2))  # ranks 0,1: DP 0; 2,3: DP 1; owners 0 and 2

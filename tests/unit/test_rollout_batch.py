@@ -2,8 +2,8 @@
 
 import torch
 
-from megarl.roles.hybrid import rollout_batch
 from megarl.rollout.base import RolloutOutput
+from megarl.rollout.rows import rollout_batch
 
 
 def _output(prompt_index, responses, lengths, reasons):
