@@ -113,10 +113,12 @@ def test_async_calls_on_independent_groups_overlap(placement):
 
 
 @contextlib.contextmanager
-def _dp2_group(name: str, role: str, **pool_kwargs):
-    """A 2-rank DP group on its own pool (0.5 CPU per rank), released afterwards."""
+def _dp_group(name: str, role: str, **pool_kwargs):
+    """A DP group (2 ranks unless the pool says otherwise) on its own pool (0.5 CPU per rank), released
+    afterwards."""
     pool = ResourcePool(name, PoolConfig(cpus_per_device=0.5, **pool_kwargs))
-    group = WorkerGroup(name, pool, ParallelLayout(dp=2), GroupOptions(timeouts=Timeouts(call_s=120)))
+    layout = ParallelLayout(dp=pool.world_size)
+    group = WorkerGroup(name, pool, layout, GroupOptions(timeouts=Timeouts(call_s=120)))
     try:
         yield group, group.add_role(role, EchoRole)
     finally:
@@ -127,7 +129,7 @@ def _dp2_group(name: str, role: str, **pool_kwargs):
 def test_strict_spread_pool_spans_two_nodes(ray_cluster):
     import ray
 
-    with _dp2_group("spread", "echo", nodes=2, devices_per_node=1) as (_, handle):
+    with _dp_group("spread", "echo", nodes=2, devices_per_node=1) as (_, handle):
         reports = handle.all(EchoRole.report)
         assert len({r.node_id for r in reports}) == 2
         assert {r.node_id for r in reports} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -135,7 +137,7 @@ def test_strict_spread_pool_spans_two_nodes(ray_cluster):
 
 
 def test_worker_exception_names_role_and_rank_and_tears_down(ray_cluster):
-    with _dp2_group("fail", "critic", devices_per_node=2) as (_, handle):
+    with _dp_group("fail", "critic", devices_per_node=2) as (_, handle):
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"critic failed on rank 1 .*ValueError: deliberate failure") as info:
             handle.all(EchoRole.fail, 1)  # rank 0 blocks in a barrier that rank 1 never joins
@@ -147,7 +149,7 @@ def test_worker_exception_names_role_and_rank_and_tears_down(ray_cluster):
 
 
 def test_call_timeout_tears_down_instead_of_hanging(ray_cluster):
-    with _dp2_group("slow", "policy", devices_per_node=2) as (group, handle):
+    with _dp_group("slow", "policy", devices_per_node=2) as (group, handle):
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"did not finish within 2 s .*ranks still running: \[0, 1\]"):
             handle.all_async(EchoRole.sleep, 60.0).result(timeout_s=2)
@@ -157,11 +159,10 @@ def test_call_timeout_tears_down_instead_of_hanging(ray_cluster):
 def test_waiting_on_two_groups_fails_at_the_first_failure(ray_cluster):
     # a weight sync across pools: one group's ranks wait (here: sleep) on a peer of another group that fails;
     # the wait must raise the failure at once, not after the waiting group's call
-    with _dp2_group("waiting", "policy", devices_per_node=2) as (_, waiting), \
-            _dp2_group("failing", "rollout", devices_per_node=2) as (_, failing):
+    with _dp_group("waiting", "policy") as (_, waiting), _dp_group("failing", "rollout") as (_, failing):
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"rollout failed on rank 1 .*deliberate failure"):
-            wait_all([waiting.all_async(EchoRole.sleep, 60.0), failing.all_async(EchoRole.fail, 1)])
+        with pytest.raises(WorkerError, match=r"rollout failed on rank 0 .*deliberate failure"):
+            wait_all([waiting.all_async(EchoRole.sleep, 60.0), failing.all_async(EchoRole.fail, 0)])
         assert time.monotonic() - start < 20
 
 
