@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Convert a HuggingFace model directory into a megarl Megatron (dist_checkpointing) checkpoint.
 
-    python tools/convert_hf_to_megatron.py --hf-dir DIR --out-dir DIR --tp N --pp N [--vpp N] [--dtype bfloat16]
+    python tools/convert_hf_to_megatron.py --hf-dir DIR --out-dir DIR --tp N --pp N [--vpp N] [--ep N]
+        [--dtype bfloat16]
 """
 
 import argparse
@@ -16,6 +17,7 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size it is meant for")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size it is meant for")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size it is meant for (MoE models)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast weights (default: keep the checkpoint's dtype)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -24,7 +26,7 @@ def main() -> int:
     from megarl.checkpoint.convert import convert_hf_to_megatron
 
     summary = convert_hf_to_megatron(
-        args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
+        args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype,
         progress=not args.no_progress,
     )
     print(summary.line())

@@ -3,6 +3,7 @@
 
     python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 [--tp 8 --pp 4 --rollout-tp 8]
     python tools/plan.py --hf-config /models/Qwen2.5-7B --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80
+    python tools/plan.py --preset qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80 --tp 1 --pp 1 --ep 8
     python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 --rollout-gpus 16 \
         --tp 8 --pp 6 --gen-s 120 --train-s 90 --push-every 4
 
@@ -10,7 +11,9 @@ With --tp/--pp the given layout is reported (NOT FITTING with the reason when it
 without, the fitting layouts are listed cheapest first and the best one is reported. --rollout-gpus R
 plans a split placement: the last R GPUs are the rollout engines' own pool (memory per pool, the bytes
 each weight sync moves between the pools). --gen-s and --train-s (measured stage seconds) add the
-predicted step time of each mode (colocated: sync; split: sync, one_step_off, async). Exit status
+predicted step time of each mode (colocated: sync; split: sync, one_step_off, async). A Mixture-of-Experts
+model also gets expert parallelism: --ep for the given layout, every ep dividing the experts and tp*dp
+among the proposals, and the all-to-all bytes per micro-batch in the report. Exit status
 0 either way; 2 for bad input (unknown preset, a layout that does not divide the model or cluster).
 """
 
@@ -22,7 +25,8 @@ from megarl.cli.common import run_cli
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--preset", help="published model config: llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b")
+    model.add_argument("--preset", help="published model config: llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b, "
+                       "qwen3-30b-a3b (MoE)")
     model.add_argument("--hf-config", help="an HF config.json, or the model directory holding it")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
@@ -33,6 +37,7 @@ def main() -> int:
     p.add_argument("--tp", type=int, help="training tensor-parallel size (with --pp: plan this layout)")
     p.add_argument("--pp", type=int, help="training pipeline-parallel size")
     p.add_argument("--vpp", type=int, help="virtual pipeline stages per rank")
+    p.add_argument("--ep", type=int, help="expert-parallel size of an MoE model (with --tp/--pp; default 1)")
     p.add_argument("--rollout-tp", type=int, help="rollout tensor-parallel size, 1 or tp (default: tp)")
     p.add_argument("--roles", default="policy,reference,critic", help="comma-separated: policy, reference, critic")
     p.add_argument("--precision", default="bfloat16", help="bfloat16 or float32")
@@ -75,8 +80,9 @@ def main() -> int:
         recompute=_choice(Recompute, args.recompute, "--recompute"), rollout_dtype=args.rollout_dtype,
         concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb,
     )
-    if args.tp is not None or args.pp is not None:
-        layout = ParallelLayout.for_world(cluster.train_gpus, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp)
+    if args.tp is not None or args.pp is not None or args.ep is not None:
+        layout = ParallelLayout.for_world(cluster.train_gpus, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp,
+                                          ep=args.ep or 1)
         rollout_tp = args.rollout_tp if args.rollout_tp is not None else layout.tp
         plan = plan_layout(spec, cluster, workload, layout, rollout_tp, name)
         print(render(plan))

@@ -45,7 +45,7 @@ class Setup:
     device_kind: str  # "cpu" or the GPU's name
     train_layout: str  # e.g. "TP2 x PP1 x DP1"
     rollout_layout: str  # e.g. "embedded, TP1 x 2 replicas"
-    parameters: int  # policy parameters
+    parameters: int  # policy parameters one token's forward uses (MoE: the active ones)
     num_layers: int
     attention_width: int  # heads * head_dim
     ppo_epochs: int

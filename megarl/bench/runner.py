@@ -135,7 +135,7 @@ def _setup(cfg: TrainConfig, spec: ModelSpec, config: str | Path, overrides: tup
         config=str(config), overrides=overrides, workload=options.workload, devices=devices, device_kind=kind,
         train_layout=f"TP{layout.tp} x PP{layout.pp} x DP{layout.dp}",
         rollout_layout=f"{r.backend.value}, TP{r.tp} x {devices // r.tp} replicas",
-        parameters=spec.num_parameters(), num_layers=spec.num_layers,
+        parameters=spec.num_active_parameters(), num_layers=spec.num_layers,
         attention_width=spec.num_attention_heads * spec.head_dim, ppo_epochs=cfg.algorithm.ppo_epochs,
         has_critic=cfg.algorithm.needs_critic, warmup=options.warmup, iterations=options.iterations,
         peak_flops=peak, peak_flops_source=peak_source,

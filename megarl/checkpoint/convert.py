@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -55,22 +56,21 @@ def convert_hf_to_megatron(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
     dtype: str | None = None,
     progress: bool = False,
 ) -> ConversionSummary:
     """Write a megarl Megatron checkpoint (dist checkpoint + metadata) from an HF model directory.
 
-    ``tp``/``pp``/``vpp`` are the training layout the checkpoint is meant for: they are validated
+    ``tp``/``pp``/``vpp``/``ep`` are the training layout the checkpoint is meant for: they are validated
     against the model, fix the vocabulary padding and are recorded; the torch_dist format itself
     loads into any layout.
     """
     start = time.perf_counter()
     cfg = load_hf_config(hf_dir)
     spec = spec_from_hf_config(cfg)
-    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
-    layout.check_model(
-        num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups
-    )
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, dp=ep // math.gcd(tp, ep), ep=ep)  # the least dp that holds ep
+    spec.check_layout(layout)
     check_output_dir(out_dir)
     reader = hf_io.HFReader(hf_dir)
     maps = mapping.tensor_maps(spec)
@@ -130,7 +130,7 @@ def convert_megatron_to_hf(
     with atomic_directory(out_dir) as tmp:
         by_key: dict[str, list[mapping.TensorMap]] = {}
         for m in maps:  # one checkpoint key (a tensor kind stacked over all layers) at a time
-            by_key.setdefault(mapping.checkpoint_key(m.mcore)[0], []).append(m)
+            by_key.setdefault(m.ckpt_key, []).append(m)
         plan = [
             (name, shape, metadata[key].dtype)
             for key, group in by_key.items()
@@ -142,7 +142,7 @@ def convert_megatron_to_hf(
         for key, group in by_key.items():
             (stacked,) = mcore_io.read_full_tensors(mcore_dir, [key], metadata)
             for m in group:
-                full = stacked if m.layer is None else stacked[m.layer]
+                full = stacked[m.ckpt_index]
                 for name, t in zip(m.hf, mapping.to_hf(m, spec, full), strict=True):
                     writer.add(name, t)
                     n_tensors += 1
@@ -187,14 +187,16 @@ def _check_checkpoint_shapes(
     spec: ModelSpec, maps: list[mapping.TensorMap], metadata: dict, padded_vocab: int, ckpt_dir: Path
 ) -> None:
     for m in maps:
-        key, layer = mapping.checkpoint_key(m.mcore)
+        key = m.ckpt_key
         if key not in metadata:
             raise CheckpointError(
                 f"tensor {key} is missing from the Megatron checkpoint in {ckpt_dir}; it was not written for "
                 f"this model ({spec.architecture}, {spec.num_layers} layers)."
             )
-        shape = mapping.mcore_shape(m, spec, padded_vocab)
-        expected = shape if layer is None else (spec.num_layers, *shape)
+        stacked = (spec.num_layers,) if m.layer is not None else ()
+        if m.expert is not None:
+            stacked += (spec.moe.num_experts,)
+        expected = (*stacked, *mapping.mcore_shape(m, spec, padded_vocab))
         found = tuple(metadata[key].global_shape)
         if found != expected:
             raise CheckpointError(

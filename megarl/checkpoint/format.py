@@ -38,6 +38,8 @@ class CheckpointMeta:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["layout"] = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "vpp": self.layout.vpp}
+        if self.layout.ep > 1:
+            d["layout"]["ep"] = self.layout.ep
         return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 

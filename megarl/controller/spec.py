@@ -55,9 +55,10 @@ class PoolSpec(PoolConfig):
     tp: int = 1  # tensor-parallel size of the roles on this pool
     pp: int = 1  # pipeline-parallel size (dp = devices / (tp x pp))
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule); null: none
+    ep: int = 1  # expert-parallel size of its MoE models (splits the experts over ep of each stage's tp x dp ranks)
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp)
+        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep)
 
 
 @dataclasses.dataclass(frozen=True)

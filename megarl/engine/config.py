@@ -81,6 +81,11 @@ class EngineConfig:
     forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: micro_batch with 4x its rows
     precision: Precision = Precision.FP32  # float32, or bfloat16 weights with fp32 main grads and optimizer state (GPU)
     seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
+    moe_aux_loss_coef: float = 0.0  # MoE models: weight of the router's load-balancing loss in updates; 0: off
+
+    def __post_init__(self) -> None:
+        if self.moe_aux_loss_coef < 0:
+            raise ConfigError(f"moe_aux_loss_coef must be >= 0, found {self.moe_aux_loss_coef}")
 
     @property
     def forward_batching(self) -> MicroBatchConfig:

@@ -31,10 +31,11 @@ from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
 from megarl.engine import micro_batches
 from megarl.engine.config import EngineConfig, LRDecay, MicroBatchConfig, Precision
+from megarl.engine.moe import RouterStats
 from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
 from megarl.engine.results import StepResult
-from megarl.errors import MegarlError
+from megarl.errors import LayoutError, MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat
@@ -73,9 +74,17 @@ class MegatronEngine:
         """``groups``: the process groups of ``layout`` in this world (:func:`megarl.parallel.init.process_groups`)."""
         self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
         self.groups = groups
+        if trainable and spec.moe is not None and layout.tp > 1:
+            raise LayoutError(
+                f"training a Mixture-of-Experts model at tp={layout.tp} is not supported yet: megatron-core trains MoE "
+                "layers at TP > 1 only with sequence parallelism, which megarl does not enable yet; use tp=1 with ep "
+                "(and pp) for MoE training roles (forward-only roles may use TP).")
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
-        self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed))
+        self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed,
+                                                             moe_aux_loss_coeff=config.moe_aux_loss_coef))
+        self.router_stats = (RouterStats(self.chunks, spec, groups, config.moe_aux_loss_coef)
+                             if spec.moe is not None and trainable else None)
         for c in self.chunks:
             make_logits_batch_major(c)  # saves a full copy of the logits each way (see output_layer.py)
             cpu_compat.run_unredirected(getattr(c, "decoder", None))  # CPU: no per-op redirection in the layers
@@ -145,8 +154,12 @@ class MegatronEngine:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_stats is not None:
+            self.router_stats.begin()
         reduced = self._run(mbs, loss_func, forward_only=False)
         metrics = self._reduce_metrics(reduced, extremes or {})
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.metrics(len(mbs)))
         finite = self._all_finite(metrics.get("loss", 0.0))
         if finite:
             # advance the schedule first: with W warm-up steps the k-th step (from 1) uses lr * k / W,
@@ -249,6 +262,8 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.router_stats is not None:
+                self.router_stats.set_micro_batch(mb["attention_mask"])
             output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 

@@ -35,6 +35,9 @@ def forward_logits(
         tokens = next(data_iterator)
         return model(tokens, position_ids, attention_mask=None), loss_func
 
+    training = [c.training for c in chunks]
+    for c in chunks:  # eval mode: no dropout, no MoE training-only paths (aux losses, TP checks)
+        c.eval()
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -47,6 +50,8 @@ def forward_logits(
             forward_only=True,
             collect_non_loss_data=True,
         )
+    for c, mode in zip(chunks, training, strict=True):
+        c.train(mode)
     if not parallel_state.is_pipeline_last_stage():
         return None
     return torch.cat(outputs, dim=0)

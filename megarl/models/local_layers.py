@@ -127,14 +127,18 @@ class SwiGLUMLP(MLP):
 
 
 def use_local_layers(layer_spec) -> None:
-    """Swap core attention and MLP of a local GPT layer spec (in place) for the classes above."""
+    """Swap core attention and MLP of a local GPT layer spec (in place) for the classes above. An MoE
+    layer's MLP (megatron-core's ``MoELayer``, whose experts megatron builds as plain ``MLP``s) is kept."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     attention = layer_spec.submodules.self_attention.submodules
     mlp = layer_spec.submodules.mlp
-    if attention.core_attention is not DotProductAttention or mlp.module is not MLP:
-        raise TypeError(f"expected megatron-core's local DotProductAttention and MLP in the spec, found "
-                        f"{attention.core_attention!r} and {mlp.module!r}")
+    if attention.core_attention is not DotProductAttention or mlp.module not in (MLP, MoELayer):
+        raise TypeError(f"expected megatron-core's local DotProductAttention and MLP (or MoELayer) in the spec, "
+                        f"found {attention.core_attention!r} and {mlp.module!r}")
     attention.core_attention = SDPAttention
-    mlp.module = SwiGLUMLP
+    if mlp.module is MLP:
+        mlp.module = SwiGLUMLP
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_known_mlp_subclass)
 
 

@@ -19,9 +19,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megarl.models.local_layers import use_local_layers
-from megarl.models.mapping import local_name, split_layer_name, with_layer
+from megarl.models.mapping import local_name, split_expert_name, split_layer_name, with_expert, with_layer
 from megarl.models.spec import Head, ModelSpec
-from megarl.parallel import mcore_compat
+from megarl.parallel import cpu_compat, mcore_compat
 from megarl.parallel.layout import ParallelLayout
 
 
@@ -37,6 +37,7 @@ class BuildOptions:
     dropout: float = 0.0
     seed: int = 0  # initial scalar-head weights (identical on every rank: the head is replicated)
     local_layers: bool = True  # local spec: megarl/models/local_layers.py (fused SDPA attention, lean SwiGLU MLP)
+    moe_aux_loss_coeff: float = 0.0  # MoE: weight of the router's load-balancing loss in training
 
 
 class ScalarHead(torch.nn.Module):
@@ -59,11 +60,7 @@ class ScalarHead(torch.nn.Module):
 
 
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> TransformerConfig:
-    layout.check_model(
-        num_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-    )
+    spec.check_layout(layout)
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -97,7 +94,31 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptio
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         variable_seq_lengths=layout.pp > 1,  # micro-batches are cut to their own longest sequence
-        moe_token_dispatcher_type="alltoall",  # unused by dense models; "allgather" rejects variable lengths
+        moe_token_dispatcher_type="alltoall",  # "allgather" rejects variable sequence lengths
+        **_moe_config(spec, layout, opts),
+    )
+
+
+def _moe_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> dict:
+    """megatron-core's MoE settings that reproduce the HF router: softmax over all experts then top-k
+    (``pre_softmax``), or top-k logits then a softmax over those k, which equals renormalised top-k
+    probabilities (``norm_topk_prob``); router in fp32 like transformers; experts as one MLP each
+    (no grouped GEMM, whose parameter names and kernels differ), expert tensor parallelism 1."""
+    if spec.moe is None:
+        return {}
+    m = spec.moe
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.top_k,
+        moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not m.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1,
     )
 
 
@@ -108,8 +129,11 @@ def padded_vocab_size(spec: ModelSpec, layout: ParallelLayout, opts: BuildOption
 def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = BuildOptions()) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP)."""
     config = transformer_config(spec, layout, opts)
+    if spec.moe is not None:
+        cpu_compat.redirect_moe()
     use_te = mcore_compat.transformer_engine_available() if opts.use_te is None else opts.use_te
-    layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm)
+    num_experts = spec.moe.num_experts if spec.moe else None
+    layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm, num_experts=num_experts)
     if not use_te and opts.local_layers:
         use_local_layers(layer_spec)
     chunks = []
@@ -143,15 +167,21 @@ def global_named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Par
     """(global local-spec name, parameter) of one model chunk; layer indices made global.
 
     Uses each layer's own ``layer_number`` (megatron computes the pipeline offset, including
-    uneven and VPP layouts), never a recomputed offset. The tied output layer copy on the last
-    stage is skipped: the embedding owns the shared weight.
+    uneven and VPP layouts), never a recomputed offset, and each MoE layer's own expert-parallel
+    group for the global expert index. The tied output layer copy on the last stage is skipped: the
+    embedding owns the shared weight.
     """
     offsets = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    expert_offsets = {i: layer.mlp.experts.ep_group.rank() * layer.mlp.experts.num_local_experts
+                      for i, layer in enumerate(model.decoder.layers) if hasattr(layer.mlp, "experts")}
     for name, param in model.named_parameters():
         name = name.removeprefix("module.")
         if model.share_embeddings_and_output_weights and name == "output_layer.weight":
             continue
-        layer, _ = split_layer_name(name)
+        layer, suffix = split_layer_name(name)
         if layer is not None:
+            expert, _ = split_expert_name(suffix)
+            if expert is not None:
+                name = with_expert(name, expert_offsets[layer] + expert)
             name = with_layer(name, offsets[f"decoder.layers.{layer}."])
         yield local_name(name), param

@@ -1,10 +1,11 @@
-"""ModelSpec: the architecture-independent description of a dense decoder, read from an HF config.
+"""ModelSpec: the architecture-independent description of a decoder, read from an HF config.
 
 Pure module (no megatron-core, no torch.distributed). The registry is keyed by the exact HF
 ``architectures`` string; every family listed here shares the Llama-style decoder (RMSNorm,
 rotary embeddings, GQA attention, SwiGLU MLP) and differs only in the flags carried by the spec
-(qkv bias, qk-norm, tied embeddings). A config feature megarl cannot reproduce exactly raises
-:class:`UnsupportedModelError` rather than being silently ignored.
+(qkv bias, qk-norm, tied embeddings) and, for Mixture-of-Experts families, in the MLP: a top-k
+softmax router over SwiGLU experts in every layer (:class:`MoESpec`). A config feature megarl cannot
+reproduce exactly raises :class:`UnsupportedModelError` rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import ConfigError, UnsupportedModelError
+from megarl.parallel.layout import ParallelLayout
 
 # Megatron-core implements Llama-3 rope scaling with these constants fixed
 # (megatron/core/models/common/embeddings/rotary_pos_embedding.py `_apply_scaling`).
@@ -27,6 +29,7 @@ class Family(enum.Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
+    QWEN3_MOE = "qwen3_moe"
 
 
 class Head(enum.Enum):
@@ -41,7 +44,28 @@ ARCHITECTURES: dict[str, tuple[Family, Head]] = {
     "LlamaForSequenceClassification": (Family.LLAMA, Head.SCALAR),
     "Qwen2ForSequenceClassification": (Family.QWEN2, Head.SCALAR),
     "Qwen3ForSequenceClassification": (Family.QWEN3, Head.SCALAR),
+    "Qwen3MoeForCausalLM": (Family.QWEN3_MOE, Head.LM),
+    "Qwen3MoeForSequenceClassification": (Family.QWEN3_MOE, Head.SCALAR),
 }
+_MOE_FAMILIES = (Family.QWEN3_MOE,)
+_QK_NORM_FAMILIES = (Family.QWEN3, Family.QWEN3_MOE)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """The Mixture-of-Experts MLP of every decoder layer: ``top_k`` of ``num_experts`` SwiGLU experts
+    (each of width ``ffn_hidden_size``) chosen per token by a softmax router, their outputs weighted by
+    the router's probabilities (renormalised over the chosen k when ``norm_topk_prob``)."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    norm_topk_prob: bool
+    aux_loss_coef: float  # the checkpoint's load-balancing loss coefficient (a training default)
+
+    def expert_parameters(self, hidden_size: int) -> int:
+        """Parameters of all experts of one layer (the router excluded)."""
+        return self.num_experts * 3 * self.ffn_hidden_size * hidden_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +89,13 @@ class ModelSpec:
     dtype: str  # "float32" | "bfloat16" | "float16": the checkpoint's dtype
     head: Head = Head.LM
     pad_token_id: int | None = None  # scalar heads score the last token that is not padding
+    moe: MoESpec | None = None  # None: a dense SwiGLU MLP of width ffn_hidden_size in every layer
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise LayoutError unless ``layout`` can split this model (heads, groups, layers, experts)."""
+        layout.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                           num_query_groups=self.num_query_groups,
+                           num_experts=self.moe.num_experts if self.moe else None)
 
     def with_head(self, head: Head) -> ModelSpec:
         """The same decoder with another head (a critic built from a causal LM)."""
@@ -89,9 +120,23 @@ class ModelSpec:
         attn = self.qkv_rows * h + self.num_attention_heads * self.head_dim * h
         attn += self.qkv_rows if self.qkv_bias else 0
         attn += 2 * self.head_dim if self.qk_layernorm else 0
-        layer = attn + 3 * self.ffn_hidden_size * h + 2 * h
+        layer = attn + self._mlp_parameters() + 2 * h
         head = h if self.head is Head.SCALAR else (0 if self.tie_word_embeddings else v * h)
         return self.num_layers * layer + h + v * h + head
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward uses: an MoE layer's top-k experts and its router, not all experts."""
+        if self.moe is None:
+            return self.num_parameters()
+        m, h = self.moe, self.hidden_size
+        unused = m.expert_parameters(h) - m.top_k * 3 * m.ffn_hidden_size * h
+        return self.num_parameters() - self.num_layers * unused
+
+    def _mlp_parameters(self) -> int:
+        h = self.hidden_size
+        if self.moe is None:
+            return 3 * self.ffn_hidden_size * h
+        return self.moe.expert_parameters(h) + self.moe.num_experts * h  # experts + router
 
 
 def supported_architectures() -> list[str]:
@@ -137,6 +182,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     qkv_bias = True if family is Family.QWEN2 else bool(cfg.get("attention_bias", False))
+    moe = _moe(cfg, arch) if family in _MOE_FAMILIES else None
     theta, factor = _rope(cfg, arch)
     return ModelSpec(
         architecture=arch,
@@ -153,12 +199,33 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         rope_scaling_factor=factor,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         qkv_bias=qkv_bias,
-        qk_layernorm=family is Family.QWEN3,
+        qk_layernorm=family in _QK_NORM_FAMILIES,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head is Head.LM,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         head=head,
         pad_token_id=cfg.get("pad_token_id"),
+        moe=moe,
     )
+
+
+def _moe(cfg: dict[str, Any], arch: str) -> MoESpec:
+    """The MoE MLP of a Qwen3-MoE config; every layer must be sparse (megarl builds one layer kind)."""
+    # transformers' config.to_dict() writes num_local_experts (its attribute map); hub configs say num_experts
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts:
+        raise UnsupportedModelError(f"{arch} config has no num_experts (or num_local_experts); it is not an MoE model.")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise UnsupportedModelError(
+            f"{arch} with dense layers among the MoE layers (decoder_sparse_step="
+            f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers={cfg.get('mlp_only_layers')}) is not supported; "
+            "megarl supports models whose every layer is MoE (decoder_sparse_step=1, mlp_only_layers=[]).")
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 1 <= top_k <= int(experts):
+        raise UnsupportedModelError(f"{arch} routes each token to num_experts_per_tok={top_k} of {experts} experts; "
+                                    "it must be between 1 and num_experts.")
+    return MoESpec(num_experts=int(experts), top_k=top_k, ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                   aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
 
 
 def _require(cfg: dict[str, Any], key: str, expected: Any, arch: str) -> None:

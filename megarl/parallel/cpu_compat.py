@@ -23,6 +23,7 @@ megatron-core is imported works. Must not import megatron-core.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -66,6 +67,9 @@ class _CudaToCpuMode(TorchFunctionMode):
 class _NullStream:
     """Stands in for a CUDA stream on CPU: CPU ops are synchronous, so waits are no-ops."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -76,7 +80,7 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return None
+        return _NULL_EVENT
 
     def __enter__(self):
         return self
@@ -85,7 +89,24 @@ class _NullStream:
         return None
 
 
+class _NullEvent:
+    """Stands in for a CUDA event: everything it would wait for has already happened on CPU."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream=None) -> None:
+        pass
+
+
 _NULL_STREAM = _NullStream()
+_NULL_EVENT = _NullEvent()
 
 
 def _patch_torch_cuda() -> None:
@@ -95,6 +116,7 @@ def _patch_torch_cuda() -> None:
     cuda.current_stream = lambda device=None: _NULL_STREAM
     cuda.default_stream = lambda device=None: _NULL_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Stream = _NullStream  # megatron-core's MoE dispatcher makes a side stream
     cuda.empty_cache = lambda: None
     # RNG: megatron's tracker snapshots "CUDA" RNG states; on CPU the CPU generator plays that role
     # (callers seed it identically on every rank, see parallel.init.seed_everything).
@@ -219,6 +241,58 @@ def run_unredirected(module) -> None:
     schedule, embeddings and RoPE around them still need the redirection). ``None`` is ignored."""
     if module is not None:
         module.forward = unredirected(module.forward)
+
+
+def redirected(fn):
+    """``fn`` run under the redirection even inside a block that :func:`suspended` it (when the mode is installed):
+    for megatron-core code that allocates on ``torch.cuda.current_device()`` called from an unredirected layer."""
+    if _mode is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        depth = torch._C._len_torch_function_stack()
+        if depth and isinstance(torch._C._get_function_stack_at(depth - 1), _CudaToCpuMode):
+            return fn(*args, **kwargs)
+        with _CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    run._megarl_redirected = True
+    return run
+
+
+def redirect_moe() -> None:
+    """Make megatron-core's MoE layers run on CPU (when the mode is installed; idempotent).
+
+    * The MoE layer's forward and the backward of megatron-core's communication and router autograd
+      functions run :func:`redirected`: they allocate on ``torch.cuda.current_device()``, but the
+      transformer layers around them and the backward run unredirected (:func:`run_unredirected`,
+      :func:`unredirect_backward`).
+    * The all-to-all dispatcher keeps its split sizes as tensors unless they are on a GPU
+      (``maybe_move_tensor_to_cpu``), and gloo's ``all_to_all_single`` takes only sizes: on CPU they
+      become the NumPy arrays a GPU run gets.
+    """
+    if _mode is None:
+        return
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
+
+    layer = moe_layer.MoELayer
+    if getattr(layer.forward, "_megarl_redirected", False):
+        return
+    layer.forward = redirected(layer.forward)
+    for module in (mappings, moe_utils):
+        for obj in list(vars(module).values()):
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
+                obj.backward = staticmethod(redirected(vars(obj)["backward"].__func__))
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def unredirect_backward() -> None:

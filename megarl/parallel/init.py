@@ -67,13 +67,16 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minute
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-    ) == (layout.tp, layout.pp, layout.vpp)  # dp follows from the world size checked above
+        parallel_state.get_expert_model_parallel_world_size(),
+    ) == (layout.tp, layout.pp, layout.vpp, layout.ep)  # dp follows from the world size checked above
     if not initialised:
         _destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=1,
             distributed_timeout_minutes=timeout_minutes,
         )
     seed_everything(seed)

@@ -2,8 +2,13 @@
 
 Pure value type: no torch.distributed, no megatron-core. It knows megatron-core's default rank
 order ("tp-cp-ep-dp-pp": tensor parallel innermost, pipeline outermost) so that planners and tests
-can compute any rank's coordinates without a process group. Context and expert parallelism are
-reserved fields: only 1 is accepted until they are implemented.
+can compute any rank's coordinates without a process group.
+
+Expert parallelism (``ep``) adds no processes: as in megatron-core, the experts of an MoE layer are
+split over ``ep`` ranks carved out of each pipeline stage's ``tp * dp`` ranks (expert tensor
+parallelism is 1: every expert is whole on its rank). Within a stage, rank ``r`` holds expert shard
+``r mod ep`` and is replica ``r div ep`` of it (:meth:`ParallelLayout.expert_coords`). Context
+parallelism is a reserved field: only 1 is accepted.
 """
 
 from __future__ import annotations
@@ -20,16 +25,21 @@ class RankCoords(NamedTuple):
     dp: int
 
 
+class ExpertCoords(NamedTuple):
+    ep: int  # which 1/ep of each MoE layer's experts the rank holds
+    edp: int  # which replica of that shard (expert data parallel)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor (tp), pipeline (pp), data (dp) and virtual-pipeline (vpp) parallel sizes."""
+    """Tensor (tp), pipeline (pp), data (dp), virtual-pipeline (vpp) and expert (ep) parallel sizes."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int | None = None
     cp: int = 1  # reserved: context parallelism
-    ep: int = 1  # reserved: expert parallelism
+    ep: int = 1  # expert parallelism: MoE experts split over ep of a stage's tp*dp ranks
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep"):
@@ -44,9 +54,13 @@ class ParallelLayout:
                     f"virtual pipeline parallelism (vpp={self.vpp}) needs pp > 1, found pp=1; "
                     "set vpp to None or raise pp."
                 )
-        if self.cp != 1 or self.ep != 1:
+        if self.cp != 1:
+            raise LayoutError(f"context parallelism is not supported yet (found cp={self.cp}); set cp to 1.")
+        if (self.tp * self.dp) % self.ep:
             raise LayoutError(
-                f"context/expert parallelism are not supported yet (found cp={self.cp}, ep={self.ep}); set both to 1."
+                f"ep={self.ep} must divide tp*dp = {self.tp}*{self.dp} = {self.tp * self.dp}: expert parallelism "
+                f"splits the experts over the ranks of one pipeline stage; choose ep from "
+                f"{_divisors(self.tp * self.dp)} or raise dp."
             )
 
     @property
@@ -61,15 +75,21 @@ class ParallelLayout:
     def vpp_size(self) -> int:
         return self.vpp or 1
 
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard (megatron-core's expert data parallel size)."""
+        return self.tp * self.dp // self.ep
+
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None) -> ParallelLayout:
-        """The layout with the given tp/pp whose dp fills ``world_size``."""
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                  ep: int = 1) -> ParallelLayout:
+        """The layout with the given tp/pp/ep whose dp fills ``world_size``."""
         if world_size % (tp * pp):
             raise LayoutError(
                 f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
                 "choose tp and pp whose product divides the number of processes."
             )
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp)
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp, ep=ep)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -78,8 +98,15 @@ class ParallelLayout:
                 f"but the world has {world_size}; change dp (or tp/pp) so that tp*pp*dp == {world_size}."
             )
 
-    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int) -> None:
-        """Raise LayoutError if this layout cannot split a model of these dimensions."""
+    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
+                    num_experts: int | None = None) -> None:
+        """Raise LayoutError if this layout cannot split a model of these dimensions (``num_experts``: None for a
+        dense model, which ``ep`` does not concern: a dense reward model may share an expert-parallel pool)."""
+        if num_experts is not None and num_experts % self.ep:
+            raise LayoutError(
+                f"ep={self.ep} must divide the number of experts ({num_experts}); choose ep from "
+                f"{[d for d in _divisors(num_experts) if (self.tp * self.dp) % d == 0]}."
+            )
         if num_attention_heads % self.tp:
             raise LayoutError(
                 f"tp={self.tp} must divide the number of attention heads ({num_attention_heads}); "
@@ -103,6 +130,18 @@ class ParallelLayout:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size}.")
         return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
 
+    def expert_coords(self, rank: int) -> ExpertCoords:
+        """Expert shard and replica of a global rank (megatron-core's expert rank order: ep inside expert dp)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside a world of {self.world_size}.")
+        local = rank % (self.tp * self.dp)
+        return ExpertCoords(ep=local % self.ep, edp=local // self.ep)
+
+    def experts_of(self, num_experts: int, ep_rank: int) -> range:
+        """Global indices of the experts expert-parallel rank ``ep_rank`` holds (contiguous, equal shares)."""
+        per_rank = num_experts // self.ep
+        return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
     def rank_of(self, tp: int, pp: int, dp: int) -> int:
         return tp + self.tp * (dp + self.dp * pp)
 
@@ -114,7 +153,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         vpp = f"xVPP{self.vpp}" if self.vpp else ""
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{vpp}"
+        ep = f"xEP{self.ep}" if self.ep > 1 else ""
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{vpp}{ep}"
 
 
 def _divisors(n: int) -> list[int]:

@@ -39,6 +39,22 @@ if MCORE_VERSION < MIN_MCORE_VERSION:
 CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (Exception, _TorchCheckpointException)
 
 
+def _define_te_names_moe_utils_lacks() -> None:
+    """Without Transformer Engine, megatron-core's ``moe_utils`` never defines the TE functions it later tests
+    for ``None`` (``te_general_gemm``, ``fused_*``): the first router forward raises NameError. Define them as
+    ``None``, which selects its PyTorch paths."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+_define_te_names_moe_utils_lacks()
+
+
 @functools.cache
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports and CUDA is present (TE cannot run without CUDA)."""
@@ -51,14 +67,22 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool) -> Any:
+def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool, num_experts: int | None = None) -> Any:
     """The GPT decoder-layer ModuleSpec: Transformer Engine's or megatron-core's local (pure PyTorch).
 
-    Keywords only: the positional order of these functions changed between releases.
+    Keywords only: the positional order of these functions changed between releases. With
+    ``num_experts`` the MLP is megatron-core's MoE layer with one MLP module per expert (no grouped
+    GEMM). The local MoE spec's checkpoint key map would store the pre-MLP norm under the fused name
+    TE gives a *dense* layer's norm, while TE's MoE layer keeps it a separate ``pre_mlp_layernorm``:
+    that entry is dropped, so both specs read and write the same keys.
     """
+    moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
+    if num_experts:
+        spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
+    return spec
 
 
 def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:

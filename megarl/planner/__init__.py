@@ -5,10 +5,12 @@ placement, memory per pool, the bytes crossing between the pools and the step ti
 
 Pure package: no torch.distributed, no megatron-core, no Ray; torch only through the pure model
 mapping and resharding-plan modules it reuses. ``presets`` holds published HF configs, ``memory``
-the per-rank byte arithmetic, ``layouts`` the phases, fits and proposals, ``modes`` the step-time
-model of sync, one-step-off and asynchronous training, ``report`` the text reports of ``tools/plan.py``.
+the per-rank byte arithmetic, ``compute`` FLOPs per token and the expert-parallel all-to-all bytes of
+MoE models (issue #24), ``layouts`` the phases, fits and proposals, ``modes`` the step-time model of
+sync, one-step-off and asynchronous training, ``report`` the text reports of ``tools/plan.py``.
 """
 
+from megarl.planner.compute import ExpertTraffic, alltoall_bytes, forward_flops_per_token, training_flops_per_token
 from megarl.planner.layouts import (
     Cluster,
     LayoutPlan,
@@ -30,8 +32,9 @@ from megarl.planner.presets import PRESETS, load_model, preset_names, preset_spe
 from megarl.planner.report import proposals_table, render, step_time_lines
 
 __all__ = [
-    "GB", "PRESETS", "Cluster", "LayoutPlan", "Mode", "Phase", "PhasePeak", "Pool", "Recompute", "ReshardEstimate",
-    "Role", "StageTimes", "StateBytes", "StepPrediction", "Workload", "candidate_layouts", "closest", "load_model",
-    "plan_layout", "predict_modes", "predict_step", "preset_names", "preset_spec", "proposals_table", "propose",
-    "render", "reshard_estimate", "step_time_lines", "training_state_bytes",
+    "GB", "PRESETS", "Cluster", "ExpertTraffic", "LayoutPlan", "Mode", "Phase", "PhasePeak", "Pool", "Recompute",
+    "ReshardEstimate", "Role", "StageTimes", "StateBytes", "StepPrediction", "Workload", "alltoall_bytes",
+    "candidate_layouts", "closest", "forward_flops_per_token", "load_model", "plan_layout", "predict_modes",
+    "predict_step", "preset_names", "preset_spec", "proposals_table", "propose", "render", "reshard_estimate",
+    "step_time_lines", "training_flops_per_token", "training_state_bytes",
 ]

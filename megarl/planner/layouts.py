@@ -29,6 +29,11 @@ These are GPU phases (vLLM's CUDA sleep mode). On CPU (vLLM's CPU build) nothing
 rollout weights and KV cache stay resident beside the full training state in every phase; the planner
 does not model that case.
 
+Mixture-of-Experts models (issue #24): the layout's ``ep`` places whole experts (memory in
+:mod:`megarl.planner.memory`), :attr:`LayoutPlan.expert_traffic` gives the all-to-all bytes per micro-batch
+(:mod:`megarl.planner.compute`), and :func:`candidate_layouts` also tries every ep that divides the experts
+and a stage's tp*dp ranks.
+
 Sizes are decimal GB, as in docs/planner.md; the text reports are :mod:`megarl.planner.report`'s.
 """
 
@@ -43,9 +48,9 @@ from megarl.engine.config import Precision
 from megarl.errors import ConfigError, LayoutError
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.planner import memory
+from megarl.planner import compute, memory
 from megarl.planner.memory import GB, Recompute
-from megarl.resharding.plan import Grouping, check_rollout_tp, check_vllm_groups, make_plan
+from megarl.resharding.plan import Grouping, check_expert_rollout, check_rollout_tp, check_vllm_groups, make_plan
 
 
 class Role(enum.Enum):
@@ -231,6 +236,16 @@ class LayoutPlan:
         return reshard_estimate(self.spec, self.layout, self.rollout_tp, self.cluster, self.workload.rollout_dtype)
 
     @property
+    def expert_traffic(self) -> compute.ExpertTraffic:
+        """Expert-parallel all-to-all of one training micro-batch on the fullest stage (zero for a dense
+        model or ep 1), in the training precision, and its link-bound time."""
+        b, s = memory.micro_batch_shape(self.workload.micro_batch_tokens, self.workload.seq_len)
+        c = self.cluster
+        return compute.expert_traffic(self.spec, self.layout, tokens=b * s,
+                                      itemsize=memory.param_bytes(self.workload.precision), node_of=c.node_of,
+                                      intra_bps=c.intra_node_gbps * GB, inter_bps=c.inter_node_gbps * GB)
+
+    @property
     def gpu_memory_utilization(self) -> float:
         """vLLM's share of the GPU for the planned rollout weights + KV cache (rounded up to 0.01)."""
         gen = next(p for p in self.peaks if p.phase is Phase.GENERATE and (ROLLOUT, "weights") in p.terms).terms
@@ -246,6 +261,8 @@ class LayoutPlan:
                f"{pool}.pp={lay.pp}"]
         if lay.vpp:
             out.append(f"{pool}.vpp={lay.vpp}")
+        if lay.ep > 1:
+            out.append(f"{pool}.ep={lay.ep}")
         if c.split:  # the rollout engines' own pool: tp = rollout.engine.tp, pp = 1 (issue #23)
             nodes, per_node = c.pool_shape(c.rollout_gpus)
             out += [f"cluster.pools.rollout.nodes={nodes}", f"cluster.pools.rollout.devices_per_node={per_node}",
@@ -267,12 +284,18 @@ class LayoutPlan:
 
 
 def check_layout(spec: ModelSpec, cluster: Cluster, layout: ParallelLayout, rollout_tp: int) -> None:
-    """Raise LayoutError unless the layout fills the cluster, divides the model and has a rollout tp
-    megarl's vLLM engine accepts (its TP groups are consecutive ranks inside one data-parallel replica, or
-    inside the rollout pool with split placement)."""
+    """Raise LayoutError unless the layout fills the cluster, divides the model (ep > 1: only an MoE model's
+    experts) and has a rollout tp megarl's vLLM engine accepts (its TP groups are consecutive ranks inside
+    one data-parallel replica, or inside the rollout pool with split placement)."""
     layout.check_world_size(cluster.train_gpus)
-    layout.check_model(num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                       num_query_groups=spec.num_query_groups)
+    if spec.moe is None and layout.ep > 1:  # megatron-core ignores ep for a dense model: nothing to plan
+        raise LayoutError(f"ep={layout.ep} needs a Mixture-of-Experts model; {spec.architecture} is dense: "
+                          "set ep to 1.")
+    spec.check_layout(layout)
+    if spec.moe is not None and layout.tp > 1:
+        raise LayoutError(f"tp={layout.tp} with a Mixture-of-Experts model: megatron-core trains MoE layers at TP > 1 "
+                          "only with sequence parallelism, which megarl does not enable yet; use tp 1 with ep.")
+    check_expert_rollout(spec, rollout_tp)
     if not cluster.split:
         check_vllm_groups(layout, rollout_tp)
     check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
@@ -403,32 +426,43 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
 
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None) -> list[tuple[ParallelLayout, int]]:
     """(layout, rollout tp) pairs: tp dividing the GPUs of a node, the heads and the KV groups; pp dividing
-    the layers (with vpp) and tp*pp dividing the training pool; dp filling it; rollout tp 1 or tp (with
-    split placement, dividing the rollout pool)."""
+    the layers (with vpp) and tp*pp dividing the training pool; dp filling it; for an MoE model every ep
+    dividing the experts and tp*dp (1 for a dense one); rollout tp 1 or tp (with split placement, dividing
+    the rollout pool). An MoE model is planned at tp 1: megatron-core trains MoE layers at TP > 1 only with
+    sequence parallelism, which megarl does not enable yet. ``ModelSpec.check_layout`` has the last word on each."""
     out = []
     world = cluster.train_gpus
     for tp in _divisors(math.gcd(cluster.gpus_per_node, world)):
         if spec.num_attention_heads % tp or spec.num_query_groups % tp:
             continue
+        if spec.moe is not None and tp > 1:  # megarl trains MoE at tp 1 until it enables sequence parallelism
+            continue
         for pp in _divisors(world // tp):
             v = vpp if pp > 1 else None
             if spec.num_layers % (pp * (v or 1)):
                 continue
-            layout = ParallelLayout.for_world(world, tp=tp, pp=pp, vpp=v)
-            for rollout_tp in sorted({1, tp}, reverse=True):
+            stage_ranks = world // pp
+            for ep in _divisors(math.gcd(spec.moe.num_experts, stage_ranks)) if spec.moe else [1]:
+                layout = ParallelLayout.for_world(world, tp=tp, pp=pp, vpp=v, ep=ep)
                 try:
-                    check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
+                    spec.check_layout(layout)
                 except LayoutError:
                     continue
-                out.append((layout, rollout_tp))
+                for rollout_tp in sorted({1, tp}, reverse=True):
+                    try:
+                        check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
+                    except LayoutError:
+                        continue
+                    out.append((layout, rollout_tp))
     return out
 
 
 def propose(spec: ModelSpec, cluster: Cluster, workload: Workload, *, vpp: int | None = None,
             model_name: str = "model") -> list[LayoutPlan]:
     """Every candidate layout that fits, cheapest first: smaller tp*pp (more data parallelism, less
-    model-parallel traffic), then larger rollout tp (smaller rollout weights per GPU, more KV room),
-    then smaller pp (fewer pipeline bubbles)."""
+    model-parallel traffic), then smaller ep (less all-to-all traffic; a larger ep only buys memory), then
+    larger rollout tp (smaller rollout weights per GPU, more KV room), then smaller pp (fewer pipeline
+    bubbles)."""
     return sorted((p for p in _candidate_plans(spec, cluster, workload, vpp, model_name) if p.fits), key=cost)
 
 
@@ -444,8 +478,8 @@ def _candidate_plans(spec: ModelSpec, cluster: Cluster, workload: Workload, vpp:
     return [plan_layout(spec, cluster, workload, lay, g, model_name) for lay, g in pairs]
 
 
-def cost(plan: LayoutPlan) -> tuple[int, int, int]:
-    return (plan.layout.tp * plan.layout.pp, -plan.rollout_tp, plan.layout.pp)
+def cost(plan: LayoutPlan) -> tuple[int, int, int, int]:
+    return (plan.layout.tp * plan.layout.pp, plan.layout.ep, -plan.rollout_tp, plan.layout.pp)
 
 
 def _divisors(n: int) -> list[int]:

@@ -14,6 +14,13 @@ Training state per parameter a rank holds (megarl's engine: ``grad_reduce_in_fp3
   (= 12 B), divided by DP with the distributed optimizer (docs/planner.md §3.1).
 * fp32: weights 4 B, gradients 4 B, optimizer 4 B x moments (the fp32 weights are the master copy).
 
+Mixture-of-Experts models (``spec.moe``) at expert parallelism ``ep`` (docs/planner.md §10): a rank holds
+the ``E/ep`` experts of its expert-parallel rank in every MoE layer of its stage, whole (expert tensor
+parallelism is 1: tensor parallelism does not divide them); the router and everything else are counted as
+for a dense model. The distributed optimizer shards the dense parameters over DP and the expert parameters
+over the expert-data-parallel group (``tp*dp/ep`` ranks: megatron-core's expert DP), each with its own
+ceiling. Gradient buffers are not sharded, as for dense parameters.
+
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv 2205.05198), section 4, re-derived for the Llama-style block (GQA, SwiGLU, RMSNorm,
 no dropout) with tensor parallelism t and no sequence parallelism. Per token and layer, in units of
@@ -27,11 +34,18 @@ the activation itemsize (2 B in bf16):
 With GPT's block (MHA, 4h GeLU MLP, dropout masks) the same bookkeeping gives the paper's
 ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes (Eq. 2). ``SELECTIVE`` recomputes the attention core
 (or runs flash attention): no ``s^2`` term (Eq. 6). ``FULL`` keeps each layer's input (``h``
-values per token) and rebuilds one layer at a time. The 1F1B schedule holds ``pp - stage``
-micro-batches on a stage; the interleaved schedule (VPP v) holds Megatron's warm-up count
-``2*(pp - stage - 1) + (v - 1)*pp + 1`` chunks of ``L/(pp*v)`` layers (the paper's
-``1 + (p-1)/(p*v)`` factor on the first stage). The last stage of an LM head also keeps fp32
-logits and their softmax (8 B x tokens x V/t).
+values per token) and rebuilds one layer at a time.
+
+An MoE layer replaces ``4F/t`` by its dispatched tokens: every token reaches ``k`` experts (top-k), each
+copy keeping the expert's input, the SwiGLU's ``4I`` and the combine's (probability-weighted) input, whole
+on its rank: ``k*(2h + 4I)`` values per token, plus the router's fp32 probabilities (``4E`` bytes); the
+router's input is the ``h`` the dense block counts as the fc1 input. Balanced routing: every rank receives
+``k`` copies per token it routes, whatever ``ep``.
+
+The 1F1B schedule holds ``pp - stage`` micro-batches on a stage; the interleaved schedule (VPP v) holds
+Megatron's warm-up count ``2*(pp - stage - 1) + (v - 1)*pp + 1`` chunks of ``L/(pp*v)`` layers (the paper's
+``1 + (p-1)/(p*v)`` factor on the first stage). The last stage of an LM head also keeps fp32 logits and their
+softmax (8 B x tokens x V/t).
 """
 
 from __future__ import annotations
@@ -43,10 +57,10 @@ import math
 
 from megarl.engine.config import Precision
 from megarl.errors import ConfigError
-from megarl.models.mapping import mcore_shape, tensor_maps
+from megarl.models.mapping import mcore_shape, split_expert_name, split_layer_name, tensor_maps
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.resharding.plan import dest_range, hf_tensors
+from megarl.resharding.plan import HFTensor, dest_range, hf_tensors
 
 GB = 1e9  # decimal gigabytes, as docs/planner.md counts them (M = 141.1 GB for 70.55 B bf16 parameters)
 
@@ -95,25 +109,50 @@ def stage_of_layers(spec: ModelSpec, layout: ParallelLayout) -> dict[int, int]:
 
 
 @functools.lru_cache(maxsize=256)  # plain ints of frozen (spec, layout) pairs: propose() asks many times
-def stage_parameter_shards(spec: ModelSpec, layout: ParallelLayout) -> tuple[tuple[int, ...], ...]:
-    """Per pipeline stage: the element count of every Megatron parameter one of its ranks holds
-    (TP shards of split tensors, whole replicated ones; Megatron's padded vocabulary)."""
+def _stage_shards(spec: ModelSpec, layout: ParallelLayout) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Per pipeline stage: (dense shards, expert shards) of one of its ranks; element counts of every Megatron
+    parameter it holds (TP shards of split tensors, whole replicated ones; Megatron's padded vocabulary;
+    experts whole, those of expert-parallel rank 0: every expert-parallel rank holds as many)."""
     vp = spec.padded_vocab_size(layout.tp)
     stage_of = stage_of_layers(spec, layout)
-    shards: list[list[int]] = [[] for _ in range(layout.pp)]
-    for m in tensor_maps(spec):
-        last = 0 if m.mcore.startswith("embedding") else layout.pp - 1  # embedding first, norm and head last
-        stage = stage_of[m.layer] if m.layer is not None else last
-        n = math.prod(mcore_shape(m, spec, vp))
-        shards[stage].append(n // layout.tp if m.tp_dim is not None else n)
+    mine = layout.experts_of(spec.moe.num_experts, 0) if spec.moe else range(0)
+    dense: list[list[int]] = [[] for _ in range(layout.pp)]
+    experts: list[list[int]] = [[] for _ in range(layout.pp)]
+    for first, layer, expert, split, n in _parameter_sizes(spec, vp):
+        stage = stage_of[layer] if layer is not None else (0 if first else layout.pp - 1)
+        if expert is not None:
+            if expert in mine:
+                experts[stage].append(n)  # tp_dim is None: an expert is whole on its rank
+            continue
+        dense[stage].append(n // layout.tp if split else n)
     if spec.tie_word_embeddings and spec.head is Head.LM and layout.pp > 1:
-        shards[-1].append(vp // layout.tp * spec.hidden_size)  # the last stage's copy of the tied output layer
-    return tuple(tuple(s) for s in shards)
+        dense[-1].append(vp // layout.tp * spec.hidden_size)  # the last stage's copy of the tied output layer
+    return tuple((tuple(d), tuple(e)) for d, e in zip(dense, experts, strict=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _parameter_sizes(spec: ModelSpec, padded_vocab: int) -> tuple[tuple[bool, int | None, int | None, bool, int], ...]:
+    """(on the first stage, layer, expert, split by TP, elements) of every Megatron parameter: the mapping read
+    once per model (an MoE model has ~10^4 parameters; propose() lays it out many times)."""
+    return tuple((m.mcore.startswith("embedding"), m.layer, m.expert, m.tp_dim is not None,  # embedding first
+                  math.prod(mcore_shape(m, spec, padded_vocab))) for m in tensor_maps(spec))
+
+
+def stage_parameter_shards(spec: ModelSpec, layout: ParallelLayout) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline stage: the element count of every Megatron parameter one of its ranks holds (TP shards
+    of split tensors, whole replicated ones; Megatron's padded vocabulary; its expert-parallel share of the
+    experts, whole)."""
+    return tuple(d + e for d, e in _stage_shards(spec, layout))
 
 
 def stage_parameters(spec: ModelSpec, layout: ParallelLayout) -> list[int]:
     """Parameters held by one rank of each pipeline stage."""
     return [sum(s) for s in stage_parameter_shards(spec, layout)]
+
+
+def stage_expert_parameters(spec: ModelSpec, layout: ParallelLayout) -> list[int]:
+    """Expert parameters (MoE experts, not the router) held by one rank of each pipeline stage; 0 when dense."""
+    return [sum(e) for _, e in _stage_shards(spec, layout)]
 
 
 def training_state_bytes(
@@ -132,8 +171,9 @@ def training_state_bytes(
     p = param_bytes(precision)
     master = 4 if precision is Precision.BF16 else 0
     out = []
-    for n in stage_parameters(spec, layout):
-        shard = math.ceil(n / layout.dp) if distributed_optimizer else n
+    for n, e in zip(stage_parameters(spec, layout), stage_expert_parameters(spec, layout), strict=True):
+        # the distributed optimizer: dense parameters over DP, experts over the expert-data-parallel group
+        shard = math.ceil((n - e) / layout.dp) + math.ceil(e / layout.expert_dp) if distributed_optimizer else n
         out.append(StateBytes(params=n * p, grads=n * 4, optimizer=shard * (master + 4 * optimizer_states)))
     return out
 
@@ -155,10 +195,16 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, seq_len: int, 
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     if recompute is Recompute.FULL:
         return tokens * h * act_bytes
-    per_token = 4 * h + (2 * spec.num_attention_heads * d + 2 * spec.num_query_groups * d + 4 * f) / tp
+    m = spec.moe
+    mlp_split = 4 * f if m is None else 0  # an MoE layer's experts are whole on their rank (no TP)
+    per_token = 4 * h + (2 * spec.num_attention_heads * d + 2 * spec.num_query_groups * d + mlp_split) / tp
+    router = 0
+    if m is not None:  # k dispatched copies of each token; the router's fp32 probabilities
+        per_token += m.top_k * (2 * h + 4 * m.ffn_hidden_size)
+        router = tokens * 4 * m.num_experts
     if recompute is Recompute.NONE:
         per_token += spec.num_attention_heads * seq_len / tp
-    return int(tokens * per_token * act_bytes)
+    return int(tokens * per_token * act_bytes) + router
 
 
 def in_flight_layers(spec: ModelSpec, layout: ParallelLayout, stage: int) -> int:
@@ -186,15 +232,27 @@ def activation_bytes(spec: ModelSpec, layout: ParallelLayout, stage: int, *, mic
 # ------------------------------------------------------------------------------ rollout and resharding
 
 
+@functools.lru_cache(maxsize=64)  # propose() asks once per candidate; an MoE model has ~10^4 HF tensors
 def rollout_weight_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int) -> int:
     """Rollout weights on the fullest rollout TP rank (vLLM's layout: vocabulary rows padded to 64 and
     split evenly, KV heads replicated when rollout tp exceeds the KV groups), from the resharding
-    plan's own range rules."""
+    plan's own range rules. MoE experts: vLLM's fused-MoE layer (no expert parallelism) splits every
+    expert's intermediate dimension over its TP ranks, ``ceil(I/G)`` rows or columns each; the router is
+    replicated."""
     tensors = hf_tensors(spec, ParallelLayout())
-    return max(
-        sum((hi - lo) * t.row_elems for t in tensors for lo, hi in [dest_range(t, spec, rollout_tp, g)]) * dtype_bytes
-        for g in range(rollout_tp)
-    )
+
+    def held(t: HFTensor, g: int) -> int:
+        if spec.moe is not None and _is_expert(t.mcore):
+            inter = spec.moe.ffn_hidden_size  # gate/up [I, H], down [H, I]
+            return math.prod(t.shape) // inter * math.ceil(inter / rollout_tp)
+        lo, hi = dest_range(t, spec, rollout_tp, g)
+        return (hi - lo) * t.row_elems
+
+    return max(sum(held(t, g) for t in tensors) for g in range(rollout_tp)) * dtype_bytes
+
+
+def _is_expert(mcore: str) -> bool:
+    return split_expert_name(split_layer_name(mcore)[1])[0] is not None
 
 
 def kv_cache_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int, tokens: int) -> int:
@@ -218,8 +276,13 @@ def receive_transient_bytes(spec: ModelSpec, layout: ParallelLayout, *, rollout_
                             bucket_bytes: int) -> int:
     """The receiving side of a weight sync (a rollout rank of a split placement only receives): the bucket
     cap, or the largest HF tensor in full shape when that exceeds the cap."""
-    largest_dest = max(math.prod(t.shape) for t in hf_tensors(spec, layout)) * rollout_dtype_bytes
-    return max(bucket_bytes, largest_dest)
+    return max(bucket_bytes, _largest_hf_tensor(spec) * rollout_dtype_bytes)
+
+
+@functools.lru_cache(maxsize=16)
+def _largest_hf_tensor(spec: ModelSpec) -> int:
+    """Elements of the model's largest HF tensor (shapes do not depend on the layout)."""
+    return max(math.prod(t.shape) for t in hf_tensors(spec, ParallelLayout()))
 
 
 def send_transient_bytes(spec: ModelSpec, layout: ParallelLayout, *, param_dtype_bytes: int, bucket_bytes: int) -> int:

@@ -13,6 +13,10 @@ file. Sources, as published on huggingface.co:
   only in fields that do not change memory (rms_norm_eps 1e-6, max_position_embeddings 32768,
   eos_token_id 151645, max_window_layers).
 
+* ``qwen3-30b-a3b`` Qwen/Qwen3-30B-A3B/config.json (transformers 4.51.0): Mixture-of-Experts, 48 layers of
+  128 experts (FFN 768, top 8, norm_topk_prob) under 32/4 heads of 128, hidden 2048; 30.53 B parameters,
+  3.35 B active per token. ``intermediate_size`` (6144) is unused: every layer is MoE.
+
 Llama-3.1 models differ from these only in ``rope_scaling`` (llama3, factor 8) and the context
 length; pass their ``config.json`` with ``--hf-config`` instead.
 """
@@ -102,12 +106,50 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+PRESETS["qwen3-30b-a3b"] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
 # Display names for reports.
 TITLES = {
     "llama3-8b": "Llama-3-8B",
     "llama3-70b": "Llama-3-70B",
     "qwen2.5-7b": "Qwen2.5-7B",
     "qwen2.5-72b": "Qwen2.5-72B",
+    "qwen3-30b-a3b": "Qwen3-30B-A3B",
 }
 
 

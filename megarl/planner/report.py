@@ -1,12 +1,14 @@
 """Text reports of the planner (what ``tools/plan.py`` prints): a layout's header, memory table per pool,
-fit verdict, weight-sync traffic and config overrides; the proposals table; the predicted step times of the
-modes. Strings out, nothing printed; sizes in decimal GB (docs/planner.md).
+fit verdict, expert-parallel all-to-all traffic (MoE), weight-sync traffic and config overrides; the proposals
+table; the predicted step times of the modes. Strings out, nothing printed; sizes in decimal GB (docs/planner.md).
 
-Pure module: formatting of :mod:`megarl.planner.layouts` and :mod:`megarl.planner.modes` results only.
+Pure module: formatting of :mod:`megarl.planner.layouts`, :mod:`megarl.planner.compute` and
+:mod:`megarl.planner.modes` results only.
 """
 
 from __future__ import annotations
 
+from megarl.planner.compute import forward_flops_per_token, training_flops_per_token
 from megarl.planner.layouts import RESERVED, ROLLOUT, LayoutPlan, Phase, PhasePeak, Pool, Role
 from megarl.planner.memory import GB, micro_batch_shape
 from megarl.planner.modes import Mode, StageTimes, StepPrediction
@@ -49,10 +51,16 @@ def header(plan: LayoutPlan) -> list[str]:
     rollout = f"rollout TP{plan.rollout_tp}"
     if c.split:
         rollout += f" x {c.rollout_gpus // plan.rollout_tp} replicas on a pool of their own"
+    m = spec.moe
+    active = f", {spec.num_active_parameters() / 1e9:.2f} B active per token" if m else ""
+    mlp = f"MoE {m.num_experts} experts of FFN {m.ffn_hidden_size}, top {m.top_k}" if m else None
     lines = [
-        f"{plan.model_name}: {n / 1e9:.2f} B parameters ({2 * n / GB:.1f} GB in bf16), {spec.num_layers} layers, "
-        f"hidden {spec.hidden_size}, {spec.num_attention_heads}/{spec.num_query_groups} heads, "
-        f"FFN {spec.ffn_hidden_size}, vocab {spec.vocab_size}",
+        f"{plan.model_name}: {n / 1e9:.2f} B parameters ({2 * n / GB:.1f} GB in bf16){active}, {spec.num_layers} "
+        f"layers, hidden {spec.hidden_size}, {spec.num_attention_heads}/{spec.num_query_groups} heads, "
+        f"{mlp or f'FFN {spec.ffn_hidden_size}'}, vocab {spec.vocab_size}",
+        f"model FLOPs per token at {s} tokens: forward {forward_flops_per_token(spec, s) / 1e9:.2f} GFLOP "
+        f"(2 x {'active ' if m else ''}parameters + attention), training {training_flops_per_token(spec, s) / 1e9:.2f}"
+        " GFLOP (x3)",
         f"cluster: {c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_mem_gb:g} GB ({c.world_size} GPUs); "
         f"{c.intra_node_gbps:g} GB/s intra-node, {c.inter_node_gbps:g} GB/s inter-node per GPU; "
         f"{c.reserved_gb:g} GB reserved per GPU",
@@ -116,6 +124,21 @@ def reshard_lines(plan: LayoutPlan) -> list[str]:
     ]
 
 
+def expert_traffic_lines(plan: LayoutPlan) -> list[str]:
+    """The expert-parallel all-to-all of one micro-batch (MoE models only; docs/planner.md §10)."""
+    if plan.spec.moe is None:
+        return []
+    t, c = plan.expert_traffic, plan.cluster
+    if plan.layout.ep == 1:
+        return ["expert parallelism 1: every GPU holds all experts, no all-to-all"]
+    return [f"expert-parallel all-to-all (EP{t.ep}, {plan.workload.precision.value}) per micro-batch of {t.tokens} "
+            f"tokens: each GPU sends and receives {t.alltoall / GB:.3f} GB per all-to-all (tokens x top-k x hidden x "
+            f"bytes x (ep-1)/ep), x4 per MoE layer (dispatch + combine, forward + backward) = {t.per_layer / GB:.3f} "
+            f"GB, x{t.layers} layers per stage = {t.per_micro_batch / GB:.2f} GB; time lower bound {t.seconds:.3f} s "
+            f"({t.slowest_intra / GB:.2f} GB intra-node at {c.intra_node_gbps:g} GB/s + "
+            f"{t.slowest_inter / GB:.2f} GB inter-node at {c.inter_node_gbps:g} GB/s)"]
+
+
 def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
     """The full report of one layout."""
     lines = header(plan) + [""] + memory_table(plan) + [""]
@@ -127,6 +150,7 @@ def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
         lines.append(f"FITS: peak {w.total / GB:.1f} GB of {plan.capacity / GB:g} GB ({where})")
     else:
         lines += ["NOT FITTING:"] + [f"  {r}" for r in plan.reasons]
+    lines += expert_traffic_lines(plan)
     if with_reshard:
         lines += reshard_lines(plan)
     lines += ["", "overrides: " + " ".join(plan.overrides())]
@@ -139,12 +163,13 @@ def proposals_table(plans: list[LayoutPlan], top: int) -> str:
     keys = [(p.pool, p.phase) for p in plans[0].peaks] if split else [(Pool.TRAINING, ph) for ph in Phase]
     width = 11 if split else 10
     label = {k: ("r." if k[0] is Pool.ROLLOUT else "") + k[1].value for k in keys}
-    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*pp, larger rollout tp, smaller pp"
+    ep = ", smaller ep" if plans and plans[0].spec.moe else ""
+    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*pp{ep}, larger rollout tp, smaller pp"
              + ("; r.: the rollout pool):" if split else "):"),
-             f"  {'layout':<20}{'rollout':>8}" + "".join(f"{label[k]:>{width}}" for k in keys) + f"{'free':>10}"]
+             f"  {'layout':<22}{'rollout':>8}" + "".join(f"{label[k]:>{width}}" for k in keys) + f"{'free':>10}"]
     for p in plans[:top]:
         peaks = {(x.pool, x.phase): x.total for x in p.peaks}
-        lines.append(f"  {str(p.layout):<20}{'TP' + str(p.rollout_tp):>8}"
+        lines.append(f"  {str(p.layout):<22}{'TP' + str(p.rollout_tp):>8}"
                      + "".join(f"{_gb(peaks[k]):>{width}}" for k in keys)
                      + f"{_gb(p.capacity - p.worst.total):>10}")
     if len(plans) > top:

@@ -23,8 +23,8 @@ Rollout places (which rollout replica and TP rank each training rank plays):
   but a rank's training shard need not lie inside its rollout shard, so more bytes move than with
   ``HYBRID``).
 
-Sources: a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's own
-data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
+Sources (dense tensors): a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's
+own data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
 model-parallel group, as in HybridFlow.
 
 Split placement (``rollout_ranks``: the rollout engines run on a pool of their own): the plan's world is
@@ -32,6 +32,17 @@ the training ranks ``0..T-1`` followed by the rollout ranks ``T..T+R-1`` (CONSEC
 training ranks only send, rollout ranks only receive. Rollout replica ``g`` draws every slab from training
 data-parallel replica ``g mod DP`` (replicated tensors from TP rank ``(g div DP + its TP rank) mod TP``), so
 the sending load spreads over the data-parallel replicas and their TP ranks.
+
+MoE experts (docs/resharding.md §3.8): an expert's HF tensors are never split by TP on either side (expert TP
+is 1; rollout tp must be 1, :func:`check_expert_rollout`), and in training they are held whole only by the
+ranks of the layer's stage whose expert-parallel rank owns the expert (:meth:`ParallelLayout.expert_coords`):
+one holder in each *expert-parallel group* of the stage, the ``ep`` ranks with the same expert-data-parallel
+index ``edp`` (stage-local ranks ``edp*ep .. edp*ep+ep-1``, which together hold every expert once). Source
+rule, deterministic: a colocated receiver takes an expert from the holder in the group with its own ``edp``
+index on the layer's stage -- itself when it holds the expert; a holder in its own data-parallel replica
+whenever ep divides tp; the rank a replicated tensor comes from when ep is 1. Rollout rank ``i`` of a split
+pool takes it from group ``i mod (tp*dp/ep)``. So each holder sends its experts to the ``ep*PP - 1`` other
+ranks with its ``edp`` index (colocated), and the pool's receivers spread evenly over the groups.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ class HFTensor:
     mcore: str  # the Megatron parameter it is part of
     index: int  # its position in that parameter's HF tuple
     stage: int  # pipeline rank that holds it
+    expert: int | None = None  # global expert index of an MoE expert's tensor (whole, placed by expert parallelism)
 
     @property
     def row_elems(self) -> int:
@@ -170,6 +182,7 @@ def make_plan(
     (vLLM) ask for ``CONSECUTIVE``. ``rollout_ranks``: the size of a separate rollout pool (split placement,
     always ``CONSECUTIVE``); None: the rollout engines live in the training ranks."""
     check_rollout_tp(spec, train, rollout_tp, rollout_ranks)
+    check_expert_rollout(spec, rollout_tp)
     vp = padded_vocab or spec.padded_vocab_size(train.tp)
     hybrid_fits = rollout_ranks is None and (train.tp * train.pp) % rollout_tp == 0
     if grouping is Grouping.HYBRID and not hybrid_fits:
@@ -186,12 +199,16 @@ def make_plan(
     dest: dict[tuple[str, int], tuple[int, int]] = {}
     for t in tensors:
         sources = [source_range(t, spec, train, tp, vp) for tp in range(train.tp)]
+        holders = expert_holders(t, spec, train) if t.expert is not None else []
         for rank, place in enumerate(places):
             if place is None:
                 continue
             lo, hi = dest_range(t, spec, rollout_tp, place.tp_rank)
             dest[(t.name, rank)] = (lo, hi)
-            slabs.extend(_slabs_for(t, train, rank, place, lo, hi, sources))
+            if holders:
+                slabs.append(Slab(t.name, lo, hi, expert_source(holders, train, rank), rank))
+            else:
+                slabs.extend(_slabs_for(t, train, rank, place, lo, hi, sources))
     return ReshardPlan(train, rollout_tp, grouping, vp, tensors, places, tuple(slabs), dest)
 
 
@@ -218,6 +235,20 @@ def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int, ro
         raise LayoutError(f"rollout tp={rollout_tp} must divide the FFN size {spec.ffn_hidden_size}.")
 
 
+def check_expert_rollout(spec: ModelSpec, rollout_tp: int) -> None:
+    """Raise LayoutError for an MoE model at rollout tp > 1: the plan gives every rollout rank every expert whole
+    (the embedded engine's layout, which runs at tp 1); vLLM's fused-MoE layer at tp > 1 splits each expert's
+    intermediate dimension over its TP ranks (or places whole experts with its own expert parallelism), a layout
+    the plan does not produce yet."""
+    if spec.moe is not None and rollout_tp > 1:
+        raise LayoutError(
+            f"rollout tp={rollout_tp} with a Mixture-of-Experts model ({spec.architecture}, {spec.moe.num_experts} "
+            "experts) is not supported yet: the weight sync sends every expert whole to every rollout rank, while "
+            "vLLM's fused-MoE layer at tp > 1 splits each expert's intermediate dimension over its TP ranks (or "
+            "places whole experts with expert parallelism), which megarl.resharding.plan does not lay out yet "
+            "(issue #24, docs/resharding.md §3.8). Set rollout.engine.tp=1.")
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 
@@ -233,7 +264,8 @@ def hf_tensors(spec: ModelSpec, train: ParallelLayout) -> list[HFTensor]:
         stage = stage_of[m.layer] if m.layer is not None else (0 if m.mcore.startswith("embedding") else train.pp - 1)
         for i, (name, shape) in enumerate(zip(m.hf, hf_shapes(m, spec), strict=True)):
             split = _split_of(m, i)
-            out.append(HFTensor(name, shape, m.tp_dim if split is not Split.NONE else None, split, m.mcore, i, stage))
+            out.append(HFTensor(name, shape, m.tp_dim if split is not Split.NONE else None, split, m.mcore, i, stage,
+                                m.expert))
     return out
 
 
@@ -340,6 +372,25 @@ def _slabs_for(
         src = rank if me is not None and (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, dp)
         slabs.append(Slab(t.name, start, stop, src, rank))
     return slabs
+
+
+def expert_holders(t: HFTensor, spec: ModelSpec, train: ParallelLayout) -> list[int]:
+    """The global ranks holding expert tensor ``t`` in training, by expert-data-parallel index ``edp``: the ranks
+    of its stage whose expert-parallel rank owns its expert (:meth:`ParallelLayout.experts_of`)."""
+    ep_rank = next(r for r in range(train.ep) if t.expert in train.experts_of(spec.moe.num_experts, r))
+    first = t.stage * train.tp * train.dp  # the stage's ranks are consecutive (pp outermost)
+    holders = [first + edp * train.ep + ep_rank for edp in range(train.expert_dp)]
+    assert all(train.expert_coords(r) == (ep_rank, edp) for edp, r in enumerate(holders)), holders
+    return holders
+
+
+def expert_source(holders: list[int], train: ParallelLayout, rank: int) -> int:
+    """The rank that sends an expert tensor (whole, held by ``holders``: :func:`expert_holders`) to ``rank``
+    (module docstring): the holder with the receiver's own expert-data-parallel index (colocated), or with index
+    ``i mod edp`` for rollout rank ``i`` of a split pool."""
+    if rank < train.world_size:
+        return holders[train.expert_coords(rank).edp]
+    return holders[(rank - train.world_size) % len(holders)]
 
 
 @dataclasses.dataclass

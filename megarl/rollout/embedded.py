@@ -12,6 +12,14 @@ do not leave the rest of the work queued behind them. Joining and trimming touch
 ``keys`` / ``values`` directly and are used only when every layer is a plain ``DynamicLayer``; other
 caches (sliding windows) take new rows only when the batch is empty.
 
+Weights arrive under checkpoint (HF hub) names. Where transformers fuses a Mixture-of-Experts layer's experts
+into 3-D parameters (``mlp.experts.gate_up_proj [E, 2I, H]``, gate rows then up rows, and ``mlp.experts.down_proj
+[E, H, I]``; Qwen3-MoE in transformers 5), the engine accepts the per-expert names a checkpoint and the weight
+sync use (``mlp.experts.{e}.gate_proj.weight`` -> ``gate_up_proj[e, :I]``, ``up_proj`` -> ``gate_up_proj[e, I:]``,
+``down_proj`` -> ``down_proj[e]``) and copies each into its view of the fused parameter; those pieces partition
+the fused parameter, so a sync is complete when every piece arrived (the fused name itself, whole, counts as all
+of its pieces).
+
 Construction places parameters on the meta device (no random init, no memory) and then gives each an
 empty storage; buffers such as the rotary ``inv_freq`` are never on meta, so they keep the values the
 model computed from its config. ``sleep()`` resizes parameter storages to 0 bytes and ``wake_up()``
@@ -27,6 +35,7 @@ import difflib
 import inspect
 import itertools
 import logging
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -92,6 +101,28 @@ def _build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     _materialize_(model, device)
     return model.eval().requires_grad_(False)
+
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def _expert_pieces(params: dict[str, nn.Parameter]) -> dict[str, tuple[str, tuple]]:
+    """Per-expert checkpoint name -> (fused parameter name, index of its view) for every fused 3-D expert
+    parameter; per fused parameter the views partition it (gate and up halves of each expert, or each expert)."""
+    out: dict[str, tuple[str, tuple]] = {}
+    for name, param in params.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or param.dim() != 3:
+            continue
+        prefix, experts, rows = m["prefix"], param.shape[0], param.shape[1]
+        for e in range(experts):
+            if m["kind"] == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = (name, (e,))
+            else:
+                half = rows // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = (name, (e, slice(0, half)))
+                out[f"{prefix}.{e}.up_proj.weight"] = (name, (e, slice(half, rows)))
+    return out
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -229,6 +260,12 @@ class EmbeddedEngine:
             for canonical, p in self._params.items()
             if p is param and name != canonical
         }
+        self._pieces = _expert_pieces(self._params)  # per-expert name -> view of a fused expert parameter
+        self._pieces_of: dict[str, list[str]] = {}  # fused parameter -> its per-expert names
+        for piece, (canonical, _) in self._pieces.items():
+            self._pieces_of.setdefault(canonical, []).append(piece)
+        # what a full sync must load: every parameter, fused experts as their per-expert pieces
+        self._required = [n for n in self._params if n not in self._pieces_of] + list(self._pieces)
         self._loaded: set[str] = set()
         self._awake = True
         self._ready = False  # True after a complete weight sync
@@ -242,13 +279,15 @@ class EmbeddedEngine:
 
     @property
     def parameter_names(self) -> list[str]:
-        """HF names a full weight sync must load (tied aliases excluded)."""
-        return list(self._params)
+        """HF names a full weight sync must load (tied aliases excluded; fused experts by their per-expert
+        checkpoint names)."""
+        return list(self._required)
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy full HF-named tensors into the model (cast to its dtype); returns the names loaded.
 
-        A tied alias (``lm_head.weight`` with tied embeddings) is shape-checked and skipped.
+        A tied alias (``lm_head.weight`` with tied embeddings) is shape-checked and skipped. A per-expert name
+        is copied into its view of the fused expert parameter (no copy of the fused tensor is made).
         """
         if not self._awake:
             raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
@@ -256,38 +295,46 @@ class EmbeddedEngine:
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in tensors:
-                target = self._param_for(name, tensor)
+                target = self._target_for(name, tensor)
                 if name in self._aliases:
                     continue
                 target.copy_(tensor)
                 loaded.add(name)
         self._loaded |= loaded
+        for fused in loaded & self._pieces_of.keys():  # a fused parameter loaded whole: all of its pieces
+            self._loaded.update(self._pieces_of[fused])
         return loaded
 
-    def _param_for(self, name: str, tensor: torch.Tensor) -> nn.Parameter:
-        param = self._params.get(self._aliases.get(name, name))
-        if param is None:
-            near = difflib.get_close_matches(name, list(self._params), n=1)
+    def _target_for(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The parameter (or view of a fused expert parameter) that ``name`` is loaded into, shape-checked."""
+        if name in self._pieces:
+            canonical, index = self._pieces[name]
+            target = self._params[canonical][index]
+        else:
+            target = self._params.get(self._aliases.get(name, name))
+        if target is None:
+            near = difflib.get_close_matches(name, self._required, n=1)
             hint = f"; nearest parameter name: {near[0]!r}" if near else ""
             raise WeightUpdateError(f"unknown parameter {name!r} for {type(self.model).__name__}{hint}")
-        if tuple(tensor.shape) != tuple(param.shape):
+        if tuple(tensor.shape) != tuple(target.shape):
             raise WeightUpdateError(
-                f"parameter {name!r}: expected shape {tuple(param.shape)}, found {tuple(tensor.shape)}"
+                f"parameter {name!r}: expected shape {tuple(target.shape)}, found {tuple(tensor.shape)}"
             )
-        return param
+        return target
 
     def finish_weight_update(self) -> None:
-        """End a weight sync; raises :class:`WeightUpdateError` naming every parameter not loaded since it began."""
-        missing = [name for name in self._params if name not in self._loaded]
+        """End a weight sync; raises :class:`WeightUpdateError` naming every parameter (or expert piece) not
+        loaded since it began."""
+        missing = [name for name in self._required if name not in self._loaded]
         if missing:
             shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
             raise WeightUpdateError(
-                f"incomplete weight update: {len(missing)} of {len(self._params)} parameters were not loaded "
+                f"incomplete weight update: {len(missing)} of {len(self._required)} parameters were not loaded "
                 f"since the sync began: {shown}"
             )
         self._loaded = set()
         self._ready = True
-        logger.debug("weight sync complete: %d parameters", len(self._params))
+        logger.debug("weight sync complete: %d parameters", len(self._required))
 
     sleep_frees_memory = True
 

@@ -1,6 +1,7 @@
 """The tiny single-digit addition task, built offline: a character tokenizer, a random Qwen2-shaped
-model and ``a+b=`` prompt datasets with their answers (``a + b <= 9``). Used by ``make demo``
-(examples/grpo_addition_tiny), the end-to-end trainer tests and the CPU GRPO benchmark.
+model (or, with ``num_experts``, a Qwen3-MoE-shaped one) and ``a+b=`` prompt datasets with their answers
+(``a + b <= 9``). Used by ``make demo`` (examples/grpo_addition_tiny), the MoE variant
+(examples/grpo_addition_moe), the end-to-end trainer tests and the CPU GRPO benchmark.
 
 A random policy answers correctly a few percent of the time; learning to emit one digit and stop,
 then the right digit, is the curve GRPO has to climb.
@@ -36,19 +37,30 @@ def make_tokenizer(out_dir: str | Path | None = None):
 
 
 def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-               intermediate_size: int | None = None, max_position_embeddings: int = 64) -> Path:
+               intermediate_size: int | None = None, max_position_embeddings: int = 64, num_experts: int = 0,
+               top_k: int = 2) -> Path:
     """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it.
-    ``max_position_embeddings`` must cover prompt + response (the benchmark's 64-token responses need 128)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    ``max_position_embeddings`` must cover prompt + response (the benchmark's 64-token responses need 128).
+    ``num_experts > 0``: a Qwen3-MoE-shaped model instead, every layer ``top_k`` of ``num_experts`` experts of
+    width ``intermediate_size`` (default: the hidden size)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     out_dir = Path(out_dir)
     vocab = len(SPECIALS) + len(CHARS)
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        pad_token_id=0, eos_token_id=1, bos_token_id=1, architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        use_sliding_window=False,
     )
+    if num_experts:
+        config = Qwen3MoeConfig(**common, intermediate_size=2 * hidden_size, num_experts=num_experts,
+                                num_experts_per_tok=top_k, moe_intermediate_size=intermediate_size or hidden_size,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                architectures=["Qwen3MoeForCausalLM"])
+    else:
+        config = Qwen2Config(**common, intermediate_size=intermediate_size or 2 * hidden_size,
+                             architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out_dir))
     make_tokenizer(out_dir)

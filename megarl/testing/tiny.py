@@ -60,10 +60,15 @@ def tiny_config(
     rope_scaling: bool = False,
     scalar_head: bool = False,
     max_positions: int | None = None,
+    num_experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
 ):
-    """An HF config of the given family ("llama", "qwen2", "qwen3"); ``scalar_head``: a
-    ``*ForSequenceClassification`` with one label (reward model / critic)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """An HF config of the given family ("llama", "qwen2", "qwen3", "qwen3_moe"); ``scalar_head``: a
+    ``*ForSequenceClassification`` with one label (reward model / critic). ``num_experts``, ``top_k``,
+    ``moe_intermediate_size`` and ``norm_topk_prob`` shape the MoE layers of "qwen3_moe"."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -91,10 +96,15 @@ def tiny_config(
         cls, name, rope = Qwen2Config, "Qwen2", {"rope_type": "default", "rope_theta": 1e6}
     elif family == "qwen3":
         cls, name, rope = Qwen3Config, "Qwen3", {"rope_type": "default", "rope_theta": 1e6}
+    elif family == "qwen3_moe":
+        cls, name, rope = Qwen3MoeConfig, "Qwen3Moe", {"rope_type": "default", "rope_theta": 1e6}
     else:
-        raise ValueError(f"unknown family {family!r}; choose llama, qwen2 or qwen3")
+        raise ValueError(f"unknown family {family!r}; choose llama, qwen2, qwen3 or qwen3_moe")
     arch = f"{name}ForSequenceClassification" if scalar_head else f"{name}ForCausalLM"
     extra = {"num_labels": 1} if scalar_head else {}
+    if family == "qwen3_moe":
+        extra.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
+                     norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     return cls(**common, rope_parameters=rope, architectures=[arch], **extra)
 
 

@@ -2,7 +2,8 @@
 tokenizers and config.json files): the reward model and the distillation teacher read the policy's
 token ids as they are, so each must embed every id the policy can emit and map every string to the same
 id as the policy's tokenizer (re-tokenizing responses for another vocabulary is not supported), and each
-must have the right head (a scalar for a reward model, vocabulary logits for a teacher).
+must have the right head (a scalar for a reward model, vocabulary logits for a teacher). A
+Mixture-of-Experts policy rolls out with the embedded engine only (issue #24).
 """
 
 from __future__ import annotations
@@ -14,12 +15,28 @@ from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 
 
 def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
+    _check_moe(cfg)
     if cfg.reward_model is not None:
         _check("reward_model", cfg.reward_model.model, Head.SCALAR, cfg, tokenizer,
                "an HF *ForSequenceClassification checkpoint with num_labels=1")
     if cfg.teacher is not None:
         _check("teacher", cfg.teacher.model, Head.LM, cfg, tokenizer,
                "an HF *ForCausalLM checkpoint or a megarl checkpoint of one")
+
+
+def _check_moe(cfg: TrainConfig) -> None:
+    """A Mixture-of-Experts policy generates with the embedded engine only: the weight sync into vLLM's fused-MoE
+    layers has not run yet (docs/moe.md §5)."""
+    from megarl.rollout.config import RolloutBackend
+
+    if cfg.rollout.engine.backend is RolloutBackend.EMBEDDED:
+        return
+    if spec_from_hf_config(load_hf_config(hf_files(cfg.model.path))).moe is not None:
+        raise ConfigError(
+            f"model.path {cfg.model.path} is a Mixture-of-Experts model, which megarl rolls out with the embedded "
+            f"engine only so far (rollout.engine.backend: {cfg.rollout.engine.backend.value}); the weight sync into "
+            "vLLM's fused-MoE layers is not implemented yet (issue #24, docs/moe.md §5). Set "
+            "rollout.engine.backend=embedded.")
 
 
 def _check(section: str, model: ModelConfig, head: Head, cfg: TrainConfig, tokenizer, wanted: str) -> None:

@@ -57,3 +57,25 @@ def test_invalid_values():
         ParallelLayout(vpp=2)
     with pytest.raises(LayoutError, match="not supported yet"):
         ParallelLayout(cp=2)
+
+
+def test_expert_coords_match_megatron_expert_order_hand_worked():
+    # world of 8 = TP2 x DP2 x PP2 with EP2: within a stage (4 ranks) the expert order is ep innermost, then
+    # expert-data-parallel (expert TP 1); pp outermost, as for the dense part
+    layout = ParallelLayout(tp=2, pp=2, dp=2, ep=2)
+    assert layout.expert_dp == 2 and layout.world_size == 8
+    expected = {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1), 4: (0, 0), 5: (1, 0), 6: (0, 1), 7: (1, 1)}
+    for rank, (ep, edp) in expected.items():
+        assert tuple(layout.expert_coords(rank)) == (ep, edp)
+    assert list(ParallelLayout(dp=4, ep=4).experts_of(8, 3)) == [6, 7]
+    assert str(layout) == "TP2xPP2xDP2xEP2"
+
+
+def test_expert_parallelism_must_divide_the_stage_and_the_experts():
+    with pytest.raises(LayoutError, match=r"ep=4 must divide tp\*dp = 1\*2 = 2"):
+        ParallelLayout(dp=2, ep=4)
+    with pytest.raises(LayoutError, match=r"ep=4 must divide the number of experts \(6\); choose ep from \[1, 2\]"):
+        ParallelLayout(dp=4, ep=4).check_model(num_layers=2, num_attention_heads=4, num_query_groups=2, num_experts=6)
+    # a dense model on an expert-parallel pool: ep does not concern it
+    ParallelLayout(dp=2, ep=2).check_model(num_layers=2, num_attention_heads=4, num_query_groups=2)
+    assert ParallelLayout.for_world(4, tp=2, ep=2).dp == 2

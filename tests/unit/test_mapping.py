@@ -73,23 +73,41 @@ def test_vocab_padding_and_trim():
 def test_maps_cover_exactly_the_hf_state_dict():
     from transformers import AutoModelForCausalLM
 
-    for family, tied in [("llama", False), ("qwen2", True), ("qwen3", False)]:
+    for family, tied in [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)]:
         cfg = tiny_config(family, tied=tied)
         spec = spec_from_hf_config(cfg.to_dict())
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
-        hf_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        hf_shapes = _checkpoint_shapes({n: tuple(p.shape) for n, p in model.named_parameters()})
         maps = mapping.tensor_maps(spec)
         ours = {n: s for m in maps for n, s in zip(m.hf, mapping.hf_shapes(m, spec), strict=True)}
         assert ours == hf_shapes
+
+
+def _checkpoint_shapes(shapes: dict) -> dict:
+    """transformers 5 fuses an MoE layer's experts in memory (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``);
+    its checkpoints (and hub files) hold one tensor per expert and projection: split the shapes by hand."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            e, two_i, h = shape
+            for i in range(e):
+                for proj in ("gate", "up"):
+                    out[name.replace("gate_up_proj", f"{i}.{proj}_proj.weight")] = (two_i // 2, h)
+        elif name.endswith("mlp.experts.down_proj"):
+            for i in range(shape[0]):
+                out[name.replace("down_proj", f"{i}.down_proj.weight")] = shape[1:]
+        else:
+            out[name] = shape
+    return out
 
 
 def test_names_te_and_checkpoint_keys():
     name = "decoder.layers.7.input_layernorm.weight"
     assert mapping.te_name(name) == "decoder.layers.7.self_attention.linear_qkv.layer_norm_weight"
     assert mapping.local_name(mapping.te_name(name)) == name
-    assert mapping.checkpoint_key(name) == ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 7)
-    assert mapping.checkpoint_key("output_layer.weight") == ("output_layer.weight", None)
+    assert mapping.checkpoint_key(name) == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert mapping.checkpoint_key("output_layer.weight") == "output_layer.weight"
     assert mapping.with_layer("decoder.layers.1.mlp.linear_fc2.weight", 5) == "decoder.layers.5.mlp.linear_fc2.weight"
 
 
@@ -100,3 +118,21 @@ def test_shape_mismatch_is_a_clear_error():
     m = _map(spec, "mlp.linear_fc2.weight")
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight has shape \[64, 95\], expected"):
         mapping.to_mcore(m, spec, [torch.zeros(64, 95)], padded_vocab=384)
+
+
+def test_moe_names_checkpoint_keys_and_expert_shapes():
+    spec = _spec("qwen3_moe", num_experts=4, moe_intermediate_size=24)
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
+    fc1 = maps["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert (fc1.kind, fc1.tp_dim, fc1.layer, fc1.expert) == (Kind.GATE_UP, None, 1, 3)
+    assert (fc1.ckpt_key, fc1.ckpt_index) == ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 3))
+    assert mapping.mcore_shape(fc1, spec, 0) == (48, 64)
+    fc2 = maps["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert mapping.hf_shapes(fc2, spec) == ((64, 24),)
+    router = maps["decoder.layers.0.mlp.router.weight"]
+    assert router.hf == ("model.layers.0.mlp.gate.weight",) and mapping.hf_shapes(router, spec) == ((4, 64),)
+    # an MoE layer's pre-MLP norm keeps its own checkpoint key (TE's MoE layer does not fuse it into fc1)
+    assert maps["decoder.layers.0.pre_mlp_layernorm.weight"].ckpt_key == "decoder.layers.pre_mlp_layernorm.weight"
+    assert not any(n.endswith("mlp.linear_fc1.weight") and ".experts." not in n for n in maps)
+    assert mapping.with_expert(fc1.mcore, 0) == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"

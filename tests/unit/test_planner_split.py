@@ -273,7 +273,8 @@ def test_cli_colocated_report_mentions_no_pools(monkeypatch, capsys, tmp_path):
     assert code == 0, err
     report = out.split("predicted step")[0]
     assert not any(w in report for w in ("training pool", "rollout pool", "split placement", "r.sync"))
-    assert out.splitlines()[5].startswith("GB per GPU (fullest stage)")
+    lines = out.splitlines()
+    assert lines[lines.index("") + 1].startswith("GB per GPU (fullest stage)")  # the table right after the header
     assert "resharding per sync" in out and "overrides: cluster.pools.main.nodes=1" in out
     assert [line.split()[0] for line in out.splitlines()[-1:]] == ["sync"]
 

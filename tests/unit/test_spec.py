@@ -77,3 +77,29 @@ def test_hf_dir_without_config(tmp_path):
         load_hf_config(tmp_path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_hf_config(tmp_path / "nope")
+
+
+def test_qwen3_moe_spec_and_parameter_counts_match_transformers():
+    from megarl.models.spec import Family
+
+    cfg = tiny_config("qwen3_moe", num_experts=8, top_k=3, moe_intermediate_size=24, norm_topk_prob=False)
+    spec = spec_from_hf_config(cfg.to_dict())  # to_dict() writes num_local_experts
+    assert spec.family is Family.QWEN3_MOE and spec.qk_layernorm
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.ffn_hidden_size, spec.moe.norm_topk_prob) == (8, 3, 24,
+                                                                                                         False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    # active: per layer, 5 of the 8 experts' 3 x 24 x 64 weights are not used by a token
+    assert spec.num_parameters() - spec.num_active_parameters() == cfg.num_hidden_layers * 5 * 3 * 24 * 64
+    hub = cfg.to_dict()
+    hub["num_experts"] = hub.pop("num_local_experts")  # the hub's key
+    assert spec_from_hf_config(hub).moe == spec.moe
+
+
+def test_moe_with_dense_layers_is_refused():
+    for extra in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}):
+        with pytest.raises(UnsupportedModelError, match="dense layers among the MoE layers"):
+            spec_from_hf_config(tiny_config("qwen3_moe").to_dict() | extra)
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9 of 4"):
+        spec_from_hf_config(tiny_config("qwen3_moe").to_dict() | {"num_experts_per_tok": 9})
