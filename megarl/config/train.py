@@ -424,6 +424,9 @@ def _check_overlapped(cfg: TrainConfig) -> None:
         if cfg.algorithm.needs_greedy_baseline:
             raise ConfigError("ReMax's greedy baseline is generated beside each batch, which rollout.schedule=async "
                               "does not do yet; use sync or one_step_off with it.")
+        if cfg.policy.router_replay:
+            raise ConfigError("policy.router_replay with rollout.schedule=async: the asynchronous producer's rows do "
+                              "not carry the rollout's expert choices yet; use sync or one_step_off with it.")
 
 
 def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:

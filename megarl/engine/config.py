@@ -82,6 +82,7 @@ class EngineConfig:
     precision: Precision = Precision.FP32  # float32, or bfloat16 weights with fp32 main grads and optimizer state (GPU)
     seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
     moe_aux_loss_coef: float = 0.0  # MoE models: weight of the router's load-balancing loss in updates; 0: off
+    router_replay: bool = False  # MoE models: route every token to the rollout's recorded experts (R3)
 
     def __post_init__(self) -> None:
         if self.moe_aux_loss_coef < 0:

@@ -81,9 +81,13 @@ class MegatronEngine:
                 "(and pp) for MoE training roles (forward-only roles may use TP).")
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
+        if config.router_replay and spec.moe is None:
+            raise MegarlError("router_replay is set but the model is dense: it replays an MoE model's expert choices; "
+                              "set router_replay: false.")
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed,
-                                                             moe_aux_loss_coeff=config.moe_aux_loss_coef))
-        self.router_stats = (RouterStats(self.chunks, spec, groups, config.moe_aux_loss_coef)
+                                                             moe_aux_loss_coeff=config.moe_aux_loss_coef,
+                                                             router_replay=config.router_replay))
+        self.router_stats = (RouterStats(self.chunks, spec, groups, config.moe_aux_loss_coef, config.router_replay)
                              if spec.moe is not None and trainable else None)
         for c in self.chunks:
             make_logits_batch_major(c)  # saves a full copy of the logits each way (see output_layer.py)
@@ -137,6 +141,7 @@ class MegatronEngine:
         if not parallel_state.is_pipeline_last_stage():
             return None
         b, s = batch["input_ids"].shape
+        outputs = outputs[: len(plan)]  # idle micro-batches (expert parallelism) come last
         return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s).cpu() for k in outputs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, extremes: Mapping[str, Extreme] | None = None) -> StepResult:
@@ -245,14 +250,28 @@ class MegatronEngine:
 
     def _micro_batches(self, batch: Batch,
                        mb_cfg: MicroBatchConfig) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+        """This rank's micro-batches and their rows. With expert parallelism every data-parallel rank runs as
+        many micro-batches as the one with the most (each MoE layer's all-to-all needs every rank of its group):
+        the others split theirs, and a rank left with too few rows runs idle micro-batches of one masked-out
+        token (no response token, no loss, not in the router statistics), after its real ones."""
         lengths = batch["attention_mask"].sum(-1).long().tolist()
         plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
+        idle = 0
+        if self.spec.moe is not None and self.layout.ep > 1:
+            count = torch.tensor([len(plan)], device=self._params()[0].device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            plan = micro_batches.spread(plan, int(count.item()))
+            idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
         mbs = []
-        for rows in plan:
-            length = max(lengths[i] for i in rows)
+        for rows in plan + [[0]] * idle:
+            length = max(lengths[i] for i in rows) if len(mbs) < len(plan) else 1
             mb = {k: v.to(device, non_blocking=True) for k, v in micro_batches.cut(tensors, rows, length).items()}
+            if len(mbs) >= len(plan):  # idle: nothing of it counts
+                for key in ("attention_mask", "response_mask"):
+                    if key in mb:
+                        mb[key] = torch.zeros_like(mb[key])
             mb["position_ids"] = torch.arange(length, device=device).expand(len(rows), length)
             mbs.append(mb)
         return plan, mbs
@@ -263,21 +282,25 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if self.router_stats is not None:
-                self.router_stats.set_micro_batch(mb["attention_mask"])
+                self.router_stats.set_micro_batch(mb["attention_mask"], mb.get("routed_experts"))
             output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 
         chunks = self.model
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(mbs),
-            seq_length=max(mb["input_ids"].shape[1] for mb in mbs),
-            micro_batch_size=max(mb["input_ids"].shape[0] for mb in mbs),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(mbs),
+                seq_length=max(mb["input_ids"].shape[1] for mb in mbs),
+                micro_batch_size=max(mb["input_ids"].shape[0] for mb in mbs),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            if self.router_stats is not None:  # no replay targets left behind for the next pass
+                self.router_stats.end_pass()
 
     def _reduce_metrics(self, reduced: list[dict[str, torch.Tensor]],
                         extremes: Mapping[str, Extreme]) -> dict[str, float]:

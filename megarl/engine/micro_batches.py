@@ -4,6 +4,8 @@ Sequences are right-padded rows of a batch with known lengths. :func:`plan` grou
 micro-batches (longest first, greedy) so that ``rows * longest <= max_tokens``; :func:`cut` takes the
 rows of one micro-batch and trims every tensor's sequence axis to that micro-batch's longest row;
 :func:`restore` scatters per-micro-batch outputs back into original row order at full length.
+:func:`spread` splits a plan into more micro-batches, for ranks that must run as many as their peers
+(expert parallelism: every rank of an expert-parallel group joins each MoE layer's all-to-all).
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ def plan(lengths: list[int], max_tokens: int, max_size: int) -> list[list[int]]:
                 current.append(i)
                 continue
         batches.append([i])
+    return batches
+
+
+def spread(batches: list[list[int]], count: int) -> list[list[int]]:
+    """``batches`` split into ``count`` micro-batches where it has fewer (the one with the most rows halved,
+    repeatedly); fewer than ``count`` come back only when every micro-batch is down to one row."""
+    batches = [list(b) for b in batches]
+    while len(batches) < count:
+        i = max(range(len(batches)), key=lambda j: (len(batches[j]), -j), default=None)
+        if i is None or len(batches[i]) < 2:
+            break
+        rows = batches[i]
+        batches[i:i + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
     return batches
 
 

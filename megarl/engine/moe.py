@@ -11,7 +11,16 @@ ranks (tensor-parallel ranks route the same tokens) and returns:
 - ``moe_load_balancing_loss``: megatron-core's auxiliary load-balancing loss (switch-transformer form,
   ``E / (k T^2) * sum_e tokens_e * sum_t p_e(t)``), averaged over layers, micro-batches and DP ranks,
   before its coefficient; present only when the coefficient (``moe_aux_loss_coef``) is non-zero, since
-  megatron-core computes it only then.
+  megatron-core computes it only then;
+- with the rollout's recorded routing in the batch (``routed_experts`` [b, s, layers, k]):
+  ``moe_routing_disagreement``, the share of (token, layer) pairs whose top-k expert set, computed by this
+  model from the layer's router input, differs from the rollout's (tokens the rollout engine fed: real
+  tokens followed by another); with router replay also ``moe_replay_mismatch``, how many of those pairs
+  the router did not route to the rollout's experts (0: replay forces every token).
+
+Router replay (rollout routing replay, R3; ``router_replay``): every forward of the engine, not only
+updates, routes each token to the rollout's recorded experts through megatron-core's ``RouterReplay``
+(``moe_enable_routing_replay``), the weights of those experts still coming from this model's router.
 
 Imports megatron-core; used by :class:`megarl.engine.engine.MegatronEngine`.
 """
@@ -20,7 +29,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megarl.models.spec import ModelSpec
 
@@ -28,31 +39,75 @@ _AUX = "load_balancing_loss"  # megatron-core's tracker name for the aux_loss te
 
 
 class RouterStats:
-    def __init__(self, chunks: list[torch.nn.Module], spec: ModelSpec, groups, aux_loss_coef: float) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], spec: ModelSpec, groups, aux_loss_coef: float,
+                 replay: bool = False) -> None:
         assert spec.moe is not None
-        self.groups, self.aux_loss_coef = groups, aux_loss_coef
+        self.groups, self.aux_loss_coef, self.replay, self.top_k = groups, aux_loss_coef, replay, spec.moe.top_k
         self.counts = torch.zeros(spec.num_layers, spec.moe.num_experts, dtype=torch.float64)
+        self.compared = torch.zeros(3, dtype=torch.float64)  # differing pairs, compared pairs, replay misses
         self.mask: torch.Tensor | None = None  # the current micro-batch's real tokens, in the router's order
+        self.routed: torch.Tensor | None = None  # its rollout routing [tokens, layers, k], same order
+        self.fed: torch.Tensor | None = None  # tokens the rollout engine fed (whose routing it recorded)
         self.active = False
+        self.routers = []
         for chunk in chunks:
             for layer in chunk.decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
                     router.register_forward_hook(self._hook(layer.layer_number - 1))
+                    self.routers.append((layer.layer_number - 1, router))
 
     def _hook(self, layer: int):
         def count(module, inputs, output) -> None:
-            if self.active and self.mask is not None:
-                _, routing_map = output  # [tokens, experts], tokens sequence-major like the layer's input
-                self.counts[layer] += routing_map[self.mask].sum(0, dtype=torch.float64).cpu()
+            if not self.active or self.mask is None:
+                return
+            _, routing_map = output  # [tokens, experts], tokens sequence-major like the layer's input
+            self.counts[layer] += routing_map[self.mask].sum(0, dtype=torch.float64).cpu()
+            if self.routed is None:
+                return
+            target = self.routed[:, layer]
+            with torch.no_grad():  # this model's own choice, from the router's input and weights (fp32)
+                hidden = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+                own = F.linear(hidden, module.weight.float()).topk(self.top_k, dim=-1).indices
+            differ = (own.sort(-1).values != target.sort(-1).values).any(-1)
+            self.compared[0] += differ[self.fed].sum().item()
+            self.compared[1] += self.fed.sum().item()
+            if self.replay:
+                wanted = torch.zeros_like(routing_map).scatter_(1, target, True)
+                self.compared[2] += (routing_map != wanted).any(-1)[self.fed].sum().item()
         return count
 
-    def set_micro_batch(self, attention_mask: torch.Tensor) -> None:
-        """``attention_mask`` [b, s] of the micro-batch about to run (megatron's layers see [s, b])."""
+    def set_micro_batch(self, attention_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> None:
+        """The micro-batch about to run: ``attention_mask`` [b, s] (megatron's layers see [s, b]) and, when the
+        batch carries it, the rollout's routing [b, s, layers, k], which replay forces on every router."""
         self.mask = attention_mask.t().reshape(-1).bool()
+        if routed_experts is None:
+            if self.replay:
+                raise ValueError("router replay is on but the batch carries no routed_experts: the rollout engine "
+                                 "did not record its routing (docs/moe.md)")
+            self.routed = self.fed = None
+            return
+        self.routed = routed_experts.transpose(0, 1).reshape(-1, *routed_experts.shape[2:]).long()
+        following = torch.zeros_like(attention_mask)
+        following[:, :-1] = attention_mask[:, 1:]
+        self.fed = (attention_mask * following).t().reshape(-1).bool()
+        if self.replay:
+            for layer, router in self.routers:
+                router.router_replay.clear_indices()
+                router.router_replay.set_target_indices(self.routed[:, layer])
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def end_pass(self) -> None:
+        """After a pass: no replay targets left behind for the next caller of the model."""
+        for _, router in self.routers:
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+        self.routed = self.fed = None
 
     def begin(self) -> None:
         self.counts.zero_()
+        self.compared.zero_()
         moe_utils.clear_aux_losses_tracker()
         self.active = True
 
@@ -69,6 +124,13 @@ class RouterStats:
         if used.any():
             out["moe_load_max"] = share[used].max().item()
             out["moe_load_min"] = share[used].min().item()
+        compared = self.compared.clone()
+        dist.all_reduce(compared, group=self.groups.dp)
+        dist.all_reduce(compared, group=self.groups.pp)
+        if compared[1] > 0:
+            out["moe_routing_disagreement"] = (compared[0] / compared[1]).item()
+            if self.replay:
+                out["moe_replay_mismatch"] = compared[2].item()
         tracker = moe_utils.get_moe_layer_wise_logging_tracker().get(_AUX)  # process-wide, shared by engines
         if tracker is not None and self.aux_loss_coef > 0:
             values = tracker["values"].detach().double().cpu()  # per layer, summed over micro-batches

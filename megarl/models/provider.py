@@ -38,6 +38,7 @@ class BuildOptions:
     seed: int = 0  # initial scalar-head weights (identical on every rank: the head is replicated)
     local_layers: bool = True  # local spec: megarl/models/local_layers.py (fused SDPA attention, lean SwiGLU MLP)
     moe_aux_loss_coeff: float = 0.0  # MoE: weight of the router's load-balancing loss in training
+    router_replay: bool = False  # MoE: megatron-core's RouterReplay on every router (targets set per micro-batch)
 
 
 class ScalarHead(torch.nn.Module):
@@ -119,6 +120,7 @@ def _moe_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions) -> 
         moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
+        moe_enable_routing_replay=opts.router_replay,
     )
 
 

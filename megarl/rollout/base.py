@@ -83,7 +83,10 @@ class RolloutOutput:
     """Sampled responses, one row per sample, rows grouped by prompt (prompt 0's ``n`` samples first).
 
     ``responses`` is right-padded with the engine's pad token to the longest response ``R``;
-    ``response_mask`` is True on real tokens; ``log_probs`` (float32) is 0 on padding.
+    ``response_mask`` is True on real tokens; ``log_probs`` (float32) is 0 on padding. ``routed_experts``
+    (MoE models, engines that record routing): each row's ``top_k`` experts per token of its whole sequence
+    (prompt then response, left-aligned like a training row) and MoE layer, [rows, W, layers, top_k];
+    positions the engine never fed (padding, each row's last token) hold experts ``0..top_k-1``.
     """
 
     prompt_index: torch.Tensor  # long [rows]
@@ -92,6 +95,7 @@ class RolloutOutput:
     log_probs: torch.Tensor  # float32 [rows, R]
     response_lengths: torch.Tensor  # long [rows]
     finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH per row
+    routed_experts: torch.Tensor | None = None  # int16 [rows, W, layers, top_k] (MoE), else None
 
     def __len__(self) -> int:
         return len(self.finish_reasons)

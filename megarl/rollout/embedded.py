@@ -125,6 +125,13 @@ def _expert_pieces(params: dict[str, nn.Parameter]) -> dict[str, tuple[str, tupl
     return out
 
 
+def _moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The top-k router of every MoE decoder layer (transformers' ``mlp.gate`` beside ``mlp.experts``), in layer
+    order; empty for a dense model."""
+    layers = model.get_decoder().layers
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(input_ids, attention_mask, position_ids) of a left-padded batch; positions count real tokens from 0."""
     width = max(len(p) for p in prompts)
@@ -200,13 +207,23 @@ class _Results:
     log_probs: torch.Tensor  # float32 [rows, max_new]
     lengths: torch.Tensor  # long [rows]
     stopped: torch.Tensor  # bool [rows]
+    prompt_lengths: torch.Tensor  # long [rows]
+    routing: torch.Tensor | None = None  # int16 [rows, longest prompt + max_new, layers, top_k] (MoE)
 
     @classmethod
-    def empty(cls, rows: int, max_new: int, pad: int, device: torch.device) -> _Results:
+    def empty(cls, prompt_lengths: list[int], max_new: int, pad: int, device: torch.device,
+              moe: tuple[int, int] | None) -> _Results:
+        rows = len(prompt_lengths)
+        routing = None
+        if moe is not None:  # (layers, top_k): unfed positions keep experts 0..k-1
+            layers, k = moe
+            width = max(prompt_lengths, default=0) + max_new
+            routing = torch.arange(k, dtype=torch.int16, device=device).expand(rows, width, layers, k).clone()
         return cls(tokens=torch.full((rows, max_new), pad, dtype=torch.long, device=device),
                    log_probs=torch.zeros((rows, max_new), dtype=torch.float32, device=device),
                    lengths=torch.zeros(rows, dtype=torch.long, device=device),
-                   stopped=torch.zeros(rows, dtype=torch.bool, device=device))
+                   stopped=torch.zeros(rows, dtype=torch.bool, device=device),
+                   prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long, device=device), routing=routing)
 
     def output(self, row_prompt: list[int]) -> RolloutOutput:
         width = int(self.lengths.max()) if len(self.lengths) else 0
@@ -217,6 +234,8 @@ class _Results:
             log_probs=self.log_probs[:, :width].contiguous(),
             response_lengths=self.lengths,
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped.tolist()],
+            routed_experts=(None if self.routing is None
+                            else self.routing[:, : int((self.prompt_lengths + self.lengths).max())].contiguous()),
         )
 
 
@@ -274,6 +293,20 @@ class EmbeddedEngine:
         # releases take only ``past_key_values`` and would silently ignore ``cache`` (no context after prefill)
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._routers = _moe_routers(self.model)  # MoE: each layer's router, whose choices generate() records
+        self._routed: list[torch.Tensor] = []  # the last forward's top-k experts per router, [tokens, k] each
+        for router in self._routers:
+            router.register_forward_hook(self._record_routing)
+
+    def _record_routing(self, module, inputs, output) -> None:
+        self._routed.append(output[2])  # transformers' top-k router: (logits, weights, indices [tokens, k])
+
+    def _take_routing(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The top-k experts of the forward just run, [*shape, layers, k] (``shape``: its batch x sequence)."""
+        if not self._routers:
+            return None
+        routed, self._routed = self._routed, []
+        return torch.stack(routed, dim=1).view(*shape, len(routed), -1).to(torch.int16)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -378,7 +411,9 @@ class EmbeddedEngine:
             generator.manual_seed(params.seed)
         row_prompt = [i for i in range(len(prompts)) for _ in range(params.n)]
         start = time.perf_counter()
-        results = _Results.empty(len(row_prompt), params.max_new_tokens, self.pad_token_id, self.device)
+        moe = (len(self._routers), self.model.config.num_experts_per_tok) if self._routers else None
+        results = _Results.empty([len(prompts[i]) for i in row_prompt], params.max_new_tokens, self.pad_token_id,
+                                 self.device, moe)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         admit_at_least = max(1, self.max_batch_size // 4)  # amortise a prefill + cache merge over many rows
         batch, next_row, steps = None, 0, 0
@@ -388,7 +423,7 @@ class EmbeddedEngine:
                 waiting = len(row_prompt) - next_row
                 if waiting and (batch is None or (self._mergeable and free >= min(waiting, admit_at_least))):
                     rows = range(next_row, next_row + min(free, waiting))
-                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows)
+                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows, results)
                     next_row = rows.stop
                     if batch is None:
                         batch = joining
@@ -416,6 +451,7 @@ class EmbeddedEngine:
                                   f"min {min(p)}, max {max(p)}")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        self._routed = []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_arg: cache})
         return out.logits[:, -1, :]
@@ -430,13 +466,21 @@ class EmbeddedEngine:
             cache.layers = [GrowingLayer() for _ in cache.layers]
         return cache
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range) -> _Batch:
+    def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range,
+                 results: _Results) -> _Batch:
         """A batch for output ``rows`` (prompt ids ``row_prompts``, grouped): each distinct prompt is prefilled
-        once, then its cache rows are repeated."""
+        once, then its cache rows are repeated (and, MoE, its routing recorded for each of them)."""
         distinct, repeats = zip(*((i, len(list(g))) for i, g in itertools.groupby(row_prompts)), strict=True)
         ids, mask, positions = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache)
+        routed = self._take_routing(tuple(ids.shape))
+        if routed is not None:  # left-padded [distinct, width, layers, k] -> each row's prompt columns
+            row = rows.start
+            for d, (i, count) in enumerate(zip(distinct, repeats, strict=True)):
+                length = len(prompts[i])
+                results.routing[row: row + count, :length] = routed[d, ids.shape[1] - length:]
+                row += count
         expand = torch.repeat_interleave(torch.arange(len(distinct), device=self.device),
                                          torch.tensor(repeats, device=self.device))
         if len(expand) != len(distinct):
@@ -468,5 +512,9 @@ class EmbeddedEngine:
                 batch.trim_left()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
         batch.logits = self._forward(tokens[:, None], batch.mask, batch.next_pos[:, None], batch.cache)
+        routed = self._take_routing((len(tokens),))
+        if routed is not None:  # the token just fed: the row's response token number lengths - 1
+            rows = batch.rows
+            results.routing[rows, results.prompt_lengths[rows] + results.lengths[rows] - 1] = routed
         batch.next_pos = batch.next_pos + 1
         return batch

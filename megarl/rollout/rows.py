@@ -30,7 +30,8 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
 
     Fields: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens),
     ``rollout_log_probs`` (token-aligned: entry i is the log-prob of token i), ``prompt_index``,
-    ``response_lengths``; non-tensor ``finish_reasons``. Built with whole-batch tensor ops (no per-row
+    ``response_lengths``, ``routed_experts`` when every output recorded its MoE routing (token-aligned
+    [rows, width, layers, top_k]); non-tensor ``finish_reasons``. Built with whole-batch tensor ops (no per-row
     loop: a few hundred rows cost ~50 ms that way on a CPU).
     """
     width_new = max(out.responses.shape[1] for out in outputs)
@@ -53,12 +54,22 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
     ids.scatter_(1, cols, responses)
     lps.scatter_(1, cols, log_probs)
     col = torch.arange(width)[None, :]
-    return Batch.from_dict(
-        {"input_ids": ids[:, :width].contiguous(), "attention_mask": (col < end[:, None]).float(),
-         "response_mask": ((col >= start[:, None]) & (col < end[:, None])).float(),
-         "rollout_log_probs": lps[:, :width].contiguous(), "prompt_index": index, "response_lengths": n},
-        non_tensors={"finish_reasons": [reason for out in outputs for reason in out.finish_reasons]},
-    )
+    fields = {"input_ids": ids[:, :width].contiguous(), "attention_mask": (col < end[:, None]).float(),
+              "response_mask": ((col >= start[:, None]) & (col < end[:, None])).float(),
+              "rollout_log_probs": lps[:, :width].contiguous(), "prompt_index": index, "response_lengths": n}
+    if all(out.routed_experts is not None for out in outputs):
+        fields["routed_experts"] = torch.cat([_pad_routing(out.routed_experts.cpu(), width) for out in outputs])
+    return Batch.from_dict(fields,
+                           non_tensors={"finish_reasons": [reason for out in outputs for reason in out.finish_reasons]})
+
+
+def _pad_routing(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, W, layers, k] -> [rows, width, layers, k]: extra columns take experts 0..k-1 (never fed)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    k = t.shape[-1]
+    pad = torch.arange(k, dtype=t.dtype).expand(t.shape[0], width - t.shape[1], t.shape[2], k)
+    return torch.cat([t, pad], dim=1)
 
 
 def _pad_columns(t: torch.Tensor, width: int, value: float) -> torch.Tensor:

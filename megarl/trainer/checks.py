@@ -26,12 +26,14 @@ def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
 
 def _check_moe(cfg: TrainConfig) -> None:
     """A Mixture-of-Experts policy generates with the embedded engine only: the weight sync into vLLM's fused-MoE
-    layers has not run yet (docs/moe.md §5)."""
+    layers has not run yet (docs/moe.md §5); router replay needs an MoE policy."""
     from megarl.rollout.config import RolloutBackend
 
-    if cfg.rollout.engine.backend is RolloutBackend.EMBEDDED:
-        return
-    if spec_from_hf_config(load_hf_config(hf_files(cfg.model.path))).moe is not None:
+    moe = spec_from_hf_config(load_hf_config(hf_files(cfg.model.path))).moe is not None
+    if cfg.policy.router_replay and not moe:
+        raise ConfigError(f"policy.router_replay replays a Mixture-of-Experts model's expert choices; model.path "
+                          f"{cfg.model.path} is dense: set policy.router_replay=false.")
+    if moe and cfg.rollout.engine.backend is not RolloutBackend.EMBEDDED:
         raise ConfigError(
             f"model.path {cfg.model.path} is a Mixture-of-Experts model, which megarl rolls out with the embedded "
             f"engine only so far (rollout.engine.backend: {cfg.rollout.engine.backend.value}); the weight sync into "

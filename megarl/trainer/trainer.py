@@ -299,7 +299,7 @@ class Trainer:
         denominator), compared with the rollout engine's on the samples of those weights
         (``rollout/logprob_abs_diff``; older samples' gap, which includes the updates since, is
         ``async/stale_logprob_abs_diff``)."""
-        lp = self.cluster.old_log_probs(batch.select("input_ids", "attention_mask"))["log_probs"]
+        lp = self.cluster.old_log_probs(batch.select("input_ids", "attention_mask", *_routing(batch)))["log_probs"]
         batch.tensors["old_log_probs"] = lp
         fresh = (batch["policy_version"] == self.step - 1).to(lp.dtype)[:, None]
         metrics = {}
@@ -373,7 +373,7 @@ class Trainer:
             fields.append("rollout_log_probs")
         if a.kl_loss_coef:
             fields.append("ref_log_probs")
-        train = batch.select(*fields)
+        train = batch.select(*fields, *_routing(batch))
         return mean_metrics([self.cluster.update_policy(mb) for mb in self._mini_batches(train)], "actor/")
 
     def _mini_batches(self, batch: Batch) -> Iterator[Batch]:
@@ -498,3 +498,9 @@ def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str
     except Abandoned as e:
         raise RunStopped(f"{e}; the workers were stopped, and the newest checkpoint in trainer.output_dir is where "
                          "the same command resumes.") from None
+
+
+def _routing(batch: Batch) -> tuple[str, ...]:
+    """The rollout's recorded MoE routing, when the batch has it: the policy's forwards compare their own routing
+    with it (``actor/moe_routing_disagreement``) and, with ``policy.router_replay``, replay it."""
+    return ("routed_experts",) if "routed_experts" in batch.tensors else ()

@@ -156,7 +156,51 @@ def _hybrid(rank, world_size, ckpt, hf_dir, engine):
     if greedy is not None:
         res["greedy"] = [row[row != 0].tolist() for row in greedy["input_ids"]]  # prompts contain no 0
         res["greedy_diff"] = diff
+    res["replay"] = _replay(role, ctx, ckpt, engine, layout)
     return res
+
+
+def _replay(role, ctx, ckpt, engine, layout):
+    """Sampled rows with the rollout's recorded routing: without replay the policy's routing agrees with it;
+    with replay (a second policy, router_replay on) the routers follow it (no mismatch) and the log-probs keep
+    parity; replaying a shuffled routing is obeyed too, and changes the log-probs."""
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.data.batch import Batch, prompt_batch
+    from megarl.roles.policy import PolicyRole
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.mismatch import logprob_abs_diff
+    from megarl.testing.dist import from_collect_rank
+
+    role.sync_weights()
+    sampled = role.generate(prompt_batch(PROMPTS), SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW,
+                                                                  seed=5))
+    role.to_train()
+    rows = from_collect_rank(sampled, layout)
+    replaying = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(engine, router_replay=True),
+                           algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
+    routed = rows["routed_experts"].long()
+    k = routed.shape[-1]
+    # another valid routing: the experts the rollout did not choose (4 experts, top 2: the other two)
+    chosen = torch.nn.functional.one_hot(routed, 4).sum(-2)
+    shuffled = chosen.argsort(dim=-1, stable=True)[..., :k]
+    out = {}
+    for name, routing in (("own", rows["routed_experts"]), ("shuffled", shuffled.to(torch.int16))):
+        lp = replaying.compute_log_probs(Batch.from_dict({"input_ids": rows["input_ids"],
+                                                          "attention_mask": rows["attention_mask"],
+                                                          "routed_experts": routing}))
+        lp = from_collect_rank(None if lp is None else lp["log_probs"], layout)
+        train = Batch.from_dict({"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"],
+                                 "response_mask": rows["response_mask"], "routed_experts": routing,
+                                 "old_log_probs": lp, "advantages": torch.zeros_like(lp)})
+        terms = replaying.update(train.chunk(layout.dp)[ctx.coords.dp]).terms
+        out[name] = {"diff": logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"]),
+                     "mismatch": terms["moe_replay_mismatch"], "disagreement": terms["moe_routing_disagreement"]}
+    own = rows.select("input_ids", "attention_mask", "response_mask", "routed_experts").update(Batch.from_dict(
+        {"old_log_probs": rows["rollout_log_probs"], "advantages": torch.zeros_like(rows["rollout_log_probs"])}))
+    terms = role.update(own.chunk(layout.dp)[ctx.coords.dp]).terms  # no replay: the disagreement alone
+    out["no_replay"] = {"disagreement": terms["moe_routing_disagreement"],
+                        "has_mismatch": "moe_replay_mismatch" in terms}
+    return out
 
 
 def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
@@ -296,3 +340,17 @@ def test_greedy_generation_after_sync_equals_transformers(world, hf_and_ckpt):
     for r in reported:
         assert r["greedy"] == expected
         assert r["greedy_diff"] < 1e-5  # the rollout's log-probs = the training model's
+
+
+def test_router_replay_follows_the_rollouts_routing(world):
+    for r in world:
+        res = r["hybrid"]["replay"]
+        # replaying the rollout's own routing: obeyed everywhere, log-prob parity as without replay
+        assert res["own"]["mismatch"] == 0 and res["own"]["disagreement"] < 0.02  # near-ties may flip
+        assert res["own"]["diff"] < 1e-5
+        # a routing this model would not choose: still obeyed, and the forward changes accordingly (layer 0's
+        # own choice is never the forced one; a later layer's, computed from changed hidden states, sometimes is)
+        assert res["shuffled"]["mismatch"] == 0 and res["shuffled"]["disagreement"] > 0.9
+        assert res["shuffled"]["diff"] > 1e-2
+        # without replay the metric is reported (same weights as the rollout: the same choices)
+        assert res["no_replay"]["disagreement"] < 0.02 and not res["no_replay"]["has_mismatch"]

@@ -101,3 +101,27 @@ def test_fused_names_load_whole(source):
         engine.finish_weight_update()
     engine.update_weights([("model.layers.0.mlp.experts.down_proj", state["model.layers.0.mlp.experts.down_proj"])])
     engine.finish_weight_update()
+
+
+def test_generation_records_every_fed_tokens_experts(source):
+    """Each row's routed_experts at every token the engine fed (prompt tokens, then each response token but the
+    last) equal the top-k experts transformers' router picks in a plain forward over the row's whole sequence;
+    positions never fed hold experts 0..k-1. Sampled (joins and early stops exercise the batch bookkeeping)."""
+    config, model, disk = source
+    engine = EmbeddedEngine(config, pad_token_id=PAD, max_batch_size=4)
+    _load(engine, disk)
+    engine.finish_weight_update()
+    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=7,
+                                                  stop_token_ids=(11, 12, 13)))
+    routed = out.routed_experts
+    k, layers = config.num_experts_per_tok, config.num_hidden_layers
+    assert routed.dtype == torch.int16 and routed.shape[2:] == (layers, k)
+    for row, (p, n) in enumerate(zip(out.prompt_index.tolist(), out.response_lengths.tolist(), strict=True)):
+        seq = PROMPTS[p] + out.responses[row, :n].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), output_router_logits=True).router_logits  # per layer [len, E]
+        fed = len(seq) - 1
+        for layer in range(layers):
+            expected = logits[layer].topk(k, dim=-1).indices.sort(-1).values[:fed]
+            assert torch.equal(routed[row, :fed, layer].long().sort(-1).values, expected), (row, layer)
+        assert torch.equal(routed[row, fed:].long(), torch.arange(k).expand(routed.shape[1] - fed, layers, k))

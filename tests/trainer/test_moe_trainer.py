@@ -1,5 +1,6 @@
 """The trainer on a Qwen3-MoE model at expert parallelism: GRPO on the tiny addition task
-(examples/grpo_addition_moe: 4 experts, top 2, policy TP1 x DP2 x EP2 on two Ray workers, embedded engines).
+(examples/grpo_addition_moe: 4 experts, top 2, policy TP1 x DP2 x EP2 on two Ray workers, embedded engines, router
+replay on).
 
 References: the task itself (a random policy answers correctly ~7% of the time: the reward must rise by 0.2),
 the training model's own log-probs (every rollout token's log-prob equals the trainer's recomputation, so the
@@ -38,3 +39,6 @@ def test_grpo_learns_addition_with_an_moe_policy_at_ep2(ray_cluster, tmp_path):
     for m in history:
         assert 1.0 <= m["actor/moe_load_max"] <= 4.0 and 0.0 <= m["actor/moe_load_min"] <= 1.0
         assert m["actor/moe_load_balancing_loss"] > 0  # coefficient 0.001 in the example
+        assert m["actor/moe_replay_mismatch"] == 0  # router replay: every token went to the rollout's experts
+        # the update's second mini-batch runs after an optimizer step: its own choices drift from the rollout's
+        assert 0.0 <= m["actor/moe_routing_disagreement"] <= 1.0
