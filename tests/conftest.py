@@ -26,6 +26,8 @@ TINY_MODELS = {
     # head_dim 32: vLLM's CPU attention has no kernel for the head_dim 16 of the models above
     "qwen2_vllm": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, tied=False)),
     "qwen2_vllm_kv4": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4, tied=False)),
+    "qwen3_moe_vllm": ("qwen3_moe", dict(hidden_size=128, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
+                                         moe_intermediate_size=64, num_layers=2)),
     "qwen2_vllm_tied": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                                       tied=True, num_layers=2)),
 }

@@ -33,16 +33,18 @@ training ranks only send, rollout ranks only receive. Rollout replica ``g`` draw
 data-parallel replica ``g mod DP`` (replicated tensors from TP rank ``(g div DP + its TP rank) mod TP``), so
 the sending load spreads over the data-parallel replicas and their TP ranks.
 
-MoE experts (docs/resharding.md §3.8): an expert's HF tensors are never split by TP on either side (expert TP
-is 1; rollout tp must be 1, :func:`check_expert_rollout`), and in training they are held whole only by the
-ranks of the layer's stage whose expert-parallel rank owns the expert (:meth:`ParallelLayout.expert_coords`):
+MoE experts (docs/resharding.md §3.8): in training an expert's HF tensors are held whole (expert TP is 1), and only
+by the ranks of the layer's stage whose expert-parallel rank owns the expert (:meth:`ParallelLayout.expert_coords`):
 one holder in each *expert-parallel group* of the stage, the ``ep`` ranks with the same expert-data-parallel
-index ``edp`` (stage-local ranks ``edp*ep .. edp*ep+ep-1``, which together hold every expert once). Source
-rule, deterministic: a colocated receiver takes an expert from the holder in the group with its own ``edp``
+index ``edp`` (stage-local ranks ``edp*ep .. edp*ep+ep-1``, which together hold every expert once). A rollout
+rank holds every expert, cut by its TP like a dense MLP (vLLM's fused-MoE layer without expert parallelism:
+``gate_proj``/``up_proj`` rows, ``down_proj`` columns, ``I/TP_g`` each; whole at TP_g = 1, the embedded engine).
+Source rule, deterministic: a colocated receiver takes an expert from the holder in the group with its own ``edp``
 index on the layer's stage -- itself when it holds the expert; a holder in its own data-parallel replica
 whenever ep divides tp; the rank a replicated tensor comes from when ep is 1. Rollout rank ``i`` of a split
-pool takes it from group ``i mod (tp*dp/ep)``. So each holder sends its experts to the ``ep*PP - 1`` other
-ranks with its ``edp`` index (colocated), and the pool's receivers spread evenly over the groups.
+pool takes it from group ``i mod (tp*dp/ep)``. So each holder sends its experts (its receivers' slices of them)
+to the ``ep*PP - 1`` other ranks with its ``edp`` index (colocated), and the pool's receivers spread evenly over
+the groups.
 """
 
 from __future__ import annotations
@@ -182,7 +184,6 @@ def make_plan(
     (vLLM) ask for ``CONSECUTIVE``. ``rollout_ranks``: the size of a separate rollout pool (split placement,
     always ``CONSECUTIVE``); None: the rollout engines live in the training ranks."""
     check_rollout_tp(spec, train, rollout_tp, rollout_ranks)
-    check_expert_rollout(spec, rollout_tp)
     vp = padded_vocab or spec.padded_vocab_size(train.tp)
     hybrid_fits = rollout_ranks is None and (train.tp * train.pp) % rollout_tp == 0
     if grouping is Grouping.HYBRID and not hybrid_fits:
@@ -225,6 +226,7 @@ def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int, ro
             f"rollout tp={rollout_tp} must divide the training world ({train}, {train.world_size} ranks): "
             "every rank hosts one rollout shard."
         )
+    check_expert_rollout(spec, rollout_tp)
     g = spec.num_query_groups
     if spec.num_attention_heads % rollout_tp or (g % rollout_tp and rollout_tp % g):
         raise LayoutError(
@@ -236,17 +238,17 @@ def check_rollout_tp(spec: ModelSpec, train: ParallelLayout, rollout_tp: int, ro
 
 
 def check_expert_rollout(spec: ModelSpec, rollout_tp: int) -> None:
-    """Raise LayoutError for an MoE model at rollout tp > 1: the plan gives every rollout rank every expert whole
-    (the embedded engine's layout, which runs at tp 1); vLLM's fused-MoE layer at tp > 1 splits each expert's
-    intermediate dimension over its TP ranks (or places whole experts with its own expert parallelism), a layout
-    the plan does not produce yet."""
-    if spec.moe is not None and rollout_tp > 1:
+    """Raise LayoutError unless vLLM's fused-MoE layer can cut this model's experts over ``rollout_tp`` ranks: it
+    splits every expert's intermediate dimension (``moe_intermediate_size``) evenly and needs at least as many
+    experts as TP ranks."""
+    if spec.moe is None or rollout_tp == 1:
+        return
+    width, experts = spec.moe.ffn_hidden_size, spec.moe.num_experts
+    if width % rollout_tp or rollout_tp > experts:
         raise LayoutError(
-            f"rollout tp={rollout_tp} with a Mixture-of-Experts model ({spec.architecture}, {spec.moe.num_experts} "
-            "experts) is not supported yet: the weight sync sends every expert whole to every rollout rank, while "
-            "vLLM's fused-MoE layer at tp > 1 splits each expert's intermediate dimension over its TP ranks (or "
-            "places whole experts with expert parallelism), which megarl.resharding.plan does not lay out yet "
-            "(issue #24, docs/resharding.md §3.8). Set rollout.engine.tp=1.")
+            f"rollout tp={rollout_tp} cannot split the {experts} experts of {spec.architecture}: vLLM cuts each "
+            f"expert's intermediate size {width} over its TP ranks (tp must divide it) and needs tp <= the number of "
+            f"experts. Rollout tp values that fit: {[g for g in range(1, experts + 1) if width % g == 0]}.")
 
 
 # ---------------------------------------------------------------------------------------------- tensors
@@ -264,12 +266,20 @@ def hf_tensors(spec: ModelSpec, train: ParallelLayout) -> list[HFTensor]:
         stage = stage_of[m.layer] if m.layer is not None else (0 if m.mcore.startswith("embedding") else train.pp - 1)
         for i, (name, shape) in enumerate(zip(m.hf, hf_shapes(m, spec), strict=True)):
             split = _split_of(m, i)
-            out.append(HFTensor(name, shape, m.tp_dim if split is not Split.NONE else None, split, m.mcore, i, stage,
+            dim = _EXPERT_ROLLOUT_DIM[m.kind] if m.expert is not None else m.tp_dim
+            out.append(HFTensor(name, shape, dim if split is not Split.NONE else None, split, m.mcore, i, stage,
                                 m.expert))
     return out
 
 
+# the dimension a rollout engine's TP cuts an expert's HF tensors along, as for a dense MLP (vLLM's fused MoE):
+# gate_proj/up_proj [I, H] by rows, down_proj [H, I] by columns
+_EXPERT_ROLLOUT_DIM = {Kind.GATE_UP: 0, Kind.COPY: 1}
+
+
 def _split_of(m: TensorMap, index: int) -> Split:
+    if m.expert is not None:
+        return Split.EVEN
     if m.tp_dim is None:
         return Split.NONE
     if m.kind is Kind.VOCAB:
@@ -282,9 +292,12 @@ def _split_of(m: TensorMap, index: int) -> Split:
 def source_range(
     t: HFTensor, spec: ModelSpec, train: ParallelLayout, tp_rank: int, padded_vocab: int
 ) -> tuple[int, int]:
-    """Range of ``t`` (along its TP dim) held by training TP rank ``tp_rank``; may be empty for vocab."""
+    """Range of ``t`` (along its TP dim) held by training TP rank ``tp_rank``; may be empty for vocab. An expert's
+    holders (:func:`expert_holders`) hold it whole."""
     if t.split is Split.NONE:
         return (0, 1)
+    if t.expert is not None:
+        return (0, t.length)
     if t.split is Split.VOCAB:
         per = padded_vocab // train.tp
         return (min(tp_rank * per, t.length), min((tp_rank + 1) * per, t.length))

@@ -53,7 +53,7 @@ class HybridRollout:
         self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
         self.rollout = build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan.tp_group(ctx.rank),
-                                    seed)
+                                    seed, record_routing=engine.config.router_replay)
         self.rollout.sleep()
         self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
         self.version = 0  # of the weights the engine holds (the driver numbers them)
@@ -136,8 +136,10 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
-                  tp_group: list[int], seed: int):
-    """The rollout engine of this rank; ``tp_group``: the ranks of its rollout replica (in ``ctx``'s world)."""
+                  tp_group: list[int], seed: int, *, record_routing: bool = False):
+    """The rollout engine of this rank; ``tp_group``: the ranks of its rollout replica (in ``ctx``'s world).
+    ``record_routing``: the policy replays the rollout's MoE routing, so vLLM must return it (the embedded engine
+    records it for every MoE model)."""
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
 
@@ -161,5 +163,6 @@ def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad
         return VLLMEngine.from_hf_config(
             hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_bytes=kv_bytes, seed=seed, max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=tp_group)
+            enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=tp_group,
+            record_routing=record_routing)
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")

@@ -105,7 +105,7 @@ class RolloutRole(Role):
     """Rollout engines on a pool of their own (one replica per data-parallel rank of the pool)."""
 
     def __init__(self, ctx: WorkerContext, *, hf_config: dict, train_layout: ParallelLayout, rollout: RolloutConfig,
-                 seed: int = 0) -> None:
+                 seed: int = 0, record_routing: bool = False) -> None:
         super().__init__(ctx)
         if ctx.layout.pp != 1 or ctx.layout.tp != rollout.tp:
             raise ConfigError(f"a rollout pool's layout must be tp=rollout.engine.tp={rollout.tp}, pp=1 (one rollout "
@@ -119,7 +119,8 @@ class RolloutRole(Role):
         pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
         t = train_layout.world_size  # link rank = t + this pool's rank
         self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx,
-                                   [r - t for r in self.plan.tp_group(self.link_rank)], seed)
+                                   [r - t for r in self.plan.tp_group(self.link_rank)], seed,
+                                   record_routing=record_routing)
         self.member = _LinkMember()
         self.version: int | None = None  # of the weights the engine holds; None before the first sync
 

@@ -60,6 +60,7 @@ import glob
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -83,6 +84,12 @@ _REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logp
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
 _SHM_DIR = Path("/dev/shm")
 _CPU_BATCH_TOKENS = 4096  # tokens per engine step on CPU (vLLM's default there), at least max_model_len
+
+
+# vLLM's fused-MoE parameters (RoutedExperts under the layer's ``mlp.experts``) and the per-expert HF projections
+# each one holds; vLLM's loaders take the per-expert names and narrow them to the rank's slice
+_FUSED_MOE = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?:routed_experts\.)?(?P<kind>w13|w2)_weight$")
+_FUSED_MOE_PROJ = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
 
 
 class _KnownNoise(logging.Filter):
@@ -147,13 +154,16 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: torch.dtype | str = torch.bfloat16,
                  gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = False, pad_token_id: int = 0,
-                 expected_tp_ranks: Sequence[int] | None = None) -> None:
+                 expected_tp_ranks: Sequence[int] | None = None, record_routing: bool = False) -> None:
         cfg = _read_config(Path(model_dir))
         self.vocab_size = int(cfg["vocab_size"])
         self.tp, self.pad_token_id, self._seed = tp, pad_token_id, seed
         spec = spec_from_hf_config(cfg)
+        self._num_experts = spec.moe.num_experts if spec.moe is not None else 0
+        self._routing = _routing_shape(spec) if record_routing else None
         self._shapes = {t.name: t.shape for t in hf_tensors(spec, ParallelLayout())}
         vllm = _import_vllm()
+        routing_args = _routing_args(vllm, torch.cuda.is_available()) if self._routing is not None else {}
         _check_head_dim(spec.head_dim)
         _prepare_process(tp, gpu_memory_utilization)
         for name in _KnownNoise.LOGGERS:
@@ -182,6 +192,7 @@ class VLLMEngine:
                       weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
                       generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
                       **cpu_scheduling)
+        kwargs.update(routing_args)
         self._vllm = vllm
         self._llm = _build_llm(vllm, kwargs)
         _unlink_shm(self._rpc("megarl_shm_names"))
@@ -215,6 +226,11 @@ class VLLMEngine:
         """vLLM's parameters, unpacked to HF names, must be exactly the tensors a sync delivers."""
         theirs = set()
         for name in vllm_names:
+            experts = _FUSED_MOE.match(name)
+            if experts:  # one fused-MoE parameter holds every expert's gate+up (w13) or down (w2) projection
+                theirs |= {f"{experts['prefix']}.{e}.{proj}.weight" for e in range(self._num_experts)
+                           for proj in _FUSED_MOE_PROJ[experts['kind']]}
+                continue
             module, _, leaf = name.rpartition(".")
             prefix, _, last = module.rpartition(".")
             parts = packed.get(last)
@@ -317,7 +333,7 @@ class VLLMEngine:
         call it with the same arguments (external_launcher engines do not exchange requests)."""
         self._check_generate(prompts, params)
         if not prompts:
-            return to_rollout_output([], params.n, self.pad_token_id)
+            return to_rollout_output([], params.n, self.pad_token_id, routing=self._routing)
         if not self._kv_awake:  # after the weight sync, so the sync never holds KV memory (vllm#15254)
             if self.sleep_frees_memory:
                 self._llm.wake_up(tags=["kv_cache"])
@@ -326,7 +342,7 @@ class VLLMEngine:
         per_prompt = [self._sampling_params(params, i) for i in range(len(prompts))]
         with self._generation_rng(params):
             outputs = self._llm.generate(inputs, sampling_params=per_prompt, use_tqdm=False)
-        return to_rollout_output(outputs, params.n, self.pad_token_id)
+        return to_rollout_output(outputs, params.n, self.pad_token_id, routing=self._routing)
 
     def _sampling_params(self, params: SamplingParams, prompt: int) -> Any:
         # distinct seeds per prompt (vLLM gives child j of a request seed + j), so prompts never share noise
@@ -431,7 +447,8 @@ class LayerGroups:
         return [n for n in self.shapes if n not in self._done]
 
 
-def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> RolloutOutput:
+def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int, *,
+                      routing: tuple[int, int] | None = None) -> RolloutOutput:
     """:class:`RolloutOutput` from vLLM ``RequestOutput``s (one per prompt, in prompt order).
 
     Reads ``request.outputs[j].index``, ``.token_ids``, ``.logprobs`` (per position a mapping token id ->
@@ -439,8 +456,13 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int)
     A request with a single completion stands for ``n`` identical rows (greedy: vLLM samples it once).
     Stop tokens are part of ``token_ids`` (vLLM appends a token before ``check_stop``), so they stay in the
     response, as the contract wants.
+
+    ``routing`` (MoE layers, top-k): also reads each completion's ``routed_experts`` (vLLM's
+    ``enable_return_routed_experts``: the experts of every token the engine fed, prompt then response,
+    [tokens, layers, k]) and ``request.prompt_token_ids`` into :attr:`RolloutOutput.routed_experts`.
     """
     rows: list[tuple[int, list[int], list[float], str]] = []
+    routed: list[torch.Tensor] = []
     for i, request in enumerate(request_outputs):
         completions = sorted(request.outputs, key=lambda c: c.index)
         if len(completions) == 1 < n:
@@ -450,6 +472,8 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int)
         for c in completions:
             ids = [int(t) for t in c.token_ids]
             rows.append((i, ids, _sampled_log_probs(c, ids, i), _finish_reason(c, i)))
+            if routing is not None:
+                routed.append(_routed_experts(c, len(request.prompt_token_ids) + len(ids), routing, i))
     width = max((len(ids) for _, ids, _, _ in rows), default=0)
     responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -464,7 +488,54 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int)
         log_probs=log_probs,
         response_lengths=lengths,
         finish_reasons=[reason for _, _, _, reason in rows],
+        routed_experts=None if routing is None else _stack_routing(routed, routing),
     )
+
+
+def _routed_experts(completion: Any, tokens: int, routing: tuple[int, int], prompt: int) -> torch.Tensor:
+    """One row's ``routed_experts`` as int16 [tokens fed, layers, k]: vLLM feeds every token but the last."""
+    experts = getattr(completion, "routed_experts", None)
+    if experts is None:
+        raise RuntimeError(f"vLLM returned no routed_experts for a response of prompt {prompt}; the engine must be "
+                           "built with enable_return_routed_experts")
+    t = torch.as_tensor(experts).to(torch.int16)
+    if t.dim() != 3 or tuple(t.shape[1:]) != routing or not tokens - 1 <= t.shape[0] <= tokens:
+        raise RuntimeError(f"vLLM's routed_experts for a {tokens}-token row of prompt {prompt} has shape "
+                           f"{tuple(t.shape)}; expected [{tokens - 1}, {routing[0]}, {routing[1]}]")
+    return t
+
+
+def _stack_routing(rows: list[torch.Tensor], routing: tuple[int, int]) -> torch.Tensor:
+    """[rows, W, layers, k], W the longest row; positions a row never fed hold experts 0..k-1 (the contract)."""
+    layers, k = routing
+    width = max((r.shape[0] + 1 for r in rows), default=0)
+    out = torch.arange(k, dtype=torch.int16).expand(len(rows), width, layers, k).clone()
+    for j, r in enumerate(rows):
+        out[j, : r.shape[0]] = r
+    return out
+
+
+def _routing_shape(spec: Any) -> tuple[int, int]:
+    """(MoE layers, top-k) of the routing a router-replay run records; refuses a dense model."""
+    if spec.moe is None:
+        raise ConfigError(f"recording expert routing needs a Mixture-of-Experts model; {spec.architecture} is dense")
+    return spec.num_layers, spec.moe.top_k
+
+
+def _routing_args(vllm: Any, on_gpu: bool) -> dict:
+    """Engine arguments that make vLLM return each token's routed experts (router replay, R3)."""
+    if not on_gpu:
+        raise ConfigError(
+            "router replay with the vLLM backend needs vLLM's routed-experts output (enable_return_routed_experts), "
+            "which runs only in its Model Runner V2; vLLM's CPU build generates with the V1 runner and refuses it "
+            "(vLLM 0.32). On CPU use rollout.engine.backend=embedded (it records routing) or policy.router_replay="
+            "false; on CUDA it works as configured.")
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(vllm.EngineArgs)}:
+        raise MissingDependencyError(f"vLLM {getattr(vllm, '__version__', '?')} cannot return routed experts "
+                                     "(enable_return_routed_experts, vLLM >= 0.32): upgrade it or set "
+                                     "policy.router_replay=false")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM's aux outputs (routed experts) exist in this runner only
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
 
 
 def _sampled_log_probs(completion: Any, ids: list[int], prompt: int) -> list[float]:

@@ -72,6 +72,7 @@ class InProcessWeightTransfer(WeightTransferEngine[InProcessInitInfo, InProcessU
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
         reprocess_tied_modules(self.model)
+        repack_cpu_experts(self.model)
 
     def shutdown(self) -> None:
         pass
@@ -95,6 +96,25 @@ def reprocess_tied_modules(model: torch.nn.Module) -> None:
             method = getattr(module, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Redo the CPU fused-MoE kernel's prepacking of every expert layer after a weight update.
+
+    vLLM's unquantized MoE method sets its kernel up on the first load only: the prepack of ``w13_weight`` /
+    ``w2_weight`` into the CPU grouped-gemm layout (``CPUUnquantizedExperts.process_weights_after_loading``)
+    runs then, and a later reload copies the new weights *unpacked* into the packed storage, which the CPU
+    kernel then reads as packed (measured on vLLM 0.32: every greedy token of a synced Qwen3-MoE wrong, while
+    the same weights loaded from disk match transformers). CUDA's kernels read the unpacked layout, so this
+    only acts on CPU.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
 
 
 def register() -> None:

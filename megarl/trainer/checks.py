@@ -2,8 +2,7 @@
 tokenizers and config.json files): the reward model and the distillation teacher read the policy's
 token ids as they are, so each must embed every id the policy can emit and map every string to the same
 id as the policy's tokenizer (re-tokenizing responses for another vocabulary is not supported), and each
-must have the right head (a scalar for a reward model, vocabulary logits for a teacher). A
-Mixture-of-Experts policy rolls out with the embedded engine only (issue #24).
+must have the right head (a scalar for a reward model, vocabulary logits for a teacher).
 """
 
 from __future__ import annotations
@@ -25,20 +24,11 @@ def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
 
 
 def _check_moe(cfg: TrainConfig) -> None:
-    """A Mixture-of-Experts policy generates with the embedded engine only: the weight sync into vLLM's fused-MoE
-    layers has not run yet (docs/moe.md §5); router replay needs an MoE policy."""
-    from megarl.rollout.config import RolloutBackend
-
+    """Router replay needs an MoE policy."""
     moe = spec_from_hf_config(load_hf_config(hf_files(cfg.model.path))).moe is not None
     if cfg.policy.router_replay and not moe:
         raise ConfigError(f"policy.router_replay replays a Mixture-of-Experts model's expert choices; model.path "
                           f"{cfg.model.path} is dense: set policy.router_replay=false.")
-    if moe and cfg.rollout.engine.backend is not RolloutBackend.EMBEDDED:
-        raise ConfigError(
-            f"model.path {cfg.model.path} is a Mixture-of-Experts model, which megarl rolls out with the embedded "
-            f"engine only so far (rollout.engine.backend: {cfg.rollout.engine.backend.value}); the weight sync into "
-            "vLLM's fused-MoE layers is not implemented yet (issue #24, docs/moe.md §5). Set "
-            "rollout.engine.backend=embedded.")
 
 
 def _check(section: str, model: ModelConfig, head: Head, cfg: TrainConfig, tokenizer, wanted: str) -> None:

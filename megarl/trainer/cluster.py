@@ -101,7 +101,7 @@ class Cluster:
         if rollout_ranks is not None:
             self.rollout = self.placement.add_role(
                 Role.ROLLOUT.value, RolloutRole, hf_config=read_meta(src).hf_config, train_layout=c.layout(),
-                rollout=cfg.rollout.engine, seed=cfg.trainer.seed)
+                rollout=cfg.rollout.engine, seed=cfg.trainer.seed, record_routing=cfg.policy.router_replay)
             self._join_weight_link()
         self.reference = (self.placement.add_role(Role.REFERENCE.value, ReferenceRole, checkpoint_dir=src,
                                                   engine=cfg.policy, temperature=temperature)

@@ -1,6 +1,10 @@
 """Megatron on 4 gloo processes -> vLLM rollout engines (vLLM's CPU build), through the policy's hybrid
-engine: TP2xPP2 -> rollout tp 1 (4 replicas) and rollout tp 2 (2 replicas), and TP4 -> rollout tp 2 (the
-layout whose HybridFlow grouping is strided, which vLLM cannot build: here its consecutive groups run).
+engine: TP2xPP2 -> rollout tp 1 (4 replicas) and rollout tp 2 (2 replicas), TP4 -> rollout tp 2 (the
+layout whose HybridFlow grouping is strided, which vLLM cannot build: here its consecutive groups run), and a
+Qwen3-MoE at DP4xEP2 -> rollout tp 1 (every rank receives the experts its expert-parallel peer holds; vLLM's
+fused-MoE layers, repacked for its CPU kernel after each sync). Colocated vLLM TP groups must lie inside one
+data-parallel replica, so an MoE trained at tp 1 rolls out at tp 1 here; tests/rollout/test_vllm_engine.py
+checks the experts' TP slices at rollout tp 2.
 
 References: `transformers.generate` and a transformers forward on the source HF directory (greedy tokens,
 fp32 log-probs of sampled tokens), and the training model's own log-probs after real updates (the weights
@@ -34,7 +38,7 @@ def _rows(batch):  # results travel as JSON
     return {k: batch[k].tolist() for k in ("input_ids", "response_mask", "rollout_log_probs", "old_log_probs")}
 
 
-def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
+def _world(rank, world_size, ckpt, tp, pp, ep, rollout_tp):
     from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
@@ -45,7 +49,7 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutBackend, RolloutConfig
 
-    layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp)
+    layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep)
     init_distributed(layout)
     ctx = WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
     engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=0.05, clip_grad=0.0,
@@ -113,20 +117,21 @@ def _world(rank, world_size, ckpt, tp, pp, rollout_tp):
     return res
 
 
-WORLDS = {  # name: (tiny model, training tp, pp, rollout tp)
-    "tp2pp2_rollout_tp1": ("qwen2_vllm", 2, 2, 1),
-    "tp2pp2_rollout_tp2": ("qwen2_vllm", 2, 2, 2),
-    "tp4_rollout_tp2": ("qwen2_vllm_kv4", 4, 1, 2),  # megatron-core TP4 needs 4 KV heads
+WORLDS = {  # name: (tiny model, training tp, pp, ep, rollout tp)
+    "tp2pp2_rollout_tp1": ("qwen2_vllm", 2, 2, 1, 1),
+    "tp2pp2_rollout_tp2": ("qwen2_vllm", 2, 2, 1, 2),
+    "tp4_rollout_tp2": ("qwen2_vllm_kv4", 4, 1, 1, 2),  # megatron-core TP4 needs 4 KV heads
+    "moe_ep2_rollout_tp1": ("qwen3_moe_vllm", 1, 1, 2, 1),
 }
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))
 def world(request, tiny_hf, tmp_path_factory):
-    name, tp, pp, rollout_tp = WORLDS[request.param]
+    name, tp, pp, ep, rollout_tp = WORLDS[request.param]
     hf = tiny_hf(name)
     ckpt = tmp_path_factory.mktemp("vllm_hybrid") / "mc"
-    convert_hf_to_megatron(hf, ckpt, tp=tp, pp=pp)
-    return rollout_tp, hf, run_world(_world, 4, str(ckpt), tp, pp, rollout_tp, timeout_s=1200)
+    convert_hf_to_megatron(hf, ckpt, tp=tp, pp=pp, ep=ep)
+    return rollout_tp, hf, run_world(_world, 4, str(ckpt), tp, pp, ep, rollout_tp, timeout_s=1200)
 
 
 @pytest.fixture(scope="module")

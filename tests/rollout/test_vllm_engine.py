@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +153,47 @@ def _bf16_world(rank, world_size, model_dir):
     return {"index": out.prompt_index.tolist(), "tokens": out.token_lists(), "log_probs": out.log_prob_lists()}
 
 
+def _moe_tp2_world(rank, world_size, model_dir):
+    """A Qwen3-MoE in a vLLM TP group of 2, fed like the hybrid engine feeds it: full-shape tensors holding only the
+    slice the resharding plan gives this rank (every expert's gate/up rows or down columns [rank I/2, (rank+1) I/2)),
+    NaN elsewhere. Three syncs (weights, zeros, weights): the CPU kernel's repacking must follow every one."""
+    from safetensors.torch import load_file
+
+    from megarl.models.spec import spec_from_hf_config
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.resharding.plan import dest_range, hf_tensors
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.vllm_engine import VLLMEngine, _read_config
+
+    init_distributed(ParallelLayout(tp=2))
+    spec = spec_from_hf_config(_read_config(Path(model_dir)))
+    weights = load_file(f"{model_dir}/model.safetensors")
+    sliced, nan_elems = {}, 0
+    for t in hf_tensors(spec, ParallelLayout()):
+        lo, hi = dest_range(t, spec, 2, rank)
+        full = torch.full_like(weights[t.name], float("nan"))
+        if t.dim is None:
+            full = weights[t.name].clone()
+        else:
+            full.narrow(t.dim, lo, hi - lo).copy_(weights[t.name].narrow(t.dim, lo, hi - lo))
+        nan_elems += int(full.isnan().sum()) if t.expert is not None else 0
+        sliced[t.name] = full
+    engine = VLLMEngine(model_dir, tp=2, dtype=torch.float32, seed=0, max_model_len=64, enforce_eager=True,
+                        kv_cache_bytes=32 << 20, expected_tp_ranks=[0, 1])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW)
+    res: dict = {"expert_nan_elems": nan_elems, "greedy": []}
+    names = list(sliced)
+    for state in (sliced, {n: torch.zeros_like(w) for n, w in sliced.items()}, sliced):
+        _sync(engine, state, [names[i : i + 5] for i in range(0, len(names), 5)], torch.float32)
+        res["greedy"].append(engine.generate(PROMPTS, greedy).token_lists())
+    sampled = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+    res["sampled"] = {"index": sampled.prompt_index.tolist(), "tokens": sampled.token_lists(),
+                      "log_probs": sampled.log_prob_lists()}
+    engine.close()
+    return res
+
+
 @pytest.fixture(scope="module")
 def fp32(tiny_hf):
     model_dir = tiny_hf("qwen2_vllm_tied")  # q/k/v biases: the layer the split trap cuts; tied lm_head
@@ -262,3 +304,24 @@ def test_bf16_rollout_within_transformers_own_bf16_gap(tiny_hf):
     ours, theirs = torch.cat(ours), torch.cat(theirs)
     assert theirs.mean() > 1e-4  # bf16 really differs from fp32 on this model
     assert ours.mean() <= 3 * theirs.mean() and ours.max() <= 3 * theirs.max(), (ours.mean(), theirs.mean())
+
+
+def test_moe_at_rollout_tp2_reads_only_its_expert_slices(tiny_hf):
+    """vLLM's fused-MoE layers at TP 2, each rank holding only the plan's half of every expert (NaN elsewhere): greedy
+    tokens equal transformers.generate after every sync (all-zero weights: token 0 everywhere in between), and the
+    sampled tokens' log-probs equal a transformers forward's."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_hf("qwen3_moe_vllm")
+    results = run_world(_moe_tp2_world, 2, str(model_dir), timeout_s=600)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = _transformers_greedy(reference)
+    experts = 2 * 4 * 3 * 64 * 128  # layers x experts x (gate, up, down) x width x hidden
+    for res in results:
+        assert res["expert_nan_elems"] == experts // 2  # half of every expert never reaches this rank
+        assert res["greedy"] == [expected, [[0] * GREEDY_NEW] * len(PROMPTS), expected]
+    assert results[0]["sampled"] == results[1]["sampled"]  # one TP group: one answer
+    sampled = results[0]["sampled"]
+    for i, tokens, lps in zip(sampled["index"], sampled["tokens"], sampled["log_probs"], strict=True):
+        ref = _transformers_log_probs(reference, PROMPTS[i], tokens, 1.0)
+        assert (torch.tensor(lps).double() - ref).abs().max() < 1e-5

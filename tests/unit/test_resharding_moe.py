@@ -266,14 +266,48 @@ def test_sync_into_the_embedded_engine(spec):
 # ------------------------------------------------------------------------------------- refusals, EP1
 
 
-def test_rollout_tp_above_one_is_refused_for_moe(spec):
-    """vLLM's fused-MoE layer at tp > 1 splits each expert's width; the plan does not lay that out yet."""
-    with pytest.raises(LayoutError, match=r"rollout tp=2 with a Mixture-of-Experts model.*does not lay out"):
-        make_plan(spec, ParallelLayout(tp=2, pp=1, dp=2, ep=2), 2)
-    with pytest.raises(LayoutError, match="Mixture-of-Experts.*rollout.engine.tp=1"):
-        make_plan(spec, ParallelLayout(tp=1, pp=1, dp=4, ep=2), 2, rollout_ranks=2)
-    dense = spec_from_hf_config({**MOE_HF, "architectures": ["Qwen3ForCausalLM"]})
-    assert make_plan(dense, ParallelLayout(tp=2, pp=1, dp=2), 2).rollout_tp == 2
+# the dimension vLLM's fused-MoE layer cuts an expert's HF tensor along over its TP ranks (written out by hand:
+# gate/up [FE, H] by rows, down [H, FE] by columns, as a dense MLP)
+_EXPERT_CUT = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep", LAYOUTS)
+@pytest.mark.parametrize("rollout_ranks", [None, 2])
+def test_rollout_tp2_ranks_receive_their_slice_of_every_expert(spec, tp, pp, dp, ep, rollout_ranks):
+    """Rollout tp 2 (vLLM, CONSECUTIVE groups): rollout TP rank g ends up with rows / columns [g FE/2, (g+1) FE/2) of
+    every expert's projections, sliced by hand out of the HF tensors, from ranks that hold only their own experts;
+    and each rank receives exactly L E EXPERT / 2 expert elements (minus what it keeps)."""
+    hf = _hf_state(spec)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    plan = make_plan(spec, layout, 2, grouping=None if rollout_ranks else Grouping.CONSECUTIVE,
+                     rollout_ranks=rollout_ranks)
+    out = _execute(plan, spec, hf)
+    half = FE // 2
+    for r, tensors in out.items():
+        g = plan.places[r].tp_rank
+        for name, full in hf.items():
+            m = _EXPERT_NAME.match(name)
+            if m is None:
+                continue
+            dim = _EXPERT_CUT[name.split(".")[-2]]
+            assert torch.equal(tensors[name], full.narrow(dim, g * half, half)), (r, name)
+        expert_recv = sum(plan.slab_bytes(s, BF16) for s in plan.slabs
+                          if s.dst == r and _EXPERT_NAME.match(s.tensor))
+        assert expert_recv == BF16 * L * E * EXPERT // 2, r
+
+
+def test_rollout_tp_must_fit_the_experts():
+    """vLLM cuts every expert's width over its TP ranks and needs at least as many experts as ranks."""
+    from megarl.resharding.plan import check_expert_rollout
+
+    narrow = spec_from_hf_config({**MOE_HF, "moe_intermediate_size": 30})
+    with pytest.raises(LayoutError, match=r"tp=4 cannot split the 4 experts.*intermediate size 30.*\[1, 2, 3\]"):
+        check_expert_rollout(narrow, 4)
+    with pytest.raises(LayoutError, match=r"rollout tp=8 cannot split the 4 experts.*tp <= the number of experts"):
+        make_plan(spec_from_hf_config(dict(MOE_HF)), ParallelLayout(tp=1, pp=1, dp=8, ep=2), 8,
+                  grouping=Grouping.CONSECUTIVE)
+    check_expert_rollout(narrow, 2)
+    check_expert_rollout(narrow, 3)
 
 
 def test_ep1_experts_come_from_where_replicated_tensors_do(spec):

@@ -100,6 +100,34 @@ def test_malformed_outputs_raise(completions, match):
         to_rollout_output([RequestOutput("0", None, [1], None, completions)], n=3, pad_token_id=PAD)
 
 
+def _routed(completion, experts):
+    return dataclasses.replace(completion, routed_experts=None if experts is None else __import__("numpy").array(
+        experts, dtype="int32"))
+
+
+def test_routed_experts_become_token_aligned_rows():
+    """vLLM's routed_experts (every fed token: prompt, then response but its last token; [tokens, layers, k]) ->
+    [rows, W, layers, k] aligned with the training row; positions a row never fed hold experts 0..k-1."""
+    a = [[[3, 1], [0, 2]], [[2, 3], [1, 0]], [[1, 2], [3, 3]], [[0, 3], [2, 1]]]  # prompt [5, 6] + 3 tokens: 4 fed
+    b = [[[2, 1], [1, 3]], [[3, 0], [0, 2]]]  # prompt [5, 6] + 1 token: 2 fed
+    c = [[[1, 0], [2, 3]], [[0, 1], [3, 2]]]  # prompt [7] + 2 tokens: 2 fed
+    outs = [RequestOutput("0", None, [5, 6], None, [_routed(_completion(0, [11, 12, 2], [-0.5] * 3, "stop"), a),
+                                                    _routed(_completion(1, [13], [-2.0], "length"), b)]),
+            RequestOutput("1", None, [7], None, [_routed(_completion(0, [21, 22], [-0.75] * 2, "length"), c),
+                                                 _routed(_completion(1, [23, 24], [-0.75] * 2, "length"), c)])]
+    out = to_rollout_output(outs, n=2, pad_token_id=PAD, routing=(2, 2))
+    unfed = [[0, 1], [0, 1]]
+    assert out.routed_experts.dtype == torch.int16
+    assert out.routed_experts.tolist() == [a + [unfed], b + [unfed] * 3, c + [unfed] * 3, c + [unfed] * 3]
+    assert to_rollout_output(outs, n=2, pad_token_id=PAD).routed_experts is None  # not asked for: not read
+    with pytest.raises(RuntimeError, match="no routed_experts for a response of prompt 0"):
+        to_rollout_output([RequestOutput("0", None, [5, 6], None, [_completion(0, [11], [-0.5], "stop")])], n=1,
+                          pad_token_id=PAD, routing=(2, 2))
+    with pytest.raises(RuntimeError, match=r"3-token row of prompt 0 has shape \(4, 2, 2\); expected \[2, 2, 2\]"):
+        to_rollout_output([RequestOutput("0", None, [5, 6], None, [_routed(_completion(0, [11], [-0.5], "stop"), a)])],
+                          n=1, pad_token_id=PAD, routing=(2, 2))
+
+
 # ------------------------------------------------------------------------------------ vLLM's TP groups
 
 
@@ -197,6 +225,13 @@ def test_engine_refuses_what_vllm_cannot_run_before_starting(tmp_path):
     (tmp_path / "config.json").write_text(tiny_config("llama").to_json_string())  # head_dim 16
     with pytest.raises(UnsupportedModelError, match=r"head_dim \[32, .*this model has 16.*backend=embedded"):
         VLLMEngine(tmp_path)
+    moe = tiny_config("qwen3_moe", hidden_size=128).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    with pytest.raises(ConfigError, match=r"router replay with the vLLM backend.*Model Runner V2.*backend=embedded"):
+        VLLMEngine(tmp_path, record_routing=True)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2", hidden_size=128).to_dict()))
+    with pytest.raises(ConfigError, match="recording expert routing needs a Mixture-of-Experts model"):
+        VLLMEngine(tmp_path, record_routing=True)
     cfg = tiny_config("llama").to_dict() | {"quantization_config": {"quant_method": "fp8"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="quantized"):
