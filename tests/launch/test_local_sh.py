@@ -62,8 +62,15 @@ def _launch(root: Path, steps: int) -> tuple[subprocess.Popen, Path, str]:
         "RAY_START_ARGS": f"--object-store-memory={200 * 2**20}"}
     cmd = ["bash", str(SCRIPT), str(EXAMPLE), *(f"{k}={v}" for k, v in overrides.items())]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_in_a_terminal)
     return proc, out, ray_tmp
+
+
+def _as_in_a_terminal() -> None:
+    """SIGINT handled by default, as under a terminal: a test run started in the background (``make test &``,
+    nohup) ignores SIGINT, and bash cannot trap a signal ignored on entry, so Ctrl-C would never reach the
+    script's trap."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _finish(proc: subprocess.Popen, ray_tmp: str) -> tuple[str, list[str]]:
