@@ -21,6 +21,8 @@ TINY_MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(num_heads=4, num_kv_heads=2, num_experts=4, top_k=2)),
     "qwen3_moe_topk_unnormalised": ("qwen3_moe", dict(num_heads=4, num_kv_heads=2, num_experts=8, top_k=3,
                                                       norm_topk_prob=False, num_layers=2)),
+    "qwen3_moe_rm": ("qwen3_moe", dict(num_heads=4, num_kv_heads=2, num_experts=4, top_k=2, scalar_head=True,
+                                       num_layers=2)),
     "llama_rm": ("llama", dict(num_heads=4, num_kv_heads=2, scalar_head=True)),
     "qwen2_rm": ("qwen2", dict(num_heads=4, num_kv_heads=2, scalar_head=True, tied=True)),
     # head_dim 32: vLLM's CPU attention has no kernel for the head_dim 16 of the models above

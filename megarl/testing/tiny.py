@@ -6,6 +6,8 @@ conversion that swapped or dropped any tensor changes the logits.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -185,3 +187,26 @@ def write_random_model(
     config.save_pretrained(str(out_dir))
     make_tokenizer(out_dir, vocab_size=300)
     return sum(s.numel() for s in shapes.values()), nbytes
+
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def per_expert(tensors: Mapping[str, torch.Tensor], moe_intermediate_size: int) -> dict[str, torch.Tensor]:
+    """Checkpoint-format (hub) tensors from transformers' in-memory ones: each fused expert tensor of an MoE layer
+    (``mlp.experts.gate_up_proj [E, 2I, H]``, gate rows first, and ``mlp.experts.down_proj [E, H, I]``) becomes the
+    per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` views; everything else is passed through.
+    Works on parameters and on their gradients alike."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if m["kind"] == "down_proj":
+                out[f"{m['prefix']}.{e}.down_proj.weight"] = t[e]
+            else:
+                out[f"{m['prefix']}.{e}.gate_proj.weight"] = t[e, :moe_intermediate_size]
+                out[f"{m['prefix']}.{e}.up_proj.weight"] = t[e, moe_intermediate_size:]
+    return out

@@ -238,21 +238,12 @@ def test_sync_into_the_embedded_engine(spec):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from megarl.rollout import EmbeddedEngine
-    from megarl.testing.tiny import randomize_
+    from megarl.testing.tiny import per_expert, randomize_
 
     config = Qwen3MoeConfig(**MOE_HF, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_(model, seed=1)
-    hf = {}
-    for name, p in model.state_dict().items():  # transformers' fused experts -> per-expert checkpoint tensors
-        m = re.match(r"^(.+\.experts)\.(gate_up_proj|down_proj)$", name)
-        for e in range(E if m else 0):
-            if m[2] == "gate_up_proj":
-                hf[f"{m[1]}.{e}.gate_proj.weight"], hf[f"{m[1]}.{e}.up_proj.weight"] = p[e, :FE], p[e, FE:]
-            else:
-                hf[f"{m[1]}.{e}.down_proj.weight"] = p[e]
-        if m is None:
-            hf[name] = p
+    hf = per_expert(model.state_dict(), FE)  # transformers' fused experts -> per-expert checkpoint tensors
     assert hf.keys() == _hf_state(spec).keys()
     plan = make_plan(spec, ParallelLayout(tp=1, pp=2, dp=2, ep=2), 1)
     engine = EmbeddedEngine(config, pad_token_id=0)
