@@ -24,15 +24,17 @@ pytestmark = pytest.mark.dist
 LR = 0.5
 CLIP = 0.2
 ROWS = 8
-LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2)}  # (tp, pp, ep) in a world of 4: dp 4 and dp 2
+# (tp, pp, ep) in a world of 4: dp 4, 2 and 2; at tp 2 megatron-core's sequence parallelism is on (the default)
+LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2), "tp2ep2": (2, 1, 2)}
 AUX_COEF = 0.01
 AUX_LEN = 10  # the load-statistics batch: ROWS rows of this many tokens, no padding
 
 
 def _batch_tensors():
-    """ROWS right-padded rows with mixed prompt / response lengths."""
+    """ROWS right-padded rows with mixed prompt / response lengths: 13, 10, 11, 12, 9, 11, 12, 11 tokens, so
+    that at tp 2 some micro-batches (in updates at dp 2: {13, 12, 11} and {9}) are padded for sequence parallelism."""
     g = torch.Generator().manual_seed(5)
-    prompts, responses = [3, 8, 5, 2, 6, 4, 7, 3], [9, 2, 6, 10, 4, 7, 5, 8]
+    prompts, responses = [3, 8, 5, 2, 6, 4, 7, 3], [10, 2, 6, 10, 3, 7, 5, 8]
     s = max(p + r for p, r in zip(prompts, responses, strict=True))
     ids = torch.zeros(ROWS, s, dtype=torch.long)
     attn, resp = torch.zeros(ROWS, s), torch.zeros(ROWS, s)
@@ -233,7 +235,8 @@ def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
                                  "old_log_probs": torch.tensor(old_log_probs), "advantages": adv})
         result = role.update(train.chunk(layout.dp)[coords.dp])
         named = [(n, p) for c in role.engine.chunks for n, p in global_named_parameters(c)]
-        out[name] = {"log_probs": lp["log_probs"].tolist() if lp is not None else None,
+        out[name] = {"coords": list(coords), "sequence_parallel": role.engine.sequence_parallel,
+                     "log_probs": lp["log_probs"].tolist() if lp is not None else None,
                      "update": dataclasses.asdict(result),
                      "grads": {n: p.main_grad.tolist() for n, p in named},
                      "params": {n: p.detach().tolist() for n, p in named}}
@@ -248,11 +251,12 @@ def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
         out[name]["aux_terms"] = aux_role.update(aux_batch.chunk(layout.dp)[coords.dp]).terms
         del role, aux_role
     out["hybrid"] = _hybrid(rank, world_size, ckpt, hf_dir, engine)
-    try:  # megatron-core trains MoE at TP > 1 only with sequence parallelism, which megarl does not enable yet
+    try:  # megatron-core trains MoE at TP > 1 only with sequence parallelism: turned off, the engine refuses
         layout = ParallelLayout.for_world(world_size, tp=2, ep=2)
         init_distributed(layout)
         PolicyRole(WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu"),
-                   checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(), temperature=1.0)
+                   checkpoint_dir=ckpt, engine=dataclasses.replace(engine, sequence_parallel=False),
+                   algorithm=AlgorithmConfig(), temperature=1.0)
         out["tp2_error"] = ""
     except LayoutError as e:
         out["tp2_error"] = str(e)
@@ -277,38 +281,58 @@ def world(hf_and_ckpt, reference):
     return run_world(_world, 4, str(hf_and_ckpt[1]), str(hf_and_ckpt[0]), reference["old"].tolist(), timeout_s=900)
 
 
+def _dp(layout: str) -> int:
+    tp, pp, _ = LAYOUTS[layout]
+    return 4 // (tp * pp)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_log_probs_match_transformers(world, reference, layout):
+    assert all(r[layout]["sequence_parallel"] == (LAYOUTS[layout][0] > 1) for r in world)
     reported = [r[layout]["log_probs"] for r in world if r[layout]["log_probs"] is not None]
-    assert len(reported) == 4 // LAYOUTS[layout][1]
+    assert len(reported) == _dp(layout)  # TP rank 0 of the last stage of each DP replica
     for lp in reported:
         err = ((torch.tensor(lp) - reference["log_probs"]).abs() / reference["log_probs"].abs().clamp(min=1.0)).max()
         assert err.item() < 1e-5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ppo_update_gradients_and_sgd_step_match_transformers(world, reference, layout):
+def test_ppo_update_gradients_and_sgd_step_match_transformers(world, reference, hf_and_ckpt, layout):
     """Every parameter (each expert on the rank that owns it) after one PPO update: gradient and SGD step."""
     for r in world:
         assert r[layout]["update"]["terms"]["pg_loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-5)
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(hf_and_ckpt[0]))
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
     for key in ("grads", "params"):
-        seen = {}
+        # every rank's tensors: TP-split ones gathered over the TP ranks of each DP replica, replicated ones
+        # (norms, router, experts: expert TP is 1) compared on every rank that holds them
+        shards: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         for r in world:
+            tp_rank, dp_rank = r[layout]["coords"][0], r[layout]["coords"][1]
             for name, t in r[layout][key].items():
-                seen.setdefault(name, torch.tensor(t))
-        assert set(seen) == set(reference["grads"])
-        for name, value in seen.items():
+                shards.setdefault((name, dp_rank), {})[tp_rank] = torch.tensor(t)
+        assert {name for name, _ in shards} == set(reference["grads"])
+        for (name, _), by_tp in shards.items():
             ref = reference["grads"][name]
-            value = value[: ref.shape[0]]  # vocabulary padding
             expected = ref if key == "grads" else reference["weights"][name] - LR * ref
-            rel = (value - expected).norm() / expected.norm().clamp(min=1e-12)
-            assert rel < 1e-5, f"{layout} {key} {name}: relative error {rel:.2e}"
+            if maps[name].tp_dim is None:
+                values = list(by_tp.values())
+            else:
+                assert sorted(by_tp) == list(range(LAYOUTS[layout][0]))
+                values = [mapping.tp_gather(maps[name], [by_tp[t] for t in sorted(by_tp)])]
+            for value in values:
+                value = value[: ref.shape[0]]  # vocabulary padding
+                rel = (value - expected).norm() / expected.norm().clamp(min=1e-12)
+                assert rel < 1e-5, f"{layout} {key} {name}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_router_load_and_balancing_loss_match_hand_computation(world, reference, layout):
     shares = torch.tensor(reference["router"]["share"], dtype=torch.float64)
-    dp = 4 // LAYOUTS[layout][1]
+    dp = _dp(layout)
     aux = sum(reference["router"]["aux"][dp]) / len(reference["router"]["aux"][dp])
     for r in world:
         terms = r[layout]["aux_terms"]
@@ -318,9 +342,9 @@ def test_router_load_and_balancing_loss_match_hand_computation(world, reference,
         assert "moe_load_balancing_loss" not in r[layout]["update"]["terms"]  # coefficient 0: not computed
 
 
-def test_training_at_tp2_is_refused_with_the_reason(world):
+def test_training_at_tp2_without_sequence_parallelism_is_refused_with_the_reason(world):
     for r in world:
-        assert "sequence parallelism" in r["tp2_error"]
+        assert "needs sequence parallelism" in r["tp2_error"] and "sequence_parallel: false" in r["tp2_error"]
 
 
 def test_weight_sync_carries_every_expert_bit_exactly(world):
