@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_attr_wrapped_model
 
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
@@ -42,6 +43,11 @@ from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+# An MoE model's micro-batches (but idle ones) carry megatron-core's padding mask [b, s] (True: padding) under this
+# key: the router leaves padding out of its load-balancing loss, so neither the micro-batches' right padding nor
+# sequence parallelism's changes the loss (an all-padding micro-batch has none: its loss would be 0 / 0).
+PADDING_MASK = "moe_padding_mask"
 
 # fn(logits_shard [b, s, V/tp], micro_batch) -> per-token outputs {name: [b, s]} (forward only)
 OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -283,6 +289,8 @@ class MegatronEngine:
                 for key in ("attention_mask", "response_mask"):
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
+            elif self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
+                mb[PADDING_MASK] = mb["attention_mask"] == 0
             mb["position_ids"] = torch.arange(width, device=device).expand(len(rows), width)
             mbs.append(mb)
         return plan, mbs
@@ -294,7 +302,12 @@ class MegatronEngine:
             mb = next(data_iterator)
             if self.router_stats is not None:
                 self.router_stats.set_micro_batch(mb["attention_mask"], mb.get("routed_experts"))
-            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+            padding_mask = mb.get(PADDING_MASK)
+            if padding_mask is not None and self.sequence_parallel and not get_attr_wrapped_model(model, "pre_process"):
+                # megatron-core splits the mask along the sequence on the first stage only
+                padding_mask = padding_mask.chunk(self.layout.tp, dim=1)[self.groups.tp.rank()]
+            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None,
+                           **({} if padding_mask is None else {"padding_mask": padding_mask}))
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 
         chunks = self.model

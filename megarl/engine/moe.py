@@ -10,9 +10,9 @@ sequence, and the counts are summed over them too) and returns:
   expert received, over all layers and experts, relative to an even split (1.0 = balanced,
   ``num_experts`` = one expert took every token);
 - ``moe_load_balancing_loss``: megatron-core's auxiliary load-balancing loss (switch-transformer form,
-  ``E / (k T^2) * sum_e tokens_e * sum_t p_e(t)``), averaged over layers, micro-batches and DP ranks,
-  before its coefficient; present only when the coefficient (``moe_aux_loss_coef``) is non-zero, since
-  megatron-core computes it only then;
+  ``E / (k T^2) * sum_e tokens_e * sum_t p_e(t)`` over a micro-batch's T real tokens: the engine hands the
+  router the padding mask), averaged over layers, micro-batches and DP ranks, before its coefficient; present
+  only when the coefficient (``moe_aux_loss_coef``) is non-zero, since megatron-core computes it only then;
 - with the rollout's recorded routing in the batch (``routed_experts`` [b, s, layers, k]):
   ``moe_routing_disagreement``, the share of (token, layer) pairs whose top-k expert set, computed by this
   model from the layer's router input, differs from the rollout's (tokens the rollout engine fed: real

@@ -24,10 +24,13 @@ pytestmark = pytest.mark.dist
 LR = 0.5
 CLIP = 0.2
 ROWS = 8
-# (tp, pp, ep) in a world of 4: dp 4, 2 and 2; at tp 2 megatron-core's sequence parallelism is on (the default)
-LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2), "tp2ep2": (2, 1, 2)}
+# (tp, pp, ep) in a world of 4: dp 4, 2, 2 and 1; at tp 2 megatron-core's sequence parallelism is on (the default)
+LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2), "tp2ep2": (2, 1, 2), "tp2pp2ep2": (2, 2, 2)}
 AUX_COEF = 0.01
-AUX_LEN = 10  # the load-statistics batch: ROWS rows of this many tokens, no padding
+# the load-statistics batch: ROWS right-padded rows of these lengths, one micro-batch per DP rank, of odd widths
+# at dp 1, 2 and 4 (padded for sequence parallelism at tp 2); padding counts in neither the loads nor the loss
+AUX_LENGTHS = [11, 9, 7, 10, 8, 5, 9, 6]
+AUX_LEN = max(AUX_LENGTHS)
 
 
 def _batch_tensors():
@@ -47,8 +50,10 @@ def _batch_tensors():
     return ids, attn, resp, advantages, noise
 
 
-def _aux_ids():
-    return torch.randint(5, 300, (ROWS, AUX_LEN), generator=torch.Generator().manual_seed(9))
+def _aux_batch():
+    mask = (torch.arange(AUX_LEN) < torch.tensor(AUX_LENGTHS)[:, None]).float()
+    ids = torch.randint(5, 300, (ROWS, AUX_LEN), generator=torch.Generator().manual_seed(9)) * mask.long()
+    return ids, mask
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -104,18 +109,20 @@ def _router_reference(model, spec):
     """Per layer, in float64 from HF's router logits: each expert's share of the routed real tokens (x E) and,
     per group of rows one DP rank trains on, the switch load-balancing loss E / (k T^2) sum_e count_e sum_t p_e."""
     e, k = spec.moe.num_experts, spec.moe.top_k
+    ids, mask = _aux_batch()
     with torch.no_grad():
-        out = model(_aux_ids(), output_router_logits=True)
+        out = model(ids, attention_mask=mask.long(), output_router_logits=True)
+    real = mask.double()[..., None]  # padding excluded from everything below
     result = {"share": [], "aux": {}}
     for layer_logits in out.router_logits:  # [rows * AUX_LEN, E], batch-major
-        probs = torch.softmax(layer_logits.double(), dim=-1).reshape(ROWS, AUX_LEN, e)
-        chosen = torch.nn.functional.one_hot(probs.topk(k, dim=-1).indices, e).sum(-2).double()  # [rows, len, E]
+        probs = torch.softmax(layer_logits.double(), dim=-1).reshape(ROWS, AUX_LEN, e) * real
+        chosen = torch.nn.functional.one_hot(probs.topk(k, dim=-1).indices, e).sum(-2).double() * real  # [rows, len, E]
         counts = chosen.sum((0, 1))
         result["share"].append((counts / counts.sum() * e).tolist())
-        for dp in (2, 4):
+        for dp in (1, 2, 4):
             per_rank = []
             for rows in torch.arange(ROWS).chunk(dp):
-                t = len(rows) * AUX_LEN
+                t = mask[rows].sum().item()
                 per_rank.append((e / (k * t * t) * (chosen[rows].sum((0, 1)) * probs[rows].sum((0, 1))).sum()).item())
             result["aux"].setdefault(dp, []).append(sum(per_rank) / dp)
     return result
@@ -244,8 +251,8 @@ def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
         aux_role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(
             engine, moe_aux_loss_coef=AUX_COEF, micro_batch=MicroBatchConfig(max_tokens=1000, max_size=ROWS)),
             algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
-        aux_ids, ones = _aux_ids(), torch.ones(ROWS, AUX_LEN)
-        aux_batch = Batch.from_dict({"input_ids": aux_ids, "attention_mask": ones, "response_mask": ones,
+        aux_ids, aux_mask = _aux_batch()
+        aux_batch = Batch.from_dict({"input_ids": aux_ids, "attention_mask": aux_mask, "response_mask": aux_mask,
                                      "old_log_probs": torch.zeros(ROWS, AUX_LEN),
                                      "advantages": torch.zeros(ROWS, AUX_LEN)})
         out[name]["aux_terms"] = aux_role.update(aux_batch.chunk(layout.dp)[coords.dp]).terms
