@@ -102,7 +102,43 @@ def _hf_reference(hf_dir):
         ref_grads[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(grads, n, cfg) for n in m.hf], padded)
         ref_weights[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(weights, n, cfg) for n in m.hf], padded)
     return dict(log_probs=lp.detach(), old=old, loss=loss.item(), grads=ref_grads, weights=ref_weights,
-                router=_router_reference(model, spec))
+                router=_router_reference(model, spec), forced=_forced_reference(model, spec))
+
+
+def _forced_reference(model, spec):
+    """transformers under :func:`_forced_routing`: each router's top k replaced by the forced experts, weighted
+    by their softmax probabilities (renormalised with ``norm_topk_prob``), as megatron-core's replay weights
+    them. Log-probs, and the share of fed (token, layer) pairs (real tokens followed by another) whose own top k,
+    from the router's logits in that forward, differs from the forced one."""
+    import types
+
+    ids, attn, *_ = _batch_tensors()
+    forced = _forced_routing(spec.num_layers, spec.moe.num_experts, spec.moe.top_k).long()
+    own = []
+
+    def gate_forward(gate, hidden_states, layer):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+        own.append(logits.topk(gate.top_k, dim=-1).indices.sort(-1).values)
+        indices = forced[:, :, layer].reshape(-1, gate.top_k)  # batch-major, like HF's tokens
+        weights = torch.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), indices
+
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+        gate.forward = types.MethodType(lambda self, h, i=i: gate_forward(self, h, i), gate)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attn.long()).logits
+    for layer in model.model.layers:
+        del layer.mlp.gate.forward
+    lp = torch.zeros_like(attn)
+    lp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    fed = torch.zeros_like(attn, dtype=torch.bool)
+    fed[:, :-1] = (attn[:, :-1] * attn[:, 1:]).bool()
+    differ = torch.stack([(o.reshape(*attn.shape, -1) != forced[:, :, i].sort(-1).values).any(-1)
+                          for i, o in enumerate(own)], dim=-1)  # [rows, len, layers]
+    return {"log_probs": lp * attn, "disagreement": differ[fed].double().mean().item()}
 
 
 def _router_reference(model, spec):
@@ -212,6 +248,32 @@ def _replay(role, ctx, ckpt, engine, layout):
     return out
 
 
+def _forced_routing(num_layers: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """A random routing of every token of the training batch: [rows, len, layers, k] distinct experts."""
+    _, attn, *_ = _batch_tensors()
+    g = torch.Generator().manual_seed(13)
+    return torch.rand(*attn.shape, num_layers, num_experts, generator=g).argsort(-1)[..., :top_k].to(torch.int16)
+
+
+def _forced_replay(ctx, ckpt, engine, rows):
+    """A policy with router replay on: log-probs of the whole training batch and one update on ``rows`` (this DP
+    rank's), both routed by :func:`_forced_routing`."""
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.data.batch import Batch
+    from megarl.roles.policy import PolicyRole
+
+    role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(engine, router_replay=True),
+                      algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
+    spec = role.engine.spec
+    forced = _forced_routing(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
+    ids, attn, *_ = _batch_tensors()
+    lp = role.compute_log_probs(Batch.from_dict({"input_ids": ids, "attention_mask": attn, "routed_experts": forced}))
+    dp = ctx.layout.dp
+    terms = role.update(rows.update(Batch.from_dict({"routed_experts": forced.chunk(dp)[ctx.coords.dp]}))).terms
+    return {"log_probs": None if lp is None else lp["log_probs"].tolist(),
+            "mismatch": terms["moe_replay_mismatch"], "disagreement": terms["moe_routing_disagreement"]}
+
+
 def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
     from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
@@ -247,7 +309,9 @@ def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
                      "update": dataclasses.asdict(result),
                      "grads": {n: p.main_grad.tolist() for n, p in named},
                      "params": {n: p.detach().tolist() for n, p in named}}
-        # router statistics with the load-balancing loss on: rows without padding, one micro-batch per DP rank
+        if tp > 1:  # router replay splits the forced routing along the sequence like the router's input
+            out[name]["forced"] = _forced_replay(ctx, ckpt, engine, train.chunk(layout.dp)[coords.dp])
+        # router statistics with the load-balancing loss on: padded rows, one micro-batch per DP rank
         aux_role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(
             engine, moe_aux_loss_coef=AUX_COEF, micro_batch=MicroBatchConfig(max_tokens=1000, max_size=ROWS)),
             algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
@@ -347,6 +411,21 @@ def test_router_load_and_balancing_loss_match_hand_computation(world, reference,
         assert terms["moe_load_min"] == pytest.approx(shares.min().item(), rel=1e-9)
         assert terms["moe_load_balancing_loss"] == pytest.approx(aux, rel=1e-5)
         assert "moe_load_balancing_loss" not in r[layout]["update"]["terms"]  # coefficient 0: not computed
+
+
+@pytest.mark.parametrize("layout", [name for name, (tp, _, _) in LAYOUTS.items() if tp > 1])
+def test_router_replay_under_sequence_parallelism_matches_transformers_under_the_same_routing(world, reference,
+                                                                                            layout):
+    ref = reference["forced"]
+    assert (ref["log_probs"] - reference["log_probs"]).abs().max() > 1e-2  # the forced routing matters
+    reported = [r[layout]["forced"]["log_probs"] for r in world if r[layout]["forced"]["log_probs"] is not None]
+    assert len(reported) == _dp(layout)
+    for lp in reported:
+        err = ((torch.tensor(lp) - ref["log_probs"]).abs() / ref["log_probs"].abs().clamp(min=1.0)).max()
+        assert err.item() < 1e-5
+    for r in world:
+        assert r[layout]["forced"]["mismatch"] == 0
+        assert r[layout]["forced"]["disagreement"] == pytest.approx(ref["disagreement"], abs=1e-12)
 
 
 def test_training_at_tp2_without_sequence_parallelism_is_refused_with_the_reason(world):
