@@ -83,10 +83,16 @@ class EngineConfig:
     seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
     moe_aux_loss_coef: float = 0.0  # MoE models: weight of the router's load-balancing loss in updates; 0: off
     router_replay: bool = False  # MoE models: route every token to the rollout's recorded experts (R3)
+    sequence_parallel: bool | None = None  # tp > 1; null: MoE models only (training needs it); true: all; false: off
 
     def __post_init__(self) -> None:
         if self.moe_aux_loss_coef < 0:
             raise ConfigError(f"moe_aux_loss_coef must be >= 0, found {self.moe_aux_loss_coef}")
+
+    def uses_sequence_parallel(self, moe: bool, tp: int) -> bool:
+        """Whether a model (``moe``: a Mixture-of-Experts one) runs with sequence parallelism at ``tp``."""
+        wanted = moe if self.sequence_parallel is None else self.sequence_parallel
+        return wanted and tp > 1
 
     @property
     def forward_batching(self) -> MicroBatchConfig:

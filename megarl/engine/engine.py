@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_attr_wrapped_model
 
 from megarl.checkpoint import mcore_io
 from megarl.data.batch import Batch
@@ -42,6 +43,11 @@ from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+# An MoE model's micro-batches (but idle ones) carry megatron-core's padding mask [b, s] (True: padding) under this
+# key: the router leaves padding out of its load-balancing loss, so neither the micro-batches' right padding nor
+# sequence parallelism's changes the loss (an all-padding micro-batch has none: its loss would be 0 / 0).
+PADDING_MASK = "moe_padding_mask"
 
 # fn(logits_shard [b, s, V/tp], micro_batch) -> per-token outputs {name: [b, s]} (forward only)
 OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -74,11 +80,12 @@ class MegatronEngine:
         """``groups``: the process groups of ``layout`` in this world (:func:`megarl.parallel.init.process_groups`)."""
         self.spec, self.layout, self.config, self.trainable = spec, layout, config, trainable
         self.groups = groups
-        if trainable and spec.moe is not None and layout.tp > 1:
+        self.sequence_parallel = config.uses_sequence_parallel(spec.moe is not None, layout.tp)
+        if trainable and spec.moe is not None and layout.tp > 1 and not self.sequence_parallel:
             raise LayoutError(
-                f"training a Mixture-of-Experts model at tp={layout.tp} is not supported yet: megatron-core trains MoE "
-                "layers at TP > 1 only with sequence parallelism, which megarl does not enable yet; use tp=1 with ep "
-                "(and pp) for MoE training roles (forward-only roles may use TP).")
+                f"training a Mixture-of-Experts model at tp={layout.tp} needs sequence parallelism (megatron-core "
+                "trains MoE layers at TP > 1 only with it), which this role's sequence_parallel: false turns off; "
+                "set it to null (the default) or true, or use tp=1 with ep (forward-only roles may use TP without it).")
         dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         if config.router_replay and spec.moe is None:
@@ -86,8 +93,10 @@ class MegatronEngine:
                               "set router_replay: false.")
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed,
                                                              moe_aux_loss_coeff=config.moe_aux_loss_coef,
-                                                             router_replay=config.router_replay))
-        self.router_stats = (RouterStats(self.chunks, spec, groups, config.moe_aux_loss_coef, config.router_replay)
+                                                             router_replay=config.router_replay,
+                                                             sequence_parallel=self.sequence_parallel))
+        self.router_stats = (RouterStats(self.chunks, spec, groups, config.moe_aux_loss_coef, config.router_replay,
+                                         sequence_parallel=self.sequence_parallel)
                              if spec.moe is not None and trainable else None)
         for c in self.chunks:
             make_logits_batch_major(c)  # saves a full copy of the logits each way (see output_layer.py)
@@ -142,7 +151,10 @@ class MegatronEngine:
             return None
         b, s = batch["input_ids"].shape
         outputs = outputs[: len(plan)]  # idle micro-batches (expert parallelism) come last
-        return {k: micro_batches.restore([o[k] for o in outputs], plan, b, s).cpu() for k in outputs[0]}
+        lengths = batch["attention_mask"].sum(-1).long().tolist()
+        widths = [max(lengths[i] for i in rows) for rows in plan]  # without sequence parallelism's padding
+        return {k: micro_batches.restore([o[k][:, :w] for o, w in zip(outputs, widths, strict=True)], plan, b, s).cpu()
+                for k in outputs[0]}
 
     def train_step(self, batch: Batch, loss_fn: LossFn, extremes: Mapping[str, Extreme] | None = None) -> StepResult:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted.
@@ -253,7 +265,8 @@ class MegatronEngine:
         """This rank's micro-batches and their rows. With expert parallelism every data-parallel rank runs as
         many micro-batches as the one with the most (each MoE layer's all-to-all needs every rank of its group):
         the others split theirs, and a rank left with too few rows runs idle micro-batches of one masked-out
-        token (no response token, no loss, not in the router statistics), after its real ones."""
+        token (no response token, no loss, not in the router statistics), after its real ones. With sequence
+        parallelism each micro-batch is zero-padded (masks included) to a multiple of tp tokens."""
         lengths = batch["attention_mask"].sum(-1).long().tolist()
         plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
         idle = 0
@@ -264,15 +277,21 @@ class MegatronEngine:
             idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
+        # sequence parallelism splits every micro-batch's sequence over the TP ranks: pad it to a multiple of tp
+        multiple = self.layout.tp if self.sequence_parallel else 1
         mbs = []
         for rows in plan + [[0]] * idle:
             length = max(lengths[i] for i in rows) if len(mbs) < len(plan) else 1
-            mb = {k: v.to(device, non_blocking=True) for k, v in micro_batches.cut(tensors, rows, length).items()}
+            width = -(-length // multiple) * multiple
+            mb = {k: v.to(device, non_blocking=True)
+                  for k, v in micro_batches.cut(tensors, rows, length, width).items()}
             if len(mbs) >= len(plan):  # idle: nothing of it counts
                 for key in ("attention_mask", "response_mask"):
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
-            mb["position_ids"] = torch.arange(length, device=device).expand(len(rows), length)
+            elif self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
+                mb[PADDING_MASK] = mb["attention_mask"] == 0
+            mb["position_ids"] = torch.arange(width, device=device).expand(len(rows), width)
             mbs.append(mb)
         return plan, mbs
 
@@ -283,7 +302,12 @@ class MegatronEngine:
             mb = next(data_iterator)
             if self.router_stats is not None:
                 self.router_stats.set_micro_batch(mb["attention_mask"], mb.get("routed_experts"))
-            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+            padding_mask = mb.get(PADDING_MASK)
+            if padding_mask is not None and self.sequence_parallel and not get_attr_wrapped_model(model, "pre_process"):
+                # megatron-core splits the mask along the sequence on the first stage only
+                padding_mask = padding_mask.chunk(self.layout.tp, dim=1)[self.groups.tp.rank()]
+            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None,
+                           **({} if padding_mask is None else {"padding_mask": padding_mask}))
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 
         chunks = self.model

@@ -41,10 +41,23 @@ def spread(batches: list[list[int]], count: int) -> list[list[int]]:
     return batches
 
 
-def cut(tensors: dict[str, torch.Tensor], rows: list[int], length: int) -> dict[str, torch.Tensor]:
-    """Select ``rows`` and trim axis 1 of every 2-d+ tensor to ``length`` (1-d tensors: rows only)."""
+def cut(tensors: dict[str, torch.Tensor], rows: list[int], length: int,
+        width: int | None = None) -> dict[str, torch.Tensor]:
+    """Select ``rows`` and trim axis 1 of every 2-d+ tensor to ``length`` (1-d tensors: rows only); with
+    ``width`` > ``length``, zero-pad axis 1 after the first ``length`` entries to ``width``."""
     idx = torch.tensor(rows, dtype=torch.long)
-    return {k: (t[idx, :length] if t.dim() >= 2 else t[idx]) for k, t in tensors.items()}
+    out = {}
+    for k, t in tensors.items():
+        if t.dim() < 2:
+            out[k] = t[idx]
+            continue
+        part = t[idx, :length]
+        if width is not None and width > length:
+            padded = part.new_zeros((len(rows), width, *part.shape[2:]))
+            padded[:, : part.shape[1]] = part
+            part = padded
+        out[k] = part
+    return out
 
 
 def restore(parts: list[torch.Tensor], plan_rows: list[list[int]], batch_size: int, seq_len: int) -> torch.Tensor:

@@ -3,15 +3,16 @@
 :class:`RouterStats` hooks every megatron-core router of one rank's model chunks and counts, during an
 update, how many real tokens (padding excluded, from each micro-batch's attention mask) each layer
 sends to each expert. :meth:`RouterStats.metrics` reduces the counts over data and pipeline parallel
-ranks (tensor-parallel ranks route the same tokens) and returns:
+ranks (tensor-parallel ranks route the same tokens; with sequence parallelism each routes its part of the
+sequence, and the counts are summed over them too) and returns:
 
 - ``moe_load_max``, ``moe_load_min``: the largest and smallest share of a layer's routed tokens an
   expert received, over all layers and experts, relative to an even split (1.0 = balanced,
   ``num_experts`` = one expert took every token);
 - ``moe_load_balancing_loss``: megatron-core's auxiliary load-balancing loss (switch-transformer form,
-  ``E / (k T^2) * sum_e tokens_e * sum_t p_e(t)``), averaged over layers, micro-batches and DP ranks,
-  before its coefficient; present only when the coefficient (``moe_aux_loss_coef``) is non-zero, since
-  megatron-core computes it only then;
+  ``E / (k T^2) * sum_e tokens_e * sum_t p_e(t)`` over a micro-batch's T real tokens: the engine hands the
+  router the padding mask), averaged over layers, micro-batches and DP ranks, before its coefficient; present
+  only when the coefficient (``moe_aux_loss_coef``) is non-zero, since megatron-core computes it only then;
 - with the rollout's recorded routing in the batch (``routed_experts`` [b, s, layers, k]):
   ``moe_routing_disagreement``, the share of (token, layer) pairs whose top-k expert set, computed by this
   model from the layer's router input, differs from the rollout's (tokens the rollout engine fed: real
@@ -40,9 +41,10 @@ _AUX = "load_balancing_loss"  # megatron-core's tracker name for the aux_loss te
 
 class RouterStats:
     def __init__(self, chunks: list[torch.nn.Module], spec: ModelSpec, groups, aux_loss_coef: float,
-                 replay: bool = False) -> None:
+                 replay: bool = False, sequence_parallel: bool = False) -> None:
         assert spec.moe is not None
         self.groups, self.aux_loss_coef, self.replay, self.top_k = groups, aux_loss_coef, replay, spec.moe.top_k
+        self.sequence_parallel = sequence_parallel  # each TP rank's routers see its part of the sequence
         self.counts = torch.zeros(spec.num_layers, spec.moe.num_experts, dtype=torch.float64)
         self.compared = torch.zeros(3, dtype=torch.float64)  # differing pairs, compared pairs, replay misses
         self.mask: torch.Tensor | None = None  # the current micro-batch's real tokens, in the router's order
@@ -78,24 +80,33 @@ class RouterStats:
         return count
 
     def set_micro_batch(self, attention_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> None:
-        """The micro-batch about to run: ``attention_mask`` [b, s] (megatron's layers see [s, b]) and, when the
-        batch carries it, the rollout's routing [b, s, layers, k], which replay forces on every router."""
-        self.mask = attention_mask.t().reshape(-1).bool()
+        """The micro-batch about to run: ``attention_mask`` [b, s] (megatron's layers see [s, b]; with sequence
+        parallelism this TP rank's part of s) and, when the batch carries it, the rollout's routing
+        [b, s, layers, k], which replay forces on every router."""
+        self.mask = self._tokens(attention_mask).bool()
         if routed_experts is None:
             if self.replay:
                 raise ValueError("router replay is on but the batch carries no routed_experts: the rollout engine "
                                  "did not record its routing (docs/moe.md)")
             self.routed = self.fed = None
             return
-        self.routed = routed_experts.transpose(0, 1).reshape(-1, *routed_experts.shape[2:]).long()
+        self.routed = self._tokens(routed_experts).long()
         following = torch.zeros_like(attention_mask)
         following[:, :-1] = attention_mask[:, 1:]
-        self.fed = (attention_mask * following).t().reshape(-1).bool()
+        self.fed = self._tokens(attention_mask * following).bool()
         if self.replay:
             for layer, router in self.routers:
                 router.router_replay.clear_indices()
                 router.router_replay.set_target_indices(self.routed[:, layer])
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, ...] -> the tokens this rank's routers see, sequence-major: [s * b, ...], or with sequence
+        parallelism [s/tp * b, ...] of this TP rank's part of the sequence (megatron-core's split)."""
+        x = x.transpose(0, 1)
+        if self.sequence_parallel:
+            x = x.chunk(self.groups.tp.size(), dim=0)[self.groups.tp.rank()]
+        return x.reshape(-1, *x.shape[2:])
 
     def end_pass(self) -> None:
         """After a pass: no replay targets left behind for the next caller of the model."""
@@ -117,6 +128,8 @@ class RouterStats:
         counts = self.counts.clone()
         dist.all_reduce(counts, group=self.groups.dp)
         dist.all_reduce(counts, group=self.groups.pp)  # each stage filled its own layers' rows
+        if self.sequence_parallel:  # each TP rank counted its part of the sequence
+            dist.all_reduce(counts, group=self.groups.tp)
         routed = counts.sum(-1, keepdim=True)
         share = counts / routed.clamp(min=1.0) * counts.shape[-1]
         used = routed.squeeze(-1) > 0
@@ -127,6 +140,8 @@ class RouterStats:
         compared = self.compared.clone()
         dist.all_reduce(compared, group=self.groups.dp)
         dist.all_reduce(compared, group=self.groups.pp)
+        if self.sequence_parallel:
+            dist.all_reduce(compared, group=self.groups.tp)
         if compared[1] > 0:
             out["moe_routing_disagreement"] = (compared[0] / compared[1]).item()
             if self.replay:
@@ -136,6 +151,8 @@ class RouterStats:
             values = tracker["values"].detach().double().cpu()  # per layer, summed over micro-batches
             dist.all_reduce(values, group=self.groups.pp)
             dist.all_reduce(values, group=self.groups.dp)
+            if self.sequence_parallel:  # a TP rank's value has its own tokens' probabilities (megatron's split)
+                dist.all_reduce(values, group=self.groups.tp)
             layers = len(values)
             out["moe_load_balancing_loss"] = values.sum().item() / (layers * num_microbatches * self.groups.dp.size())
         return out

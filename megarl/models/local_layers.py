@@ -20,10 +20,20 @@ exactly the case megarl runs, and hands anything else to megatron-core's own for
   2.15 GB). Fused case: gated SiLU, no fc1 bias, no clamp, zero linear offset, no per-token scale.
   (megatron-core's own ``CheckpointWithoutOutput`` would do the same but snapshots CUDA RNG states
   per call, which on CPU queues a formatted stack trace in ``torch.cuda`` forever.)
+
+And one the local spec lacks, for sequence parallelism (:func:`use_sequence_parallel_norms`):
+
+- :class:`SequenceParallelNorm` (norms): megatron-core's ``WrappedTorchNorm`` refuses a config with
+  ``sequence_parallel``, though a norm computes each token on its own and is indifferent to which tokens a
+  rank holds. What it lacks is the gradient reduction: with the sequence split over TP ranks each rank's
+  weight gradient covers its tokens only. The norm is built as ``WrappedTorchNorm`` builds it and its
+  parameters are marked ``sequence_parallel``, which makes megatron-core's ``finalize_model_grads`` sum
+  their gradients over the TP group (as Transformer Engine's norms are marked; the router marks its own).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -31,6 +41,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 
 class SDPAttention(DotProductAttention):
@@ -146,3 +157,34 @@ def _known_mlp_subclass(record: logging.LogRecord) -> bool:
     """Drop megatron-core's per-layer "Unknown MLP type" warning: it passes ``tp_group`` only to an
     exact ``MLP``, and a subclass falls back to the default tensor-parallel group, the same group."""
     return not record.getMessage().startswith("Unknown MLP type")
+
+
+class SequenceParallelNorm:
+    """``WrappedTorchNorm`` (the local spec's norm) that accepts sequence parallelism: built from the config
+    without the flag, its parameters marked ``sequence_parallel`` (gradients summed over TP by
+    ``finalize_model_grads``). q/k norms, which megatron-core sums over TP anyway, are summed once."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+        plain = copy.copy(config)  # WrappedTorchNorm reads a few fields; no __post_init__ runs again
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def use_sequence_parallel_norms(layer_spec) -> None:
+    """Swap the ``WrappedTorchNorm``s of a local GPT layer spec (in place) for :class:`SequenceParallelNorm`:
+    the layer's input and pre-MLP norms and the attention's q/k norms. The decoder's final norm is the
+    block's (``mcore_compat.decoder_block_spec``)."""
+    layer = layer_spec.submodules
+    attention = layer.self_attention.submodules
+    for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"), (attention, "q_layernorm"),
+                        (attention, "k_layernorm")):
+        if getattr(owner, name) is WrappedTorchNorm:
+            setattr(owner, name, SequenceParallelNorm)
+    left = [n for n in ("input_layernorm", "pre_mlp_layernorm") if getattr(layer, n) is not SequenceParallelNorm]
+    if left:
+        raise TypeError(f"expected megatron-core's local WrappedTorchNorm for {left} in the spec, found "
+                        f"{[getattr(layer, n) for n in left]!r}")

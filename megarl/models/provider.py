@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
-from megarl.models.local_layers import use_local_layers
+from megarl.models.local_layers import SequenceParallelNorm, use_local_layers, use_sequence_parallel_norms
 from megarl.models.mapping import local_name, split_expert_name, split_layer_name, with_expert, with_layer
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel import cpu_compat, mcore_compat
@@ -39,17 +40,23 @@ class BuildOptions:
     local_layers: bool = True  # local spec: megarl/models/local_layers.py (fused SDPA attention, lean SwiGLU MLP)
     moe_aux_loss_coeff: float = 0.0  # MoE: weight of the router's load-balancing loss in training
     router_replay: bool = False  # MoE: megatron-core's RouterReplay on every router (targets set per micro-batch)
+    sequence_parallel: bool = False  # megatron-core's sequence parallelism (at tp > 1; ignored at tp 1)
 
 
 class ScalarHead(torch.nn.Module):
     """One value per token, in place of megatron's vocabulary output layer ([s, b, h] -> [s, b, 1]).
 
     Replicated over tensor-parallel ranks (hidden states are identical there), called like
-    megatron's ``ColumnParallelLinear`` output layer. Checkpointed as a replicated tensor.
+    megatron's ``ColumnParallelLinear`` output layer. Checkpointed as a replicated tensor. With
+    sequence parallelism each TP rank receives its part of the sequence: the head gathers the whole
+    sequence first, and in backward each rank keeps its own part of the (identical) gradient, so the
+    weight's gradient is whole on every TP rank and needs no reduction.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int, init: bool) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int, init: bool,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         if init:
             gen = torch.Generator().manual_seed(seed)
@@ -57,6 +64,8 @@ class ScalarHead(torch.nn.Module):
                 self.weight.copy_(torch.randn(1, hidden_size, generator=gen) / hidden_size**0.5)
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
@@ -80,6 +89,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptio
         hidden_dropout=opts.dropout,
         attention_dropout=opts.dropout,
         tensor_model_parallel_size=layout.tp,
+        sequence_parallel=opts.sequence_parallel and layout.tp > 1,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         params_dtype=opts.dtype,
@@ -138,12 +148,21 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
     layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm, num_experts=num_experts)
     if not use_te and opts.local_layers:
         use_local_layers(layer_spec)
+    if config.sequence_parallel:
+        cpu_compat.redirect_sequence_parallel()
+    sequence_parallel_norms = config.sequence_parallel and not use_te  # TE's norms support it themselves
+    if sequence_parallel_norms:
+        use_sequence_parallel_norms(layer_spec)
     chunks = []
     for vp in range(layout.vpp_size):
         vp_stage = vp if layout.vpp else None
+        block_spec = layer_spec
+        if sequence_parallel_norms:  # the decoder's final norm too
+            block_spec = mcore_compat.decoder_block_spec(config, layer_spec, vp_stage,
+                                                         layer_norm=SequenceParallelNorm)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=block_spec,
             vocab_size=padded_vocab_size(spec, layout, opts),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -156,7 +175,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
             vp_stage=vp_stage,
         )
         if spec.head is Head.SCALAR and model.post_process:
-            model.output_layer = ScalarHead(spec.hidden_size, opts.dtype, opts.seed, opts.init_weights)
+            model.output_layer = ScalarHead(spec.hidden_size, opts.dtype, opts.seed, opts.init_weights,
+                                            sequence_parallel=config.sequence_parallel)
         # megatron's local-spec norms ignore params_dtype; keep one dtype like Float16Module does
         model.to(dtype=opts.dtype)
         if torch.cuda.is_available():

@@ -281,10 +281,7 @@ def redirect_moe() -> None:
     if getattr(layer.forward, "_megarl_redirected", False):
         return
     layer.forward = redirected(layer.forward)
-    for module in (mappings, moe_utils):
-        for obj in list(vars(module).values()):
-            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
-                obj.backward = staticmethod(redirected(vars(obj)["backward"].__func__))
+    _redirect_autograd_functions((mappings, moe_utils), ("backward",))
     move = moe_utils.maybe_move_tensor_to_cpu
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -295,14 +292,45 @@ def redirect_moe() -> None:
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def redirect_sequence_parallel() -> None:
+    """Make megatron-core's sequence parallelism run on CPU (when the mode is installed; idempotent).
+
+    Its gathers and reduce-scatters along the sequence (``tensor_parallel.mappings``) and the tensor-parallel
+    linears that gather their input themselves (``tensor_parallel.layers``) allocate their outputs and buffers
+    on ``torch.cuda.current_device()``, in forward and in backward. Both run inside the transformer layers and
+    the backward, which run unredirected (:func:`run_unredirected`, :func:`unredirect_backward`): the forward
+    and backward of every autograd function of those two modules run :func:`redirected` instead (a few ops
+    each; the rest of a layer stays unredirected)."""
+    if _mode is None:
+        return
+    from megatron.core.tensor_parallel import layers, mappings
+
+    _redirect_autograd_functions((mappings, layers), ("forward", "backward"))
+
+
+def _redirect_autograd_functions(modules, methods: tuple[str, ...]) -> None:
+    """Run the given static methods of every ``torch.autograd.Function`` defined in ``modules``
+    :func:`redirected` (each wrapped once)."""
+    for module in modules:
+        for obj in list(vars(module).values()):
+            if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+                continue
+            for method in methods:
+                fn = vars(obj).get(method)
+                if not isinstance(fn, staticmethod) or getattr(fn.__func__, "_megarl_redirected", False):
+                    continue
+                setattr(obj, method, staticmethod(redirected(fn.__func__)))
+
+
 def unredirect_backward() -> None:
     """Run megatron-core's pipeline ``backward_step`` :func:`suspended` (when the mode is installed; idempotent).
 
     A backward runs under the torch-function modes of its caller, so every op of the autograd functions
     megatron-core's layers implement in Python (their linears' weight and input gradients, the DDP
     gradient hooks) would go through the mode: ~2,000 calls per update of a 2-layer model, 8% of its
-    time (71 -> 65 ms). The backward makes no CUDA calls: only sequence parallelism's gathers would
-    (they allocate on ``torch.cuda.current_device()``), and megarl does not enable it."""
+    time (71 -> 65 ms). The backward makes no CUDA calls of its own: the communication functions that
+    allocate on ``torch.cuda.current_device()`` (expert parallelism's all-to-alls, sequence parallelism's
+    gathers and reduce-scatters) run redirected (:func:`redirect_moe`, :func:`redirect_sequence_parallel`)."""
     if _mode is None:
         return
     from megatron.core.pipeline_parallel import schedules

@@ -85,6 +85,16 @@ def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool, num_experts: int | None 
     return spec
 
 
+def decoder_block_spec(config: Any, layer_spec: Any, vp_stage: int | None, *, layer_norm: type) -> Any:
+    """The decoder block of one model chunk: ``layer_spec`` for each of the chunk's layers and ``layer_norm`` as
+    its final norm (megatron-core's ``TransformerBlock`` otherwise takes the module-level default norm, which for
+    the local spec is ``WrappedTorchNorm``)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=layer_norm)
+
+
 def save_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> None:
     """``dist_checkpointing.save`` in the torch_dist format (the default backend of every version).
 

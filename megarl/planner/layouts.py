@@ -292,9 +292,6 @@ def check_layout(spec: ModelSpec, cluster: Cluster, layout: ParallelLayout, roll
         raise LayoutError(f"ep={layout.ep} needs a Mixture-of-Experts model; {spec.architecture} is dense: "
                           "set ep to 1.")
     spec.check_layout(layout)
-    if spec.moe is not None and layout.tp > 1:
-        raise LayoutError(f"tp={layout.tp} with a Mixture-of-Experts model: megatron-core trains MoE layers at TP > 1 "
-                          "only with sequence parallelism, which megarl does not enable yet; use tp 1 with ep.")
     check_expert_rollout(spec, rollout_tp)
     if not cluster.split:
         check_vllm_groups(layout, rollout_tp)
@@ -428,14 +425,16 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None)
     """(layout, rollout tp) pairs: tp dividing the GPUs of a node, the heads and the KV groups; pp dividing
     the layers (with vpp) and tp*pp dividing the training pool; dp filling it; for an MoE model every ep
     dividing the experts and tp*dp (1 for a dense one); rollout tp 1 or tp (with split placement, dividing
-    the rollout pool). An MoE model is planned at tp 1: megatron-core trains MoE layers at TP > 1 only with
-    sequence parallelism, which megarl does not enable yet. ``ModelSpec.check_layout`` has the last word on each."""
+    the rollout pool). An MoE model is proposed at tp 1 only: it trains at TP > 1 with sequence parallelism
+    (on by default there), which the memory and traffic models do not know (they would overstate its activations
+    and all-to-all bytes by up to tp), so they could not rank such layouts fairly; :func:`plan_layout` still
+    evaluates one on request, as an upper bound. ``ModelSpec.check_layout`` has the last word on each."""
     out = []
     world = cluster.train_gpus
     for tp in _divisors(math.gcd(cluster.gpus_per_node, world)):
         if spec.num_attention_heads % tp or spec.num_query_groups % tp:
             continue
-        if spec.moe is not None and tp > 1:  # megarl trains MoE at tp 1 until it enables sequence parallelism
+        if spec.moe is not None and tp > 1:  # proposed at tp 1 until the models know sequence parallelism
             continue
         for pp in _divisors(world // tp):
             v = vpp if pp > 1 else None

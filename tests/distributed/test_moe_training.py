@@ -24,15 +24,20 @@ pytestmark = pytest.mark.dist
 LR = 0.5
 CLIP = 0.2
 ROWS = 8
-LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2)}  # (tp, pp, ep) in a world of 4: dp 4 and dp 2
+# (tp, pp, ep) in a world of 4: dp 4, 2, 2 and 1; at tp 2 megatron-core's sequence parallelism is on (the default)
+LAYOUTS = {"ep2": (1, 1, 2), "pp2ep2": (1, 2, 2), "tp2ep2": (2, 1, 2), "tp2pp2ep2": (2, 2, 2)}
 AUX_COEF = 0.01
-AUX_LEN = 10  # the load-statistics batch: ROWS rows of this many tokens, no padding
+# the load-statistics batch: ROWS right-padded rows of these lengths, one micro-batch per DP rank, of odd widths
+# at dp 1, 2 and 4 (padded for sequence parallelism at tp 2); padding counts in neither the loads nor the loss
+AUX_LENGTHS = [11, 9, 7, 10, 8, 5, 9, 6]
+AUX_LEN = max(AUX_LENGTHS)
 
 
 def _batch_tensors():
-    """ROWS right-padded rows with mixed prompt / response lengths."""
+    """ROWS right-padded rows with mixed prompt / response lengths: 13, 10, 11, 12, 9, 11, 12, 11 tokens, so
+    that at tp 2 some micro-batches (in updates at dp 2: {13, 12, 11} and {9}) are padded for sequence parallelism."""
     g = torch.Generator().manual_seed(5)
-    prompts, responses = [3, 8, 5, 2, 6, 4, 7, 3], [9, 2, 6, 10, 4, 7, 5, 8]
+    prompts, responses = [3, 8, 5, 2, 6, 4, 7, 3], [10, 2, 6, 10, 3, 7, 5, 8]
     s = max(p + r for p, r in zip(prompts, responses, strict=True))
     ids = torch.zeros(ROWS, s, dtype=torch.long)
     attn, resp = torch.zeros(ROWS, s), torch.zeros(ROWS, s)
@@ -45,8 +50,10 @@ def _batch_tensors():
     return ids, attn, resp, advantages, noise
 
 
-def _aux_ids():
-    return torch.randint(5, 300, (ROWS, AUX_LEN), generator=torch.Generator().manual_seed(9))
+def _aux_batch():
+    mask = (torch.arange(AUX_LEN) < torch.tensor(AUX_LENGTHS)[:, None]).float()
+    ids = torch.randint(5, 300, (ROWS, AUX_LEN), generator=torch.Generator().manual_seed(9)) * mask.long()
+    return ids, mask
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -95,25 +102,63 @@ def _hf_reference(hf_dir):
         ref_grads[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(grads, n, cfg) for n in m.hf], padded)
         ref_weights[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(weights, n, cfg) for n in m.hf], padded)
     return dict(log_probs=lp.detach(), old=old, loss=loss.item(), grads=ref_grads, weights=ref_weights,
-                router=_router_reference(model, spec))
+                router=_router_reference(model, spec), forced=_forced_reference(model, spec))
+
+
+def _forced_reference(model, spec):
+    """transformers under :func:`_forced_routing`: each router's top k replaced by the forced experts, weighted
+    by their softmax probabilities (renormalised with ``norm_topk_prob``), as megatron-core's replay weights
+    them. Log-probs, and the share of fed (token, layer) pairs (real tokens followed by another) whose own top k,
+    from the router's logits in that forward, differs from the forced one."""
+    import types
+
+    ids, attn, *_ = _batch_tensors()
+    forced = _forced_routing(spec.num_layers, spec.moe.num_experts, spec.moe.top_k).long()
+    own = []
+
+    def gate_forward(gate, hidden_states, layer):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+        own.append(logits.topk(gate.top_k, dim=-1).indices.sort(-1).values)
+        indices = forced[:, :, layer].reshape(-1, gate.top_k)  # batch-major, like HF's tokens
+        weights = torch.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), indices
+
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+        gate.forward = types.MethodType(lambda self, h, i=i: gate_forward(self, h, i), gate)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attn.long()).logits
+    for layer in model.model.layers:
+        del layer.mlp.gate.forward
+    lp = torch.zeros_like(attn)
+    lp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    fed = torch.zeros_like(attn, dtype=torch.bool)
+    fed[:, :-1] = (attn[:, :-1] * attn[:, 1:]).bool()
+    differ = torch.stack([(o.reshape(*attn.shape, -1) != forced[:, :, i].sort(-1).values).any(-1)
+                          for i, o in enumerate(own)], dim=-1)  # [rows, len, layers]
+    return {"log_probs": lp * attn, "disagreement": differ[fed].double().mean().item()}
 
 
 def _router_reference(model, spec):
     """Per layer, in float64 from HF's router logits: each expert's share of the routed real tokens (x E) and,
     per group of rows one DP rank trains on, the switch load-balancing loss E / (k T^2) sum_e count_e sum_t p_e."""
     e, k = spec.moe.num_experts, spec.moe.top_k
+    ids, mask = _aux_batch()
     with torch.no_grad():
-        out = model(_aux_ids(), output_router_logits=True)
+        out = model(ids, attention_mask=mask.long(), output_router_logits=True)
+    real = mask.double()[..., None]  # padding excluded from everything below
     result = {"share": [], "aux": {}}
     for layer_logits in out.router_logits:  # [rows * AUX_LEN, E], batch-major
-        probs = torch.softmax(layer_logits.double(), dim=-1).reshape(ROWS, AUX_LEN, e)
-        chosen = torch.nn.functional.one_hot(probs.topk(k, dim=-1).indices, e).sum(-2).double()  # [rows, len, E]
+        probs = torch.softmax(layer_logits.double(), dim=-1).reshape(ROWS, AUX_LEN, e) * real
+        chosen = torch.nn.functional.one_hot(probs.topk(k, dim=-1).indices, e).sum(-2).double() * real  # [rows, len, E]
         counts = chosen.sum((0, 1))
         result["share"].append((counts / counts.sum() * e).tolist())
-        for dp in (2, 4):
+        for dp in (1, 2, 4):
             per_rank = []
             for rows in torch.arange(ROWS).chunk(dp):
-                t = len(rows) * AUX_LEN
+                t = mask[rows].sum().item()
                 per_rank.append((e / (k * t * t) * (chosen[rows].sum((0, 1)) * probs[rows].sum((0, 1))).sum()).item())
             result["aux"].setdefault(dp, []).append(sum(per_rank) / dp)
     return result
@@ -203,6 +248,32 @@ def _replay(role, ctx, ckpt, engine, layout):
     return out
 
 
+def _forced_routing(num_layers: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """A random routing of every token of the training batch: [rows, len, layers, k] distinct experts."""
+    _, attn, *_ = _batch_tensors()
+    g = torch.Generator().manual_seed(13)
+    return torch.rand(*attn.shape, num_layers, num_experts, generator=g).argsort(-1)[..., :top_k].to(torch.int16)
+
+
+def _forced_replay(ctx, ckpt, engine, rows):
+    """A policy with router replay on: log-probs of the whole training batch and one update on ``rows`` (this DP
+    rank's), both routed by :func:`_forced_routing`."""
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.data.batch import Batch
+    from megarl.roles.policy import PolicyRole
+
+    role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(engine, router_replay=True),
+                      algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
+    spec = role.engine.spec
+    forced = _forced_routing(spec.num_layers, spec.moe.num_experts, spec.moe.top_k)
+    ids, attn, *_ = _batch_tensors()
+    lp = role.compute_log_probs(Batch.from_dict({"input_ids": ids, "attention_mask": attn, "routed_experts": forced}))
+    dp = ctx.layout.dp
+    terms = role.update(rows.update(Batch.from_dict({"routed_experts": forced.chunk(dp)[ctx.coords.dp]}))).terms
+    return {"log_probs": None if lp is None else lp["log_probs"].tolist(),
+            "mismatch": terms["moe_replay_mismatch"], "disagreement": terms["moe_routing_disagreement"]}
+
+
 def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
     from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
@@ -233,26 +304,30 @@ def _world(rank, world_size, ckpt, hf_dir, old_log_probs):
                                  "old_log_probs": torch.tensor(old_log_probs), "advantages": adv})
         result = role.update(train.chunk(layout.dp)[coords.dp])
         named = [(n, p) for c in role.engine.chunks for n, p in global_named_parameters(c)]
-        out[name] = {"log_probs": lp["log_probs"].tolist() if lp is not None else None,
+        out[name] = {"coords": list(coords), "sequence_parallel": role.engine.sequence_parallel,
+                     "log_probs": lp["log_probs"].tolist() if lp is not None else None,
                      "update": dataclasses.asdict(result),
                      "grads": {n: p.main_grad.tolist() for n, p in named},
                      "params": {n: p.detach().tolist() for n, p in named}}
-        # router statistics with the load-balancing loss on: rows without padding, one micro-batch per DP rank
+        if tp > 1:  # router replay splits the forced routing along the sequence like the router's input
+            out[name]["forced"] = _forced_replay(ctx, ckpt, engine, train.chunk(layout.dp)[coords.dp])
+        # router statistics with the load-balancing loss on: padded rows, one micro-batch per DP rank
         aux_role = PolicyRole(ctx, checkpoint_dir=ckpt, engine=dataclasses.replace(
             engine, moe_aux_loss_coef=AUX_COEF, micro_batch=MicroBatchConfig(max_tokens=1000, max_size=ROWS)),
             algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=1.0)
-        aux_ids, ones = _aux_ids(), torch.ones(ROWS, AUX_LEN)
-        aux_batch = Batch.from_dict({"input_ids": aux_ids, "attention_mask": ones, "response_mask": ones,
+        aux_ids, aux_mask = _aux_batch()
+        aux_batch = Batch.from_dict({"input_ids": aux_ids, "attention_mask": aux_mask, "response_mask": aux_mask,
                                      "old_log_probs": torch.zeros(ROWS, AUX_LEN),
                                      "advantages": torch.zeros(ROWS, AUX_LEN)})
         out[name]["aux_terms"] = aux_role.update(aux_batch.chunk(layout.dp)[coords.dp]).terms
         del role, aux_role
     out["hybrid"] = _hybrid(rank, world_size, ckpt, hf_dir, engine)
-    try:  # megatron-core trains MoE at TP > 1 only with sequence parallelism, which megarl does not enable yet
+    try:  # megatron-core trains MoE at TP > 1 only with sequence parallelism: turned off, the engine refuses
         layout = ParallelLayout.for_world(world_size, tp=2, ep=2)
         init_distributed(layout)
         PolicyRole(WorkerContext(rank, world_size, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu"),
-                   checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(), temperature=1.0)
+                   checkpoint_dir=ckpt, engine=dataclasses.replace(engine, sequence_parallel=False),
+                   algorithm=AlgorithmConfig(), temperature=1.0)
         out["tp2_error"] = ""
     except LayoutError as e:
         out["tp2_error"] = str(e)
@@ -277,38 +352,58 @@ def world(hf_and_ckpt, reference):
     return run_world(_world, 4, str(hf_and_ckpt[1]), str(hf_and_ckpt[0]), reference["old"].tolist(), timeout_s=900)
 
 
+def _dp(layout: str) -> int:
+    tp, pp, _ = LAYOUTS[layout]
+    return 4 // (tp * pp)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_log_probs_match_transformers(world, reference, layout):
+    assert all(r[layout]["sequence_parallel"] == (LAYOUTS[layout][0] > 1) for r in world)
     reported = [r[layout]["log_probs"] for r in world if r[layout]["log_probs"] is not None]
-    assert len(reported) == 4 // LAYOUTS[layout][1]
+    assert len(reported) == _dp(layout)  # TP rank 0 of the last stage of each DP replica
     for lp in reported:
         err = ((torch.tensor(lp) - reference["log_probs"]).abs() / reference["log_probs"].abs().clamp(min=1.0)).max()
         assert err.item() < 1e-5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ppo_update_gradients_and_sgd_step_match_transformers(world, reference, layout):
+def test_ppo_update_gradients_and_sgd_step_match_transformers(world, reference, hf_and_ckpt, layout):
     """Every parameter (each expert on the rank that owns it) after one PPO update: gradient and SGD step."""
     for r in world:
         assert r[layout]["update"]["terms"]["pg_loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-5)
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(hf_and_ckpt[0]))
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
     for key in ("grads", "params"):
-        seen = {}
+        # every rank's tensors: TP-split ones gathered over the TP ranks of each DP replica, replicated ones
+        # (norms, router, experts: expert TP is 1) compared on every rank that holds them
+        shards: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         for r in world:
+            tp_rank, dp_rank = r[layout]["coords"][0], r[layout]["coords"][1]
             for name, t in r[layout][key].items():
-                seen.setdefault(name, torch.tensor(t))
-        assert set(seen) == set(reference["grads"])
-        for name, value in seen.items():
+                shards.setdefault((name, dp_rank), {})[tp_rank] = torch.tensor(t)
+        assert {name for name, _ in shards} == set(reference["grads"])
+        for (name, _), by_tp in shards.items():
             ref = reference["grads"][name]
-            value = value[: ref.shape[0]]  # vocabulary padding
             expected = ref if key == "grads" else reference["weights"][name] - LR * ref
-            rel = (value - expected).norm() / expected.norm().clamp(min=1e-12)
-            assert rel < 1e-5, f"{layout} {key} {name}: relative error {rel:.2e}"
+            if maps[name].tp_dim is None:
+                values = list(by_tp.values())
+            else:
+                assert sorted(by_tp) == list(range(LAYOUTS[layout][0]))
+                values = [mapping.tp_gather(maps[name], [by_tp[t] for t in sorted(by_tp)])]
+            for value in values:
+                value = value[: ref.shape[0]]  # vocabulary padding
+                rel = (value - expected).norm() / expected.norm().clamp(min=1e-12)
+                assert rel < 1e-5, f"{layout} {key} {name}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_router_load_and_balancing_loss_match_hand_computation(world, reference, layout):
     shares = torch.tensor(reference["router"]["share"], dtype=torch.float64)
-    dp = 4 // LAYOUTS[layout][1]
+    dp = _dp(layout)
     aux = sum(reference["router"]["aux"][dp]) / len(reference["router"]["aux"][dp])
     for r in world:
         terms = r[layout]["aux_terms"]
@@ -318,9 +413,24 @@ def test_router_load_and_balancing_loss_match_hand_computation(world, reference,
         assert "moe_load_balancing_loss" not in r[layout]["update"]["terms"]  # coefficient 0: not computed
 
 
-def test_training_at_tp2_is_refused_with_the_reason(world):
+@pytest.mark.parametrize("layout", [name for name, (tp, _, _) in LAYOUTS.items() if tp > 1])
+def test_router_replay_under_sequence_parallelism_matches_transformers_under_the_same_routing(world, reference,
+                                                                                            layout):
+    ref = reference["forced"]
+    assert (ref["log_probs"] - reference["log_probs"]).abs().max() > 1e-2  # the forced routing matters
+    reported = [r[layout]["forced"]["log_probs"] for r in world if r[layout]["forced"]["log_probs"] is not None]
+    assert len(reported) == _dp(layout)
+    for lp in reported:
+        err = ((torch.tensor(lp) - ref["log_probs"]).abs() / ref["log_probs"].abs().clamp(min=1.0)).max()
+        assert err.item() < 1e-5
     for r in world:
-        assert "sequence parallelism" in r["tp2_error"]
+        assert r[layout]["forced"]["mismatch"] == 0
+        assert r[layout]["forced"]["disagreement"] == pytest.approx(ref["disagreement"], abs=1e-12)
+
+
+def test_training_at_tp2_without_sequence_parallelism_is_refused_with_the_reason(world):
+    for r in world:
+        assert "needs sequence parallelism" in r["tp2_error"] and "sequence_parallel: false" in r["tp2_error"]
 
 
 def test_weight_sync_carries_every_expert_bit_exactly(world):
