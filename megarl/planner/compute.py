@@ -12,7 +12,8 @@ Pure module: no torch.distributed, no megatron-core, no Ray; plain arithmetic on
   rank sends ``tokens * k * h * bytes * (ep-1)/ep`` (its dispatched copies bound for the other ``ep-1``
   ranks of its expert-parallel group) and receives as much, per all-to-all. An MoE layer runs four per
   micro-batch: dispatch and combine in the forward, and their gradients in the backward. The ``tokens``
-  are a rank's micro-batch: without sequence parallelism every TP rank routes the whole micro-batch.
+  are those a rank routes: its micro-batch, or ``1/tp`` of it with sequence parallelism (megarl's default for
+  MoE at tp > 1, :func:`megarl.planner.memory.sequence_parallel`).
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ class LayoutPlan:
         model or ep 1), in the training precision, and its link-bound time."""
         b, s = memory.micro_batch_shape(self.workload.micro_batch_tokens, self.workload.seq_len)
         c = self.cluster
-        return compute.expert_traffic(self.spec, self.layout, tokens=b * s,
+        routed = b * s // (self.layout.tp if memory.sequence_parallel(self.spec, self.layout.tp) else 1)
+        return compute.expert_traffic(self.spec, self.layout, tokens=routed,
                                       itemsize=memory.param_bytes(self.workload.precision), node_of=c.node_of,
                                       intra_bps=c.intra_node_gbps * GB, inter_bps=c.inter_node_gbps * GB)
 
@@ -424,17 +425,15 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None) -> list[tuple[ParallelLayout, int]]:
     """(layout, rollout tp) pairs: tp dividing the GPUs of a node, the heads and the KV groups; pp dividing
     the layers (with vpp) and tp*pp dividing the training pool; dp filling it; for an MoE model every ep
-    dividing the experts and tp*dp (1 for a dense one); rollout tp 1 or tp (with split placement, dividing
-    the rollout pool). An MoE model is proposed at tp 1 only: it trains at TP > 1 with sequence parallelism
-    (on by default there), which the memory and traffic models do not know (they would overstate its activations
-    and all-to-all bytes by up to tp), so they could not rank such layouts fairly; :func:`plan_layout` still
-    evaluates one on request, as an upper bound. ``ModelSpec.check_layout`` has the last word on each."""
+    dividing the experts and tp*dp (1 for a dense one; at tp > 1 it trains with sequence parallelism, which the
+    memory and traffic models account for); rollout tp 1 or tp colocated (vLLM's TP groups lie inside one
+    data-parallel replica), and with split placement every tp dividing a node's GPUs and the rollout pool.
+    ``ModelSpec.check_layout`` has the last word on each."""
     out = []
     world = cluster.train_gpus
+    rollout_tps = set(_divisors(math.gcd(cluster.gpus_per_node, cluster.rollout_gpus))) if cluster.split else None
     for tp in _divisors(math.gcd(cluster.gpus_per_node, world)):
         if spec.num_attention_heads % tp or spec.num_query_groups % tp:
-            continue
-        if spec.moe is not None and tp > 1:  # proposed at tp 1 until the models know sequence parallelism
             continue
         for pp in _divisors(world // tp):
             v = vpp if pp > 1 else None
@@ -447,7 +446,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None)
                     spec.check_layout(layout)
                 except LayoutError:
                     continue
-                for rollout_tp in sorted({1, tp}, reverse=True):
+                for rollout_tp in sorted(rollout_tps or {1, tp}, reverse=True):
                     try:
                         check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
                     except LayoutError:

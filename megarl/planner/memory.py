@@ -23,8 +23,7 @@ ceiling. Gradient buffers are not sharded, as for dense parameters.
 
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv 2205.05198), section 4, re-derived for the Llama-style block (GQA, SwiGLU, RMSNorm,
-no dropout) with tensor parallelism t and no sequence parallelism. Per token and layer, in units of
-the activation itemsize (2 B in bf16):
+no dropout) with tensor parallelism t. Per token and layer, in units of the activation itemsize (2 B in bf16):
 
     replicated over TP:  4h          two norm inputs, the qkv input, the fc1 input
     split over TP:      (2*n_h*d + 2*n_g*d + 4F) / t   q and the o_proj input, k and v, [gate; up],
@@ -42,6 +41,11 @@ on its rank: ``k*(2h + 4I)`` values per token, plus the router's fp32 probabilit
 router's input is the ``h`` the dense block counts as the fc1 input. Balanced routing: every rank receives
 ``k`` copies per token it routes, whatever ``ep``.
 
+Sequence parallelism (megarl's default for an MoE model at t > 1, :func:`sequence_parallel`; what megatron-core
+needs to train MoE layers at TP > 1) splits the sequence over the TP ranks outside attention and the MLP: the
+replicated ``4h``, the dispatched copies, the router's probabilities and a fully recomputed layer's input are
+divided by ``t`` too (the paper's Eq. 4: every term over ``t``).
+
 The 1F1B schedule holds ``pp - stage`` micro-batches on a stage; the interleaved schedule (VPP v) holds
 Megatron's warm-up count ``2*(pp - stage - 1) + (v - 1)*pp + 1`` chunks of ``L/(pp*v)`` layers (the paper's
 ``1 + (p-1)/(p*v)`` factor on the first stage). The last stage of an LM head also keeps fp32 logits and their
@@ -55,7 +59,7 @@ import enum
 import functools
 import math
 
-from megarl.engine.config import Precision
+from megarl.engine.config import EngineConfig, Precision
 from megarl.errors import ConfigError
 from megarl.models.mapping import mcore_shape, split_expert_name, split_layer_name, tensor_maps
 from megarl.models.spec import Head, ModelSpec
@@ -189,19 +193,26 @@ def micro_batch_shape(micro_batch_tokens: int, seq_len: int) -> tuple[int, int]:
     return max(1, micro_batch_tokens // seq_len), seq_len
 
 
+def sequence_parallel(spec: ModelSpec, tp: int) -> bool:
+    """Whether a training engine runs ``spec`` at ``tp`` with sequence parallelism by default
+    (``EngineConfig.sequence_parallel: null``: an MoE model at tp > 1)."""
+    return EngineConfig().uses_sequence_parallel(spec.moe is not None, tp)
+
+
 def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, seq_len: int, recompute: Recompute,
                            act_bytes: int) -> int:
     """Activations one layer keeps for one micro-batch of ``tokens`` tokens (sequences of ``seq_len``)."""
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    sp = tp if sequence_parallel(spec, tp) else 1  # the sequence-split parts are divided by this
     if recompute is Recompute.FULL:
-        return tokens * h * act_bytes
+        return tokens * h * act_bytes // sp
     m = spec.moe
     mlp_split = 4 * f if m is None else 0  # an MoE layer's experts are whole on their rank (no TP)
-    per_token = 4 * h + (2 * spec.num_attention_heads * d + 2 * spec.num_query_groups * d + mlp_split) / tp
+    per_token = 4 * h / sp + (2 * spec.num_attention_heads * d + 2 * spec.num_query_groups * d + mlp_split) / tp
     router = 0
     if m is not None:  # k dispatched copies of each token; the router's fp32 probabilities
-        per_token += m.top_k * (2 * h + 4 * m.ffn_hidden_size)
-        router = tokens * 4 * m.num_experts
+        per_token += m.top_k * (2 * h + 4 * m.ffn_hidden_size) / sp
+        router = tokens * 4 * m.num_experts // sp
     if recompute is Recompute.NONE:
         per_token += spec.num_attention_heads * seq_len / tp
     return int(tokens * per_token * act_bytes) + router

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megarl.planner.compute import forward_flops_per_token, training_flops_per_token
 from megarl.planner.layouts import RESERVED, ROLLOUT, LayoutPlan, Phase, PhasePeak, Pool, Role
-from megarl.planner.memory import GB, micro_batch_shape
+from megarl.planner.memory import GB, micro_batch_shape, sequence_parallel
 from megarl.planner.modes import Mode, StageTimes, StepPrediction
 
 _ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
@@ -131,8 +131,10 @@ def expert_traffic_lines(plan: LayoutPlan) -> list[str]:
     t, c = plan.expert_traffic, plan.cluster
     if plan.layout.ep == 1:
         return ["expert parallelism 1: every GPU holds all experts, no all-to-all"]
-    return [f"expert-parallel all-to-all (EP{t.ep}, {plan.workload.precision.value}) per micro-batch of {t.tokens} "
-            f"tokens: each GPU sends and receives {t.alltoall / GB:.3f} GB per all-to-all (tokens x top-k x hidden x "
+    routed = (f"{t.tokens} tokens routed per GPU (1/{plan.layout.tp} of each, sequence parallelism)"
+              if sequence_parallel(plan.spec, plan.layout.tp) else f"{t.tokens} tokens")
+    return [f"expert-parallel all-to-all (EP{t.ep}, {plan.workload.precision.value}) per micro-batch of {routed}"
+            f": each GPU sends and receives {t.alltoall / GB:.3f} GB per all-to-all (tokens x top-k x hidden x "
             f"bytes x (ep-1)/ep), x4 per MoE layer (dispatch + combine, forward + backward) = {t.per_layer / GB:.3f} "
             f"GB, x{t.layers} layers per stage = {t.per_micro_batch / GB:.2f} GB; time lower bound {t.seconds:.3f} s "
             f"({t.slowest_intra / GB:.2f} GB intra-node at {c.intra_node_gbps:g} GB/s + "

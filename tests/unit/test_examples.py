@@ -25,6 +25,7 @@ CONFIGS = sorted(EXAMPLES.glob("*/config.yaml"))
 QWEN25_05B = (24, 14, 2)  # huggingface.co/Qwen/Qwen2.5-0.5B-Instruct/blob/main/config.json
 QWEN25_7B = (28, 28, 4)  # huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json
 LLAMA3_70B = (80, 64, 8)  # huggingface.co/meta-llama/Meta-Llama-3-70B-Instruct/blob/main/config.json
+QWEN3_30B_A3B = (48, 32, 4)  # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (128 experts, top 8)
 
 # example -> (model dims, expected training layout, GPUs)
 GPU_EXAMPLES = {
@@ -32,6 +33,7 @@ GPU_EXAMPLES = {
     "grpo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "dapo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "ppo_llama3_70b": (LLAMA3_70B, ParallelLayout(tp=8, pp=4, dp=2), 64),
+    "grpo_gsm8k_qwen3_30b_a3b": (QWEN3_30B_A3B, ParallelLayout(tp=4, pp=1, dp=4, ep=8), 16),
 }
 
 
@@ -149,3 +151,21 @@ def test_gsm8k_prep_refuses_bad_input(prep, tmp_path, rows, match):
     with pytest.raises(DataError, match=match) as info:
         prep.convert_file(src, tmp_path / "out.parquet")
     assert str(src) in str(info.value) and not (tmp_path / "out.parquet").exists()
+
+
+def test_moe_example_fits_the_planner():
+    """The Qwen3-30B-A3B example's layout divides the model (its 128 experts by ep 8, inside each stage's tp*dp)
+    and fits 80 GB GPUs in every phase by the planner, with the example's own workload."""
+    from megarl.planner.layouts import Cluster, Role, Workload, plan_layout
+    from megarl.planner.presets import preset_spec
+
+    cfg = load_config(EXAMPLES / "grpo_gsm8k_qwen3_30b_a3b" / "config.yaml")
+    spec, layout, pool = preset_spec("qwen3-30b-a3b"), cfg.cluster.layout(), cfg.cluster.pool()
+    spec.check_layout(layout)
+    work = Workload(roles=(Role.POLICY, Role.REFERENCE), micro_batch_tokens=cfg.policy.micro_batch.max_tokens,
+                    prompt_tokens=cfg.data.max_prompt_length, response_tokens=cfg.rollout.max_new_tokens,
+                    concurrent_seqs=128)
+    plan = plan_layout(spec, Cluster(nodes=pool.nodes, gpus_per_node=pool.devices_per_node, gpu_mem_gb=80), work,
+                       layout, cfg.rollout.engine.tp)
+    assert plan.fits, plan.reason
+    assert cfg.rollout.engine.gpu_memory_utilization >= plan.gpu_memory_utilization

@@ -139,13 +139,16 @@ def test_plan_memory_terms_by_hand(moe):
 
 def test_moe_activations_scale_with_dispatched_tokens(moe):
     """Per token and MoE layer: 4h + (2 n_h d + 2 n_g d)/t values, plus k copies of (2h + 4I) values in the
-    experts (not divided by TP), plus the router's fp32 probabilities (4 E bytes)."""
+    experts (whole experts: not divided by TP), plus the router's fp32 probabilities (4 E bytes). At t > 1 an MoE
+    model trains with sequence parallelism: each TP rank keeps and routes 1/t of the tokens, so every term is
+    divided by t (the 4h, the copies and the probabilities too)."""
     tokens = 2 * 64
-    for tp in (1, 2):
-        values = 4 * H + (2 * NH * D + 2 * NG * D) / tp + K * (2 * H + 4 * FE)  # 960 at tp 1, 864 at tp 2
-        per_layer = int(tokens * values * 2) + tokens * 4 * E
-        got = memory.layer_activation_bytes(moe, tp, tokens, 64, Recompute.SELECTIVE, 2)
-        assert got == per_layer
+    assert memory.layer_activation_bytes(moe, 1, tokens, 64, Recompute.SELECTIVE, 2) == int(
+        tokens * (4 * H + 2 * NH * D + 2 * NG * D + K * (2 * H + 4 * FE)) * 2) + tokens * 4 * E
+    values = (4 * H + 2 * NH * D + 2 * NG * D + K * (2 * H + 4 * FE)) / 2  # 480 at tp 2
+    assert memory.layer_activation_bytes(moe, 2, tokens, 64, Recompute.SELECTIVE, 2) == int(
+        tokens * values * 2) + tokens * 4 * E // 2
+    assert memory.layer_activation_bytes(moe, 2, tokens, 64, Recompute.FULL, 2) == tokens * H * 2 // 2
     assert memory.layer_activation_bytes(moe, 1, tokens, 64, Recompute.SELECTIVE, 2) == tokens * (960 * 2 + 16)
     # full recompute keeps the layer input only, as for a dense layer
     assert memory.layer_activation_bytes(moe, 1, tokens, 64, Recompute.FULL, 2) == tokens * H * 2
@@ -207,15 +210,16 @@ def test_expert_traffic_per_micro_batch_and_links(moe):
 
 
 def test_search_enumerates_ep(moe):
-    """4 GPUs: tp 1 (MoE training needs sequence parallelism at tp 2), pp dividing 4 and the 4 layers, ep
-    dividing the 4 experts and tp*dp = 4/pp; rollout tp 1."""
+    """4 GPUs: tp dividing the 4 heads and 2 KV groups (1, 2; at 2 with sequence parallelism), pp dividing 4/tp
+    and the 4 layers, ep dividing the 4 experts and tp*dp = 4/pp; rollout tp 1 or tp."""
     got = {(lay.tp, lay.pp, lay.dp, lay.ep, g) for lay, g in candidate_layouts(moe, FOUR_NODES)}
     want = set()
-    for pp in (1, 2, 4):
-        for ep in (1, 2, 4):
-            if (4 // pp) % ep == 0:
-                want.add((1, pp, 4 // pp, ep, 1))
-    assert got == want and len(got) == 6
+    for tp in (1, 2):
+        for pp in (1, 2, 4):
+            for ep in (1, 2, 4):
+                if tp * pp <= 4 and (4 // pp) % ep == 0:
+                    want |= {(tp, pp, 4 // (tp * pp), ep, g) for g in {1, tp}}
+    assert got == want and len(got) == 16
     # 6 experts: ep 4 divides tp*dp but not the experts
     six = spec_from_hf_config(dict(MOE_HF, num_experts=6))
     assert {lay.ep for lay, _ in candidate_layouts(six, FOUR_NODES)} == {1, 2}
@@ -224,7 +228,7 @@ def test_search_enumerates_ep(moe):
 def test_search_ranks_smaller_ep_first(moe):
     plans = propose(moe, FOUR_NODES, POLICY_ONLY)
     costs = [(p.layout.tp * p.layout.pp, p.layout.ep, -p.rollout_tp, p.layout.pp) for p in plans]
-    assert costs == sorted(costs) and len(plans) == 6  # the tiny model fits everywhere
+    assert costs == sorted(costs) and len(plans) == 16  # the tiny model fits everywhere
     assert [str(p.layout) for p in plans[:3]] == ["TP1xPP1xDP4", "TP1xPP1xDP4xEP2", "TP1xPP1xDP4xEP4"]
 
 
