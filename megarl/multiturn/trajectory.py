@@ -45,6 +45,7 @@ class Segment:
     kind: str
     ids: list[int]
     log_probs: list[float] | None = None  # model segments: the rollout engine's log-prob of each id
+    messages: int = 0  # observation segments: how many messages they render
 
 
 class ChatRenderer:
@@ -147,8 +148,14 @@ class Trajectory:
         ids = self.renderer.observation_ids(self.messages[:-1], self.messages[-1]["content"],
                                             self.renderer.decode(end), observations)
         self.messages.extend(dict(m) for m in observations)
-        self.segments.append(Segment("observation", ids))
+        self.segments.append(Segment("observation", ids, messages=len(observations)))
         return ids
+
+    def drop_observation(self) -> None:
+        """Remove the last segment, an observation, and its messages (a conversation that ends after it)."""
+        if self.segments[-1].kind != "observation":
+            raise ValueError(f"the last segment is a {self.segments[-1].kind} segment, not an observation")
+        del self.messages[len(self.messages) - self.segments.pop().messages:]
 
     def _content_ids(self, ids: list[int]) -> list[int]:
         return ids[:-1] if ids and ids[-1] in self.stop_ids else ids
