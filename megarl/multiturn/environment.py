@@ -4,16 +4,16 @@ An environment plays the other side of a conversation. A user implements :class:
 their own and names it by path (``"path/to/env.py:MyEnv"``, like a reward function): megarl builds one per
 conversation from the dataset row, asks it for the opening messages, and after every model turn hands it the
 turn's text and takes back a :class:`Step`: the messages that answer it (``role`` ``tool`` or ``user``), a
-reward for the turn, and whether the episode is over. The final reward of a conversation is the sum of its
-turns' rewards (a reward function, when configured, adds its score of the whole conversation).
+reward for the turn, and whether the episode is over. The reward of a conversation is the sum of its turns'
+rewards, plus the reward function's score of the model's last turn when one is configured.
 
 :class:`ToolEnvironment` is the environment of tool calling: the model calls Python functions (given by path)
 in the chat template's format -- Hermes/Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` --
 each call's result comes back as a ``tool`` message, a malformed call (not JSON, an unknown tool, arguments
 the function does not take, a function that raises) as a ``tool`` message saying what was wrong, counted in
-:attr:`Step.errors`; a turn without a call ends the episode, scored by the row's reward.
+:attr:`Step.errors`; a turn without a call is the answer: it ends the episode.
 
-Pure module: the standard library and megarl.errors.
+Pure module: the standard library, megarl.errors and megarl.config.user_code.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from megarl.errors import MegarlError
+from megarl.config.user_code import load_function
+from megarl.errors import ConfigError, MegarlError
+from megarl.multiturn.config import MultiTurnConfig
 
 Message = dict[str, Any]
 
@@ -104,31 +106,23 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
 
 class ToolEnvironment:
     """Tool calling as an environment: the row's messages open the conversation, every ``<tool_call>`` in a model
-    turn runs, and the first turn without a call ends the episode with ``score(text, row)``.
+    turn runs, and the first turn without a call ends the episode (the reward function scores that answer).
 
-    ``tools``: name -> function; ``score``: the final answer's reward (e.g. a reward function bound to the row);
-    ``messages_key``: the row column holding the opening messages (a list of chat messages or a string)."""
+    ``tools``: name -> function; ``messages_key``: the row column holding the opening messages (a list of chat
+    messages or a string)."""
 
-    def __init__(self, tools: Mapping[str, Callable[..., Any]], score: Callable[[str, Mapping[str, Any]], float], *,
-                 messages_key: str = "prompt") -> None:
+    def __init__(self, tools: Mapping[str, Callable[..., Any]], *, messages_key: str = "prompt") -> None:
         self.tools = dict(tools)
-        self.score = score
         self.messages_key = messages_key
-        self.row: Mapping[str, Any] = {}
-
-    @property
-    def schemas(self) -> list[dict[str, Any]]:
-        return [tool_schema(fn) for fn in self.tools.values()]
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        self.row = row
         opening = row[self.messages_key]
         return [{"role": "user", "content": opening}] if isinstance(opening, str) else [dict(m) for m in opening]
 
     def step(self, text: str) -> Step:
         calls, errors = parse_tool_calls(text)
         if not calls and not errors:
-            return Step([], reward=float(self.score(text, self.row)), done=True)
+            return Step([], done=True)
         messages = [{"role": "tool", "content": f"error: {e}"} for e in errors]
         for call in calls:
             result, error = self._run(call)
@@ -152,6 +146,31 @@ class ToolEnvironment:
             error = f"tool {call.name!r} raised {type(e).__name__}: {e}"
             return f"error: {error}", error
         return (result if isinstance(result, str) else json.dumps(result)), None
+
+
+def environment_factory(config: MultiTurnConfig) -> tuple[Callable[[], Environment], list[dict[str, Any]] | None]:
+    """(a function making one environment per conversation, the tool schemas the chat template announces) for
+    ``rollout.multi_turn``: its tools (``"file.py:function"`` each) in a :class:`ToolEnvironment`, or its
+    ``environment`` factory (``"file.py:Name"``, called with no arguments)."""
+    if config.tools:
+        loaded = [load_function(spec, "tool", None, "") for spec in config.tools]
+        tools = {fn.__name__: fn for fn in loaded}
+        if len(tools) != len(loaded):
+            raise ConfigError(f"rollout.multi_turn.tools name two functions alike: {config.tools}; the model calls "
+                              "a tool by its function's name")
+        return (lambda: ToolEnvironment(tools)), [tool_schema(fn) for fn in tools.values()]
+    if config.environment is None:
+        raise ConfigError("rollout.multi_turn has neither an environment nor tools")
+    factory = load_function(config.environment, "environment", (), "() -> Environment")
+
+    def make() -> Environment:
+        env = factory()
+        if not isinstance(env, Environment):
+            raise EnvironmentFailure(f"{config.environment} made a {type(env).__name__}, which lacks reset(row) or "
+                                     "step(text); it must return an object with both (megarl.multiturn.Environment)")
+        return env
+
+    return make, None
 
 
 class EnvironmentFailure(MegarlError):

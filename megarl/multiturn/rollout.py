@@ -28,36 +28,20 @@ from typing import Any
 import torch
 
 from megarl.data.batch import Batch
-from megarl.errors import ConfigError
+from megarl.multiturn.config import MultiTurnConfig
 from megarl.multiturn.environment import Environment, EnvironmentFailure, Step, checked_step
 from megarl.multiturn.trajectory import ChatRenderer, Trajectory
 from megarl.rewards.base import OnError
-from megarl.rollout.base import RolloutOutput, SamplingParams
+from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
-Generate = Callable[[list[list[int]], SamplingParams], RolloutOutput]
+# one model turn for each prompt: its sampled ids and their log-probs (e.g. from RolloutOutput.token_lists and
+# log_prob_lists, or from a worker group's training rows)
+Generate = Callable[[list[list[int]], SamplingParams], list[tuple[list[int], list[float]]]]
 
 FINISH_DONE = "done"  # the environment ended the episode
 FINISH_TURNS = "turns"  # max_turns model turns
 FINISH_TOKENS = "tokens"  # the token budget
 FINISH_ERROR = "env_error"  # the environment failed (on_env_error: score)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
-    max_turns: int = 4  # model turns per conversation
-    max_tokens: int = 1024  # trajectory tokens after the prompt (model turns and observations)
-    max_turn_tokens: int = 256  # new tokens per model turn
-    env_timeout_s: float = 30.0  # one environment call (reset or step)
-    on_env_error: OnError = OnError.RAISE  # raise: fail the step; score: end the conversation with env_error_score
-    env_error_score: float = 0.0
-    env_workers: int = 8  # environment calls in flight at once
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tokens", "max_turn_tokens", "env_workers"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"multi-turn {name} must be an integer >= 1; found {getattr(self, name)!r}")
-        if not self.env_timeout_s > 0:
-            raise ConfigError(f"multi-turn env_timeout_s must be > 0; found {self.env_timeout_s!r}")
 
 
 @dataclasses.dataclass
@@ -139,7 +123,7 @@ def _generate(generate: Generate, active: list[Conversation], params: SamplingPa
     if len(out) != len(active):
         raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(active)} conversations")
     result = []
-    for c, ids, lps in zip(active, out.token_lists(), out.log_prob_lists(), strict=True):
+    for c, (ids, lps) in zip(active, out, strict=True):
         keep = min(len(ids), budget[id(c)])  # a row may not pass its own budget (the call took the largest)
         result.append((ids[:keep], lps[:keep]))
     return result
@@ -216,14 +200,16 @@ def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Bat
     """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
     model's tokens only: observations are context, not trained), ``rollout_log_probs`` (token-aligned: entry i is
     the log-prob of token i), ``prompt_index`` (the row, for group baselines), ``scores`` (each conversation's
-    reward) and ``response_lengths`` (tokens after the prompt)."""
+    reward) and ``response_lengths`` (tokens after the prompt); non-tensor ``finish_reasons`` ("stop" when the
+    environment ended the episode, else "length") and ``final_texts`` (the model's last turn, what a reward function
+    scores)."""
     width = max(len(c.trajectory.ids) for c in convs)
 
     def padded(values: list[list], value, dtype) -> torch.Tensor:
         return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
 
     ids = [c.trajectory.ids for c in convs]
-    return Batch.from_dict({
+    batch = Batch.from_dict({
         "input_ids": padded(ids, pad_token_id, torch.long),
         "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
         "response_mask": padded([c.trajectory.loss_mask() for c in convs], 0, torch.float32),
@@ -232,4 +218,15 @@ def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Bat
         "scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
         "response_lengths": torch.tensor([len(v) - c.trajectory.prompt_length for c, v in zip(convs, ids, strict=True)],
                                          dtype=torch.long),
-    })
+    }, non_tensors={"finish_reasons": [FINISH_STOP if c.finish == FINISH_DONE else FINISH_LENGTH for c in convs],
+                    "final_texts": [c.trajectory.final_text for c in convs]})
+    return batch
+
+
+def model_turns(rows: Batch) -> list[tuple[list[int], list[float]]]:
+    """Each row's response ids and rollout log-probs, from single-turn training rows
+    (:func:`megarl.rollout.rows.rollout_batch`): the :data:`Generate` contract over a worker group's generate."""
+    masks = rows["response_mask"].bool().tolist()
+    return [([t for t, m in zip(ids, mask, strict=True) if m], [lp for lp, m in zip(lps, mask, strict=True) if m])
+            for ids, lps, mask in zip(rows["input_ids"].tolist(), rows["rollout_log_probs"].tolist(), masks,
+                                      strict=True)]

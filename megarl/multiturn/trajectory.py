@@ -119,6 +119,11 @@ class Trajectory:
     def prompt_length(self) -> int:
         return len(self.segments[0].ids)
 
+    @property
+    def final_text(self) -> str:
+        """The model's last turn (its text as it joined :attr:`messages`), '' before the first."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
     def loss_mask(self) -> list[int]:
         """1 on the model's tokens, 0 on the prompt's and the observations'."""
         return [int(s.kind == "model") for s in self.segments for _ in s.ids]

@@ -13,13 +13,12 @@ import time
 import pytest
 import torch
 
-from megarl.multiturn import ChatRenderer, EnvironmentFailure, Step
+from megarl.multiturn import ChatRenderer, EnvironmentFailure, MultiTurnConfig, Step
 from megarl.multiturn.rollout import (
     FINISH_DONE,
     FINISH_ERROR,
     FINISH_TOKENS,
     FINISH_TURNS,
-    MultiTurnConfig,
     conversations_batch,
     run_conversations,
 )
@@ -76,7 +75,12 @@ def setup():
 def _run(setup, config, make_env=Scripted, n=2, seed=11):
     tok, _, engine = setup
     params = SamplingParams(temperature=1.0, max_new_tokens=1, seed=seed)
-    return run_conversations(ROWS, n, make_env, ChatRenderer(tok), engine.generate, params, config,
+
+    def generate(prompts, p):
+        out = engine.generate(prompts, p)
+        return list(zip(out.token_lists(), out.log_prob_lists(), strict=True))
+
+    return run_conversations(ROWS, n, make_env, ChatRenderer(tok), generate, params, config,
                              stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
 
 
@@ -110,6 +114,8 @@ def test_conversations_spell_the_templates_rendering_and_log_probs_match_transfo
         assert batch["response_mask"][i].tolist() == c.trajectory.loss_mask() + [0] * pad
         assert batch["attention_mask"][i].tolist() == [1] * len(c.trajectory.ids) + [0] * pad
     assert result.metrics["multiturn/finished_done"] == 6 and result.metrics["multiturn/turns_max"] == 3
+    assert batch.non_tensors["finish_reasons"] == ["stop"] * 6
+    assert batch.non_tensors["final_texts"] == [c.trajectory.messages[-1]["content"] for c in result.conversations]
 
 
 def test_turn_and_token_limits_end_conversations(setup):
