@@ -133,14 +133,14 @@ def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dic
     """Run ``(conversation, fn, args)`` jobs concurrently; each result, or None for a failure handled by
     ``on_env_error: score`` (the conversation is ended with the error score)."""
     start = time.perf_counter()
-    futures = [pool.submit(fn, *args) for _, fn, args in jobs]
-    deadline = time.monotonic() + config.env_timeout_s  # the calls started together: one deadline for all
+    started: list[float | None] = [None] * len(jobs)  # when each call began: queued calls are not timed yet
+    futures = [pool.submit(_timed, started, k, fn, args) for k, (_, fn, args) in enumerate(jobs)]
     results = []
     for k, ((conv, fn, _), future) in enumerate(zip(jobs, futures, strict=True)):
         row = conv.row if conv is not None else rows[k]
         where = f"{_name(fn)} (row {row}" + (f", turn {turn + 1})" if turn is not None else ", opening)")
         try:
-            value = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            value = _result(future, started, k, config.env_timeout_s)
             if conv is not None:
                 value = checked_step(value, where)
             results.append(value)
@@ -153,6 +153,23 @@ def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dic
             results.append(_failure(conv, f"{where} raised {type(e).__name__}: {e}", config, cause=e))
     waited["env_s"] += time.perf_counter() - start
     return results
+
+
+def _timed(started: list[float | None], k: int, fn: Callable[..., Any], args: tuple) -> Any:
+    started[k] = time.monotonic()
+    return fn(*args)
+
+
+def _result(future: concurrent.futures.Future, started: list[float | None], k: int, timeout_s: float) -> Any:
+    """The call's result, or TimeoutError once it has run ``timeout_s`` (its time in the pool's queue not counted)."""
+    while True:
+        begun = started[k]
+        wait = 0.05 if begun is None else max(0.0, begun + timeout_s - time.monotonic())
+        try:
+            return future.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if begun is not None and time.monotonic() >= begun + timeout_s:
+                raise
 
 
 def _failure(conv: Conversation | None, message: str, config: MultiTurnConfig, cause: Exception | None = None):

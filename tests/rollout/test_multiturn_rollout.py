@@ -137,6 +137,13 @@ def test_environment_steps_run_concurrently(setup):
     assert Scripted.peak >= 4  # six conversations, one turn each at a time: their steps overlap
 
 
+def test_the_timeout_counts_a_calls_own_time_not_its_wait_in_the_queue(setup):
+    """Six 0.2 s steps on one worker take 1.2 s in all; each is within its 0.5 s limit."""
+    result = _run(setup, MultiTurnConfig(max_turns=1, max_turn_tokens=2, env_workers=1, env_timeout_s=0.5),
+                  make_env=lambda: Scripted(0.2))
+    assert result.metrics["multiturn/env_errors"] == 0 and len(result.conversations) == 6
+
+
 class Failing(Scripted):
     mode = "raise"
 
