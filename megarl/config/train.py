@@ -34,6 +34,7 @@ from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError
 from megarl.host import allocator
+from megarl.multiturn.config import MultiTurnConfig
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import check_vllm_groups
 from megarl.rewards.base import OnError
@@ -108,6 +109,7 @@ class RolloutSection:
     # they need cluster.placement.rollout on a pool of its own, and train on older samples with the old
     # log-probs recomputed and algorithm.rollout_correction weighting them)
     asynchronous: AsyncConfig = AsyncConfig()  # rollout.schedule=async only
+    multi_turn: MultiTurnConfig = MultiTurnConfig()  # conversations with an environment or tools (docs/multiturn.md)
 
     @property
     def max_version_lag(self) -> int:
@@ -323,6 +325,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set "
                           "rollout.sampling.n >= 2.")
     _check_rollout(cfg, layout)
+    if r.multi_turn.enabled:
+        _check_multi_turn(cfg)
     t = cfg.trainer
     if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
@@ -380,6 +384,23 @@ def _check_cluster(cfg: TrainConfig) -> None:
         _check_rollout_pool(cfg)
     if c.timeouts.init_s <= 0 or (c.timeouts.call_s is not None and c.timeouts.call_s <= 0):
         raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
+
+
+def _check_multi_turn(cfg: TrainConfig) -> None:
+    """What multi-turn rollouts do not combine with yet."""
+    r, a = cfg.rollout, cfg.algorithm
+    refused = {"rollout.schedule=" + r.schedule.value: r.schedule is not Schedule.SYNC,
+               "reward.overlong_buffer (a single response's length)": bool(cfg.reward.overlong_buffer),
+               "ReMax's greedy baseline": a.needs_greedy_baseline,
+               "algorithm.mask_truncated": a.mask_truncated,
+               "policy.router_replay": cfg.policy.router_replay,
+               "a distillation teacher": cfg.teacher is not None}
+    refused["data.apply_chat_template=false (conversations are rendered with the chat template)"] = (
+        not cfg.data.apply_chat_template)
+    found = [name for name, on in refused.items() if on]
+    if found:
+        raise ConfigError(f"rollout.multi_turn does not work with {', '.join(found)} yet; use single-turn rollouts "
+                          "for those, or turn them off.")
 
 
 def _check_rollout_pool(cfg: TrainConfig) -> None:
@@ -454,7 +475,7 @@ def _check_reward(cfg: TrainConfig) -> None:
     reward model sharing the policy's tokenizer is checked once the tokenizers load, before any worker
     starts: :func:`megarl.trainer.checks.check_frozen_models`.)"""
     rw, rm = cfg.reward, cfg.reward_model
-    if rw.function is None and rm is None and cfg.teacher is None:
+    if rw.function is None and rm is None and cfg.teacher is None and not cfg.rollout.multi_turn.enabled:
         raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function'), "
                           "reward_model.model.path (a sequence-classification reward model) and/or teacher.model.path "
                           "(on-policy distillation).")

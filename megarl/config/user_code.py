@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 SPEC_FORM = "'path/to/file.py:function_name'"
 
 
-def load_function(spec: str, what: str, call_args: tuple[Any, ...], signature_text: str) -> Callable[..., Any]:
+def load_function(spec: str, what: str, call_args: tuple[Any, ...] | None, signature_text: str) -> Callable[..., Any]:
     """Import ``path/to/file.py`` and return its attribute ``function`` (after the last ``:``), checking
-    that it can be called with ``call_args`` (``signature_text`` describes them in errors)."""
+    that it can be called with ``call_args`` (``signature_text`` describes them in errors; None: any signature,
+    e.g. a tool the model calls with its own arguments)."""
     file_part, sep, name = spec.rpartition(":")
     if not sep or not file_part or not name:
         raise ConfigError(f"{what} spec {spec!r}: expected {SPEC_FORM}")
@@ -44,7 +45,8 @@ def load_function(spec: str, what: str, call_args: tuple[Any, ...], signature_te
     if not callable(fn):
         raise ConfigError(f"{what} spec {spec!r}: {name!r} in {path.name} is a {type(fn).__name__}, expected a "
                           f"function {signature_text}")
-    _check_signature(fn, spec, what, call_args, signature_text)
+    if call_args is not None:
+        _check_signature(fn, spec, what, call_args, signature_text)
     logger.info("loaded %s %s from %s", what, name, path)
     return fn
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,15 +40,17 @@ def make_tokenizer(out_dir: str | Path | None = None):
 
 def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
                intermediate_size: int | None = None, max_position_embeddings: int = 64, num_experts: int = 0,
-               top_k: int = 2) -> Path:
-    """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it.
+               top_k: int = 2, tokenizer: Callable[[str | Path | None], Any] | None = None) -> Path:
+    """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it (``tokenizer``:
+    another task's character tokenizer maker, whose vocabulary the model then has).
     ``max_position_embeddings`` must cover prompt + response (the benchmark's 64-token responses need 128).
     ``num_experts > 0``: a Qwen3-MoE-shaped model instead, every layer ``top_k`` of ``num_experts`` experts of
     width ``intermediate_size`` (default: the hidden size)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     out_dir = Path(out_dir)
-    vocab = len(SPECIALS) + len(CHARS)
+    tokenizer = tokenizer or make_tokenizer
+    vocab = len(tokenizer(None))
     common = dict(
         vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=max_position_embeddings,
@@ -63,7 +67,7 @@ def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 
                              architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out_dir))
-    make_tokenizer(out_dir)
+    tokenizer(out_dir)
     return out_dir
 
 

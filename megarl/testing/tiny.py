@@ -24,10 +24,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+# ChatML with tools in the style of Qwen2.5 / Hermes (written for tests: tool schemas in a system turn, calls as
+# <tool_call> JSON in the assistant's text, each tool result a user turn wrapped in <tool_response>)
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call functions. Their signatures:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300):
-    """A byte-level BPE tokenizer with a chat template; saved to ``out_dir`` when given."""
+def make_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300, *,
+                   special_tokens: list[str] | None = None, chat_template: str = CHAT_TEMPLATE,
+                   eos_token: str = "<|end|>"):
+    """A byte-level BPE tokenizer with a chat template; saved to ``out_dir`` when given. ``special_tokens`` (the
+    first is the pad token), ``chat_template`` and ``eos_token`` replace the defaults (e.g. ChatML's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,14 +51,14 @@ def make_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 300):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens or SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", chat_template=CHAT_TEMPLATE
-    )
+        tokenizer_object=tok, pad_token=(special_tokens or SPECIAL_TOKENS)[0], eos_token=eos_token,
+        chat_template=chat_template)
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
     return fast

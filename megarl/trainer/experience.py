@@ -9,6 +9,11 @@ reward_model.weight * reward model`` over the sources configured, plus DAPO's so
 ``reward.overlong_buffer`` is set. ReMax's greedy baseline (one response per prompt) is generated and
 scored in the same round. Validation samples and scores with the same methods.
 
+Multi-turn rollouts (``rollout.multi_turn``, :mod:`megarl.multiturn`): each prompt opens ``n`` conversations with
+an environment (or tools); every turn is one generation call across the policy's rollout engines and the
+environment steps run on this process's threads. A conversation's reward is its environment's, plus the reward
+function's score of the model's last turn.
+
 Schedules (``rollout.schedule``): ``sync`` syncs the weights, generates and scores in turn (:meth:`collect`);
 ``one_step_off`` (:meth:`collect_ahead`, rollout engines on a pool of their own) waits for the responses
 generated during the previous step, pushes the newest weights, starts generating the next step's responses
@@ -36,6 +41,9 @@ from megarl.controller.handles import PendingCall
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.errors import MegarlError
+from megarl.multiturn.environment import environment_factory
+from megarl.multiturn.rollout import conversations_batch, model_turns, run_conversations
+from megarl.multiturn.trajectory import ChatRenderer
 from megarl.rewards.base import score_samples
 from megarl.rollout.base import SamplingConfig
 from megarl.trainer.asynchronous import RolloutProducer, groups_batch
@@ -67,6 +75,10 @@ class Experience:
         self.ahead: _Generation | None = None  # one_step_off: the next step's responses, being generated
         self.producer: RolloutProducer | None = None  # async: the generating thread and its buffer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.conversations = None  # multi-turn: (one environment per conversation, the chat renderer)
+        if cfg.rollout.multi_turn.enabled:
+            make_env, schemas = environment_factory(cfg.rollout.multi_turn)
+            self.conversations = (make_env, ChatRenderer(tokenizer, tools=schemas))
 
     # ------------------------------------------------------------------------------------ a step
 
@@ -187,7 +199,33 @@ class Experience:
                 seed: int | None) -> tuple[Batch, Batch | None]:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
+        if self.conversations is not None:
+            return self._converse(records, sampling, seed), None
         return self._finish(self._start(records, sampling, seed))
+
+    def _converse(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> Batch:
+        """Multi-turn rollouts: ``sampling.n`` conversations per record, as training rows (see the module doc)."""
+        make_env, renderer = self.conversations
+        call_metrics: dict[str, float] = {}
+        versions: set[int] = set()  # of the weights that generated the turns (one: the engines sync only before)
+
+        def generate(prompts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
+            rows = self.cluster.generate(prompt_batch(prompts), params)
+            for k, v in rows.meta["metrics"].items():  # per call (timings): summed over the turns
+                call_metrics[k] = call_metrics.get(k, 0.0) + v
+            versions.update(rows["policy_version"].tolist())
+            return model_turns(rows)
+
+        result = run_conversations([{**rec.row, "prompt": rec.prompt} for rec in records], sampling.n, make_env,
+                                   renderer, generate, self._params(sampling, seed), self.cfg.rollout.multi_turn,
+                                   stop_ids=self.stop_token_ids)
+        batch = conversations_batch(result.conversations, self.pad_token_id)
+        batch.tensors["prompt_uid"] = batch.tensors.pop("prompt_index")
+        batch.tensors["environment_scores"] = batch.tensors.pop("scores")
+        batch.tensors["policy_version"] = torch.full((len(batch),), min(versions), dtype=torch.long)
+        batch.meta["metrics"] = call_metrics | result.metrics | {"timing/to_train_s": self.cluster.to_train()}
+        self.stage("rollout", batch)
+        return batch
 
     def _start(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> _Generation:
         prompts = _prompt_batch(records)
@@ -233,8 +271,8 @@ class Experience:
         std = scores.std().item() if len(scores) > 1 else 0.0
         metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
                    f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(num_errors)}
-        parts = {k.removesuffix("_scores"): batch[k] for k in ("function_scores", "model_scores", "overlong_scores")
-                 if k in batch}
+        parts = {k.removesuffix("_scores"): batch[k] for k in ("function_scores", "model_scores", "overlong_scores",
+                                                               "environment_scores") if k in batch}
         if len(parts) > 1 or self.cfg.reward.function_weight != 1.0:  # the sources apart (unweighted)
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
         if "model" in parts:
@@ -250,14 +288,19 @@ class Experience:
         r = self.cfg.reward
         parts: dict[str, torch.Tensor] = {}
         total, num_errors = torch.zeros(len(batch)), 0
+        if "environment_scores" in batch:  # multi-turn: the environment's rewards of each conversation
+            parts["environment"] = batch["environment_scores"]
+            total = total + parts["environment"]
         if self.reward_fn is not None:
             rows = [records[i] for i in batch["prompt_uid"].tolist()]
-            # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
-            masks = batch["response_mask"].bool().tolist()
-            responses = self.tokenizer.batch_decode(
-                [[t for t, m in zip(ids, row_mask, strict=True) if m]
-                 for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
-                skip_special_tokens=True)
+            if "final_texts" in batch.non_tensors:  # multi-turn: the model's last turn is its answer
+                responses = batch.non_tensors["final_texts"]
+            else:  # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
+                masks = batch["response_mask"].bool().tolist()
+                responses = self.tokenizer.batch_decode(
+                    [[t for t, m in zip(ids, row_mask, strict=True) if m]
+                     for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
+                    skip_special_tokens=True)
             parts["function"], info = score_samples(self.reward_fn, [rec.text for rec in rows], responses,
                                                     [rec.row for rec in rows], r.on_error, r.error_score)
             total, num_errors = total + r.function_weight * parts["function"], info.num_errors

@@ -32,6 +32,7 @@ GPU_EXAMPLES = {
     "ppo_gsm8k_qwen2.5_0.5b": (QWEN25_05B, ParallelLayout(tp=1, pp=1, dp=8), 8),
     "grpo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "dapo_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
+    "multiturn_gsm8k_python_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "ppo_llama3_70b": (LLAMA3_70B, ParallelLayout(tp=8, pp=4, dp=2), 64),
     "grpo_gsm8k_qwen3_30b_a3b": (QWEN3_30B_A3B, ParallelLayout(tp=4, pp=1, dp=4, ep=8), 16),
 }
@@ -169,3 +170,14 @@ def test_moe_example_fits_the_planner():
                        layout, cfg.rollout.engine.tp)
     assert plan.fits, plan.reason
     assert cfg.rollout.engine.gpu_memory_utilization >= plan.gpu_memory_utilization
+
+
+def test_python_tool_of_the_multiturn_example():
+    """The GSM8K example's tool runs a program and returns what it printed, or its error's last line."""
+    spec = importlib.util.spec_from_file_location("python_tool", EXAMPLES / "multiturn_gsm8k_python_qwen2.5_7b" /
+                                                  "tools.py")
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    assert tools.python("print(48 + 48 // 2)") == "72\n"
+    assert tools.python("x = 1") == "(no output: print the values you need)"
+    assert tools.python("print('a'); 1 / 0") == "a\nZeroDivisionError: division by zero"

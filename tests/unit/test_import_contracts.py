@@ -28,6 +28,7 @@ PURE = (
     "megarl.data",
     "megarl.algos",
     "megarl.rewards",
+    "megarl.multiturn",  # environments, tools, trajectories: the driver's side of a conversation
     "megarl.resharding.plan",
     "megarl.models.mapping",
     "megarl.models.spec",

@@ -1,0 +1,249 @@
+"""The multi-turn rollout loop: many conversations at once, one generation call per turn, environment steps in a
+thread pool.
+
+Each dataset row opens ``n`` conversations (a GRPO group), each with its own environment. A turn generates one
+model turn for every conversation still running (a single call to the rollout engine: the embedded engine or
+vLLM, whose prefix cache holds the conversation so far), then hands every turn's text to its environment; those
+calls run concurrently (``env_workers`` threads), so a slow tool holds up the turn only by its own duration, not
+by the sum. A conversation ends when its environment says so, after ``max_turns`` model turns, or when its
+trajectory would pass ``max_tokens`` tokens after the prompt. Its reward is the sum of its turns' rewards.
+
+An environment that raises, exceeds ``env_timeout_s`` or returns something that is not a well-formed
+:class:`~megarl.multiturn.environment.Step` follows ``on_env_error`` like a reward function: ``raise`` fails the
+step with :class:`~megarl.multiturn.environment.EnvironmentFailure` naming the row and the turn; ``score`` ends
+that conversation with ``env_error_score`` and counts it (``multiturn/env_errors``). A timed-out call cannot be
+stopped (Python threads cannot be killed): its thread finishes in the background and its result is dropped.
+
+Pure module: a Hugging Face tokenizer, torch tensors and the rollout contract (no Ray, no torch.distributed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.multiturn.config import MultiTurnConfig
+from megarl.multiturn.environment import Environment, EnvironmentFailure, Step, checked_step
+from megarl.multiturn.trajectory import ChatRenderer, Trajectory
+from megarl.rewards.base import OnError
+from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
+
+# one model turn for each prompt: its sampled ids and their log-probs (e.g. from RolloutOutput.token_lists and
+# log_prob_lists, or from a worker group's training rows)
+Generate = Callable[[list[list[int]], SamplingParams], list[tuple[list[int], list[float]]]]
+
+FINISH_DONE = "done"  # the environment ended the episode
+FINISH_TURNS = "turns"  # max_turns model turns
+FINISH_TOKENS = "tokens"  # the token budget
+FINISH_ERROR = "env_error"  # the environment failed (on_env_error: score)
+
+
+@dataclasses.dataclass
+class Conversation:
+    row: int  # index of its dataset row in the call (its GRPO group)
+    env: Environment
+    trajectory: Trajectory
+    reward: float = 0.0
+    turns: int = 0
+    tool_errors: int = 0
+    finish: str | None = None  # one of the FINISH_* values once over
+    error: str | None = None  # the environment failure that ended it (on_env_error: score)
+
+
+@dataclasses.dataclass
+class MultiTurnResult:
+    conversations: list[Conversation]
+    metrics: dict[str, float]
+
+
+def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Callable[[], Environment],
+                      renderer: ChatRenderer, generate: Generate, params: SamplingParams, config: MultiTurnConfig,
+                      *, stop_ids: Sequence[int] = ()) -> MultiTurnResult:
+    """Run ``n`` conversations per row to their end (module docstring). ``params``: how each model turn samples
+    (``n`` and ``max_new_tokens`` are set per turn; a seed advances per turn); ``stop_ids``: the tokens that end
+    a model turn (eos, ``<|im_end|>``), added to ``params.stop_token_ids``."""
+    stop = tuple(sorted({*params.stop_token_ids, *(int(i) for i in stop_ids)}))
+    waited = {"env_s": 0.0, "generate_s": 0.0}
+    with concurrent.futures.ThreadPoolExecutor(config.env_workers, thread_name_prefix="megarl-env") as pool:
+        convs = _open(rows, n, make_env, renderer, stop, config, pool, waited)
+        for turn in range(config.max_turns):
+            budget = {id(c): config.max_tokens - (len(c.trajectory.ids) - c.trajectory.prompt_length) for c in convs}
+            for c in convs:
+                if c.finish is None and budget[id(c)] <= 0:
+                    c.finish = FINISH_TOKENS
+            active = [c for c in convs if c.finish is None]
+            if not active:
+                break
+            start = time.perf_counter()
+            outputs = _generate(generate, active, params, turn, stop, config, budget)
+            waited["generate_s"] += time.perf_counter() - start
+            texts = [c.trajectory.add_model_turn(ids, lps) for c, (ids, lps) in zip(active, outputs, strict=True)]
+            for c in active:
+                c.turns += 1
+            steps = _call_all(pool, [(c, c.env.step, (text,)) for c, text in zip(active, texts, strict=True)],
+                              config, turn, waited)
+            for c, step in zip(active, steps, strict=True):
+                if step is not None:
+                    _apply(c, step, turn, config)
+    for c in convs:
+        if c.finish is None:
+            c.finish = FINISH_TURNS
+    return MultiTurnResult(convs, _metrics(convs, waited))
+
+
+def _open(rows, n, make_env, renderer, stop, config, pool, waited) -> list[Conversation]:
+    envs = [make_env() for _ in range(len(rows) * n)]
+    jobs = [(None, env.reset, (rows[i // n],)) for i, env in enumerate(envs)]
+    opened = _call_all(pool, jobs, config, None, waited, rows=[i // n for i in range(len(envs))])
+    convs = []
+    for i, (env, messages) in enumerate(zip(envs, opened, strict=True)):
+        if messages is None:  # failed with on_env_error: score -- a conversation with nothing to train
+            raise EnvironmentFailure(f"the environment's reset failed for row {i // n}; there is no conversation "
+                                     "to score (on_env_error: score covers turns, not the opening)")
+        if not isinstance(messages, list) or not messages:
+            raise EnvironmentFailure(f"the environment's reset for row {i // n} returned {str(messages)[:200]!r}; "
+                                     "expected a non-empty list of chat messages")
+        convs.append(Conversation(i // n, env, Trajectory(renderer, messages, stop_ids=stop)))
+    return convs
+
+
+def _generate(generate: Generate, active: list[Conversation], params: SamplingParams, turn: int,
+              stop: tuple[int, ...], config: MultiTurnConfig, budget: dict[int, int]) -> list[tuple[list, list]]:
+    """One model turn for every active conversation (one engine call; each prompt its trajectory so far)."""
+    new = min(config.max_turn_tokens, max(budget[id(c)] for c in active))
+    turn_params = dataclasses.replace(params, n=1, max_new_tokens=new, stop_token_ids=stop,
+                                      seed=None if params.seed is None else params.seed + 7_919 * turn)
+    out = generate([c.trajectory.ids for c in active], turn_params)
+    if len(out) != len(active):
+        raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(active)} conversations")
+    result = []
+    for c, (ids, lps) in zip(active, out, strict=True):
+        keep = min(len(ids), budget[id(c)])  # a row may not pass its own budget (the call took the largest)
+        result.append((ids[:keep], lps[:keep]))
+    return result
+
+
+def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dict, *, rows=None) -> list[Any]:
+    """Run ``(conversation, fn, args)`` jobs concurrently; each result, or None for a failure handled by
+    ``on_env_error: score`` (the conversation is ended with the error score)."""
+    start = time.perf_counter()
+    started: list[float | None] = [None] * len(jobs)  # when each call began: queued calls are not timed yet
+    futures = [pool.submit(_timed, started, k, fn, args) for k, (_, fn, args) in enumerate(jobs)]
+    results = []
+    for k, ((conv, fn, _), future) in enumerate(zip(jobs, futures, strict=True)):
+        row = conv.row if conv is not None else rows[k]
+        where = f"{_name(fn)} (row {row}" + (f", turn {turn + 1})" if turn is not None else ", opening)")
+        try:
+            value = _result(future, started, k, config.env_timeout_s)
+            if conv is not None:
+                value = checked_step(value, where)
+            results.append(value)
+        except concurrent.futures.TimeoutError:
+            results.append(_failure(conv, f"{where} did not return within env_timeout_s={config.env_timeout_s}",
+                                    config))
+        except EnvironmentFailure as e:
+            results.append(_failure(conv, str(e), config))
+        except Exception as e:  # noqa: BLE001 - the user's environment raised: the policy decides
+            results.append(_failure(conv, f"{where} raised {type(e).__name__}: {e}", config, cause=e))
+    waited["env_s"] += time.perf_counter() - start
+    return results
+
+
+def _timed(started: list[float | None], k: int, fn: Callable[..., Any], args: tuple) -> Any:
+    started[k] = time.monotonic()
+    return fn(*args)
+
+
+def _result(future: concurrent.futures.Future, started: list[float | None], k: int, timeout_s: float) -> Any:
+    """The call's result, or TimeoutError once it has run ``timeout_s`` (its time in the pool's queue not counted)."""
+    while True:
+        begun = started[k]
+        wait = 0.05 if begun is None else max(0.0, begun + timeout_s - time.monotonic())
+        try:
+            return future.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if begun is not None and time.monotonic() >= begun + timeout_s:
+                raise
+
+
+def _failure(conv: Conversation | None, message: str, config: MultiTurnConfig, cause: Exception | None = None):
+    if config.on_env_error is OnError.RAISE or conv is None:
+        raise EnvironmentFailure(f"{message} (multi-turn on_env_error: raise; set it to score to end the "
+                                 f"conversation with env_error_score={config.env_error_score} and count it)") from cause
+    conv.error, conv.reward, conv.finish = message, config.env_error_score, FINISH_ERROR
+    return None
+
+
+def _apply(c: Conversation, step: Step, turn: int, config: MultiTurnConfig) -> None:
+    c.reward += float(step.reward)
+    c.tool_errors += step.errors
+    if step.done:
+        c.finish = FINISH_DONE
+        return
+    if turn + 1 >= config.max_turns:
+        c.finish = FINISH_TURNS
+        return
+    c.trajectory.add_observation(step.messages)
+    if len(c.trajectory.ids) - c.trajectory.prompt_length >= config.max_tokens:  # no room left for a model turn
+        c.trajectory.drop_observation()  # a trailing observation trains nothing
+        c.finish = FINISH_TOKENS
+
+
+def _name(fn: Any) -> str:
+    owner = getattr(fn, "__self__", None)
+    return f"{type(owner).__name__}.{fn.__name__}" if owner is not None else getattr(fn, "__qualname__", repr(fn))
+
+
+def _metrics(convs: list[Conversation], waited: dict) -> dict[str, float]:
+    count = max(len(convs), 1)
+    total = waited["env_s"] + waited["generate_s"]
+    out = {"multiturn/turns_mean": sum(c.turns for c in convs) / count,
+           "multiturn/turns_max": float(max((c.turns for c in convs), default=0)),
+           "multiturn/tool_errors": float(sum(c.tool_errors for c in convs)),
+           "multiturn/env_errors": float(sum(c.finish == FINISH_ERROR for c in convs)),
+           "multiturn/env_wait_share": waited["env_s"] / total if total > 0 else 0.0}
+    for finish in (FINISH_DONE, FINISH_TURNS, FINISH_TOKENS):
+        out[f"multiturn/finished_{finish}"] = float(sum(c.finish == finish for c in convs))
+    return out
+
+
+def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Batch:
+    """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
+    model's tokens only: observations are context, not trained), ``rollout_log_probs`` (token-aligned: entry i is
+    the log-prob of token i), ``prompt_index`` (the row, for group baselines), ``scores`` (each conversation's
+    reward) and ``response_lengths`` (tokens after the prompt); non-tensor ``finish_reasons`` ("stop" when the
+    environment ended the episode, else "length") and ``final_texts`` (the model's last turn, what a reward function
+    scores)."""
+    width = max(len(c.trajectory.ids) for c in convs)
+
+    def padded(values: list[list], value, dtype) -> torch.Tensor:
+        return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
+
+    ids = [c.trajectory.ids for c in convs]
+    batch = Batch.from_dict({
+        "input_ids": padded(ids, pad_token_id, torch.long),
+        "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
+        "response_mask": padded([c.trajectory.loss_mask() for c in convs], 0, torch.float32),
+        "rollout_log_probs": padded([c.trajectory.rollout_log_probs() for c in convs], 0.0, torch.float32),
+        "prompt_index": torch.tensor([c.row for c in convs], dtype=torch.long),
+        "scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
+        "response_lengths": torch.tensor([len(v) - c.trajectory.prompt_length for c, v in zip(convs, ids, strict=True)],
+                                         dtype=torch.long),
+    }, non_tensors={"finish_reasons": [FINISH_STOP if c.finish == FINISH_DONE else FINISH_LENGTH for c in convs],
+                    "final_texts": [c.trajectory.final_text for c in convs]})
+    return batch
+
+
+def model_turns(rows: Batch) -> list[tuple[list[int], list[float]]]:
+    """Each row's response ids and rollout log-probs, from single-turn training rows
+    (:func:`megarl.rollout.rows.rollout_batch`): the :data:`Generate` contract over a worker group's generate."""
+    masks = rows["response_mask"].bool().tolist()
+    return [([t for t, m in zip(ids, mask, strict=True) if m], [lp for lp, m in zip(lps, mask, strict=True) if m])
+            for ids, lps, mask in zip(rows["input_ids"].tolist(), rows["rollout_log_probs"].tolist(), masks,
+                                      strict=True)]

@@ -1,0 +1,173 @@
+"""The multi-turn rollout loop (issue #25) on the embedded engine with a tiny random Qwen2 and a ChatML tokenizer:
+every conversation's tokens spell the chat template's rendering of its messages, the rollout log-probs of every
+model segment equal a transformers forward over the whole trajectory, budgets and turn limits end conversations
+where they should, environment steps run concurrently, and an environment that raises, hangs or returns garbage
+fails the step or is scored and counted, as configured.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.multiturn import ChatRenderer, EnvironmentFailure, MultiTurnConfig, Step
+from megarl.multiturn.rollout import (
+    FINISH_DONE,
+    FINISH_ERROR,
+    FINISH_TOKENS,
+    FINISH_TURNS,
+    conversations_batch,
+    run_conversations,
+)
+from megarl.rewards.base import OnError
+from megarl.rollout.base import SamplingParams
+from megarl.testing.tiny import CHATML_SPECIAL_TOKENS, CHATML_TOOLS_TEMPLATE, make_tokenizer, randomize_, tiny_config
+
+ROWS = [{"prompt": "What is 2+3?", "turns": 3}, {"prompt": "Say hi.", "turns": 1}, {"prompt": "Count.", "turns": 2}]
+
+
+class Scripted:
+    """Replies "ok k" to the model's k-th turn and ends the episode after the row's number of turns, rewarding
+    each turn with 0.25; records how many of its calls run at once (across all conversations)."""
+
+    live = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay, self.k, self.turns = delay, 0, 0
+
+    def reset(self, row):
+        self.turns = row["turns"]
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        with Scripted.lock:
+            Scripted.live += 1
+            Scripted.peak = max(Scripted.peak, Scripted.live)
+        time.sleep(self.delay)
+        with Scripted.lock:
+            Scripted.live -= 1
+        self.k += 1
+        return Step([{"role": "user", "content": f"ok {self.k}"}], reward=0.25, done=self.k >= self.turns)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.embedded import EmbeddedEngine
+
+    tok = make_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, chat_template=CHATML_TOOLS_TEMPLATE,
+                         eos_token="<|im_end|>")
+    config = tiny_config("qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, max_positions=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=3)
+    engine = EmbeddedEngine(config, pad_token_id=tok.pad_token_id, max_batch_size=16)
+    engine.update_weights(model.state_dict().items())
+    engine.finish_weight_update()
+    return tok, model, engine
+
+
+def _run(setup, config, make_env=Scripted, n=2, seed=11):
+    tok, _, engine = setup
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, seed=seed)
+
+    def generate(prompts, p):
+        out = engine.generate(prompts, p)
+        return list(zip(out.token_lists(), out.log_prob_lists(), strict=True))
+
+    return run_conversations(ROWS, n, make_env, ChatRenderer(tok), generate, params, config,
+                             stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+
+
+def test_conversations_spell_the_templates_rendering_and_log_probs_match_transformers(setup):
+    tok, model, _ = setup
+    result = _run(setup, MultiTurnConfig(max_turns=4, max_tokens=200, max_turn_tokens=6))
+    renderer = ChatRenderer(tok)
+    assert [c.row for c in result.conversations] == [0, 0, 1, 1, 2, 2]
+    for c in result.conversations:
+        t = c.trajectory
+        assert c.finish == FINISH_DONE and c.turns == ROWS[c.row]["turns"] and c.reward == 0.25 * c.turns
+        # model turns are sampled tokens (the random model rarely stops: <|im_end|> comes from the template)
+        text = tok.decode(t.ids)
+        assert text == renderer.render(t.messages, generation_prompt=True)[: len(text)]
+        assert [s.kind for s in t.segments] == ["prompt"] + ["model", "observation"] * (c.turns - 1) + ["model"]
+        ids = torch.tensor([t.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
+        ref = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(t.loss_mask()[1:], dtype=torch.bool)
+        got = torch.tensor(t.rollout_log_probs()[1:], dtype=torch.float64)
+        assert mask.sum() == sum(len(s.ids) for s in t.segments if s.kind == "model")
+        assert (got - ref)[mask].abs().max() < 1e-5
+    batch = conversations_batch(result.conversations, tok.pad_token_id)
+    assert batch["prompt_index"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch["scores"].tolist() == [0.75, 0.75, 0.25, 0.25, 0.5, 0.5]
+    width = batch["input_ids"].shape[1]
+    for i, c in enumerate(result.conversations):
+        pad = width - len(c.trajectory.ids)
+        assert batch["input_ids"][i].tolist() == c.trajectory.ids + [tok.pad_token_id] * pad
+        assert batch["response_mask"][i].tolist() == c.trajectory.loss_mask() + [0] * pad
+        assert batch["attention_mask"][i].tolist() == [1] * len(c.trajectory.ids) + [0] * pad
+    assert result.metrics["multiturn/finished_done"] == 6 and result.metrics["multiturn/turns_max"] == 3
+    assert batch.non_tensors["finish_reasons"] == ["stop"] * 6
+    assert batch.non_tensors["final_texts"] == [c.trajectory.messages[-1]["content"] for c in result.conversations]
+
+
+def test_turn_and_token_limits_end_conversations(setup):
+    turns = _run(setup, MultiTurnConfig(max_turns=2, max_tokens=200, max_turn_tokens=4)).conversations
+    for c in turns:
+        expected = FINISH_DONE if ROWS[c.row]["turns"] <= 2 else FINISH_TURNS
+        assert c.finish == expected and c.turns == min(2, ROWS[c.row]["turns"])
+        assert c.trajectory.segments[-1].kind == "model"  # no trailing observation
+    tight = _run(setup, MultiTurnConfig(max_turns=4, max_tokens=12, max_turn_tokens=8)).conversations
+    for c in tight:
+        assert len(c.trajectory.ids) - c.trajectory.prompt_length <= 12
+        assert c.trajectory.segments[-1].kind == "model"
+    assert any(c.finish == FINISH_TOKENS for c in tight)
+
+
+def test_environment_steps_run_concurrently(setup):
+    Scripted.peak = 0
+    _run(setup, MultiTurnConfig(max_turns=2, max_turn_tokens=2, env_workers=8), make_env=lambda: Scripted(0.2))
+    assert Scripted.peak >= 4  # six conversations, one turn each at a time: their steps overlap
+
+
+def test_the_timeout_counts_a_calls_own_time_not_its_wait_in_the_queue(setup):
+    """Six 0.2 s steps on one worker take 1.2 s in all; each is within its 0.5 s limit."""
+    result = _run(setup, MultiTurnConfig(max_turns=1, max_turn_tokens=2, env_workers=1, env_timeout_s=0.5),
+                  make_env=lambda: Scripted(0.2))
+    assert result.metrics["multiturn/env_errors"] == 0 and len(result.conversations) == 6
+
+
+class Failing(Scripted):
+    mode = "raise"
+
+    def step(self, text):
+        if self.k == 0 and self.turns == 3:  # row 0's first turn
+            if Failing.mode == "raise":
+                raise KeyError("lookup failed")
+            if Failing.mode == "hang":
+                time.sleep(1.0)
+            if Failing.mode == "garbage":
+                return {"messages": "nope"}
+        return super().step(text)
+
+
+@pytest.mark.parametrize("mode, match", [("raise", r"Failing.step \(row 0, turn 1\) raised KeyError"),
+                                         ("hang", r"did not return within env_timeout_s=0.3"),
+                                         ("garbage", "returned dict")])
+def test_environment_failures_raise_or_are_scored(setup, mode, match):
+    Failing.mode = mode
+    with pytest.raises(EnvironmentFailure, match=match):
+        _run(setup, MultiTurnConfig(max_turns=3, max_turn_tokens=2, env_timeout_s=0.3), make_env=Failing)
+    scored = _run(setup, MultiTurnConfig(max_turns=3, max_turn_tokens=2, env_timeout_s=0.3,
+                                         on_env_error=OnError.SCORE, env_error_score=-1.0), make_env=Failing)
+    failed = [c for c in scored.conversations if c.finish == FINISH_ERROR]
+    assert [c.row for c in failed] == [0, 0] and all(c.reward == -1.0 and c.turns == 1 for c in failed)
+    assert all(c.finish == FINISH_DONE for c in scored.conversations if c.row != 0)
+    assert scored.metrics["multiturn/env_errors"] == 2

@@ -1,0 +1,218 @@
+"""Multi-turn trajectories and environments (issue #25), without an engine: a ChatML tokenizer with tools
+(megarl.testing.tiny), conversations built turn by turn against the chat template's own rendering of the same
+messages, the loss mask and log-probs checked by hand; tool calls (well-formed and malformed); environment
+contract violations; GAE and GRPO on responses with masked observation gaps against float64 by hand.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from megarl.multiturn import (
+    ChatRenderer,
+    EnvironmentFailure,
+    Step,
+    TemplateError,
+    ToolEnvironment,
+    Trajectory,
+    checked_step,
+    parse_tool_calls,
+    tool_schema,
+)
+from megarl.testing.tiny import CHATML_SPECIAL_TOKENS, CHATML_TOOLS_TEMPLATE, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, chat_template=CHATML_TOOLS_TEMPLATE,
+                          eos_token="<|im_end|>")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def _encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def _two_turns(tok):
+    """User question -> model calls add(2, 3) -> tool answers 5 -> model answers; both model turns end with
+    <|im_end|> as a sampling engine would emit it."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    renderer = ChatRenderer(tok, tools=[tool_schema(add)])
+    traj = Trajectory(renderer, [{"role": "user", "content": "What is 2+3?"}], stop_ids=[end])
+    turn1 = [*_encode(tok, CALL), end]
+    traj.add_model_turn(turn1, [-0.5] * len(turn1))
+    obs = traj.add_observation([{"role": "tool", "content": "5"}])
+    turn2 = [*_encode(tok, "The answer is 5."), end]
+    traj.add_model_turn(turn2, [-0.25] * len(turn2))
+    return traj, renderer, turn1, obs, turn2
+
+
+def test_trajectory_equals_the_templates_rendering(tok):
+    traj, renderer, turn1, obs, turn2 = _two_turns(tok)
+    messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5."}]
+    assert traj.messages == messages
+    rendered = renderer.render(messages, generation_prompt=False)
+    # the template closes the last turn with "<|im_end|>\n"; the model's tokens end at its <|im_end|>
+    assert rendered.endswith("<|im_end|>\n")
+    assert traj.ids == _encode(tok, rendered[:-1])
+    # the observation, hand-written: the newline after the model's <|im_end|>, the tool turn, the next prompt
+    assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert traj.ids[traj.prompt_length:] == turn1 + obs + turn2
+
+
+def test_loss_mask_and_log_probs_cover_exactly_the_models_tokens(tok):
+    traj, _, turn1, obs, turn2 = _two_turns(tok)
+    p = traj.prompt_length
+    assert traj.loss_mask() == [0] * p + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    assert traj.rollout_log_probs() == [0.0] * p + [-0.5] * len(turn1) + [0.0] * len(obs) + [-0.25] * len(turn2)
+    assert [s.kind for s in traj.segments] == ["prompt", "model", "observation", "model"]
+
+
+def test_sampled_tokens_are_kept_as_sampled(tok):
+    """A model turn the tokenizer would encode differently (here: character by character) stays as sampled; its
+    text still renders the same, so the observation after it is unchanged."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    renderer = ChatRenderer(tok)
+    traj = Trajectory(renderer, [{"role": "user", "content": "hi"}], stop_ids=[end])
+    odd = [i for ch in "The answer" for i in _encode(tok, ch)] + [end]
+    assert odd[:-1] != _encode(tok, "The answer")  # not the canonical encoding
+    traj.add_model_turn(odd, [0.0] * len(odd))
+    obs = traj.add_observation([{"role": "user", "content": "and?"}])
+    assert traj.segments[1].ids == odd
+    assert tok.decode(traj.ids) == renderer.render([{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "The answer"},
+                                                    {"role": "user", "content": "and?"}], generation_prompt=True)
+    assert tok.decode(obs) == "\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_turn_cut_by_the_token_limit_gets_its_end_from_the_template(tok):
+    """Without a stop token the template's own <|im_end|> closes the turn inside the observation."""
+    renderer = ChatRenderer(tok)
+    traj = Trajectory(renderer, [{"role": "user", "content": "hi"}], stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    traj.add_model_turn(_encode(tok, "The"), [0.0])
+    obs = traj.add_observation([{"role": "user", "content": "go on"}])
+    assert tok.decode(obs) == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_rewrites_past_turns_is_refused(tok):
+    """Like Qwen3's, this template drops the <think> block of every assistant turn but the last: the trajectory
+    could not equal its rendering."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+                "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    thinking = make_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, chat_template=template, eos_token="<|im_end|>")
+    end = thinking.convert_tokens_to_ids("<|im_end|>")
+    traj = Trajectory(ChatRenderer(thinking), [{"role": "user", "content": "hi"}], stop_ids=[end])
+    ids = [*_encode(thinking, "<think>hmm</think>The answer"), end]
+    traj.add_model_turn(ids, [0.0] * len(ids))
+    with pytest.raises(TemplateError, match=r"renders the conversation differently.*'The answer.*'<think>hmm"):
+        traj.add_observation([{"role": "user", "content": "and?"}])
+
+
+def test_observation_needs_a_model_turn_and_a_template(tok):
+    traj = Trajectory(ChatRenderer(tok), [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="add the model's turn first"):
+        traj.add_observation([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="2 tokens came with 1 log-probs"):
+        traj.add_model_turn([5, 6], [0.0])
+    bare = make_tokenizer(chat_template=None)
+    with pytest.raises(TemplateError, match="has no chat template"):
+        ChatRenderer(bare)
+
+
+# ------------------------------------------------------------------------------------------------ tools
+
+
+def test_tool_calls_parse_and_run(tok):
+    env = ToolEnvironment({"add": add})
+    assert env.reset({"prompt": "What is 2+3?", "answer": 5}) == [{"role": "user", "content": "What is 2+3?"}]
+    step = env.step(f"Let me compute. {CALL}")
+    assert step == Step([{"role": "tool", "content": "5"}], reward=0.0, done=False, errors=0)
+    assert env.step("The answer is 5") == Step([], reward=0.0, done=True)  # the answer: the reward function's
+    assert tool_schema(add) == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize("call, error", [
+    ("<tool_call>{not json}</tool_call>", r"error: the tool call is not valid JSON \(Expecting property name"),
+    ('<tool_call>["add"]</tool_call>', 'error: a tool call must be an object'),
+    ('<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>', r"error: unknown tool 'mul'; tools: \['add'\]"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', r"error: tool 'add' cannot take the arguments"),
+    ('<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', "error: the arguments of tool 'add' are not"),
+    ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": []}}</tool_call>', r"error: tool 'add' raised TypeError"),
+])
+def test_a_malformed_call_gets_an_error_observation_and_is_counted(call, error):
+    env = ToolEnvironment({"add": add})
+    env.reset({"prompt": "q"})
+    step = env.step(f"{call} and {CALL}")
+    assert step.errors == 1 and not step.done and len(step.messages) == 2
+    assert any(m["role"] == "tool" and re.match(error, m["content"]) for m in step.messages), step
+    assert {"role": "tool", "content": "5"} in step.messages  # the well-formed call still runs
+
+
+def test_string_arguments_are_accepted():
+    calls, errors = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>')
+    assert errors == [] and calls[0].arguments == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("step, match", [
+    ({"messages": []}, "returned dict"),
+    (Step([{"role": "tool"}]), "messages a chat template cannot render"),
+    (Step([{"role": "user", "content": "x"}], reward=float("nan")), "the reward nan; expected a finite number"),
+    (Step([], done=False), "no messages for a turn that does not end the episode"),
+])
+def test_environment_contract_violations_are_named(step, match):
+    with pytest.raises(EnvironmentFailure, match=match):
+        checked_step(step, "env.py:MyEnv.step")
+    assert checked_step(Step([], reward=1.0, done=True), "x").reward == 1.0
+
+
+# ---------------------------------------------------------------------------------------- estimators
+
+
+def test_gae_skips_observation_gaps():
+    """One row: model tokens at 1, 2, 5, 6 (an observation at 3-4), reward 1 on the last; values by hand. With the
+    masked positions skipped, GAE over (1, 2, 5, 6) equals GAE over a contiguous 4-token response (float64)."""
+    from megarl.algos.advantages import gae
+
+    gamma, lam = 0.9, 0.8
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float64)
+    values = torch.tensor([[0.0, 0.5, 0.4, 9.0, 9.0, 0.3, 0.2, 0.0]], dtype=torch.float64)
+    rewards = torch.zeros_like(values)
+    rewards[0, 6] = 1.0
+    out = gae(rewards, values, mask, gamma, lam)
+    v, r = [0.5, 0.4, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0]
+    adv, nxt_v, nxt_a = [0.0] * 4, 0.0, 0.0
+    for t in reversed(range(4)):
+        delta = r[t] + gamma * nxt_v - v[t]
+        adv[t] = delta + gamma * lam * nxt_a
+        nxt_v, nxt_a = v[t], adv[t]
+    expected = torch.zeros_like(values)
+    expected[0, [1, 2, 5, 6]] = torch.tensor(adv, dtype=torch.float64)
+    assert torch.allclose(out.advantages, expected, rtol=0, atol=1e-12)
+    assert torch.equal(out.advantages[0, [0, 3, 4, 7]], torch.zeros(4, dtype=torch.float64))  # gaps carry nothing
+
+
+def test_grpo_spreads_each_score_over_model_tokens_only():
+    from megarl.algos.advantages import grpo
+
+    mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 0]], dtype=torch.float64)
+    out = grpo(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0, 0]), mask)
+    a = 1 / (2 ** 0.5 / 2 + 1e-6) / 2  # (s - mean) / (std + eps): mean 0.5, unbiased std sqrt(0.5)
+    assert torch.allclose(out.advantages, torch.tensor([[a, a, 0, 0, a], [-a, 0, -a, -a, 0]], dtype=torch.float64),
+                          rtol=0, atol=1e-12)
