@@ -15,7 +15,7 @@ class MultiTurnConfig:
     environment: str | None = None  # "path/to/env.py:Factory": called once per conversation, returns an Environment
     tools: tuple[str, ...] = ()  # "path/to/tools.py:function" each: tool calling (megarl.multiturn.ToolEnvironment)
     max_turns: int = 4  # model turns per conversation
-    max_tokens: int = 1024  # trajectory tokens after the prompt (model turns and observations)
+    max_total_tokens: int = 1024  # trajectory tokens after the prompt (model turns and observations)
     max_turn_tokens: int = 256  # new tokens per model turn
     env_timeout_s: float = 30.0  # one environment call (reset or step)
     on_env_error: OnError = OnError.RAISE  # raise: fail the step; score: end the conversation with env_error_score
@@ -23,7 +23,7 @@ class MultiTurnConfig:
     env_workers: int = 8  # environment calls in flight at once
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tokens", "max_turn_tokens", "env_workers"):
+        for name in ("max_turns", "max_total_tokens", "max_turn_tokens", "env_workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"rollout.multi_turn.{name} must be an integer >= 1; found {getattr(self, name)!r}")
         if not self.env_timeout_s > 0:

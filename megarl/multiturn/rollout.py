@@ -6,7 +6,7 @@ model turn for every conversation still running (a single call to the rollout en
 vLLM, whose prefix cache holds the conversation so far), then hands every turn's text to its environment; those
 calls run concurrently (``env_workers`` threads), so a slow tool holds up the turn only by its own duration, not
 by the sum. A conversation ends when its environment says so, after ``max_turns`` model turns, or when its
-trajectory would pass ``max_tokens`` tokens after the prompt. Its reward is the sum of its turns' rewards.
+trajectory would pass ``max_total_tokens`` tokens after the prompt. Its reward is the sum of its turns' rewards.
 
 An environment that raises, exceeds ``env_timeout_s`` or returns something that is not a well-formed
 :class:`~megarl.multiturn.environment.Step` follows ``on_env_error`` like a reward function: ``raise`` fails the
@@ -73,7 +73,8 @@ def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Calla
     with concurrent.futures.ThreadPoolExecutor(config.env_workers, thread_name_prefix="megarl-env") as pool:
         convs = _open(rows, n, make_env, renderer, stop, config, pool, waited)
         for turn in range(config.max_turns):
-            budget = {id(c): config.max_tokens - (len(c.trajectory.ids) - c.trajectory.prompt_length) for c in convs}
+            budget = {id(c): config.max_total_tokens - (len(c.trajectory.ids) - c.trajectory.prompt_length)
+                      for c in convs}
             for c in convs:
                 if c.finish is None and budget[id(c)] <= 0:
                     c.finish = FINISH_TOKENS
@@ -190,7 +191,7 @@ def _apply(c: Conversation, step: Step, turn: int, config: MultiTurnConfig) -> N
         c.finish = FINISH_TURNS
         return
     c.trajectory.add_observation(step.messages)
-    if len(c.trajectory.ids) - c.trajectory.prompt_length >= config.max_tokens:  # no room left for a model turn
+    if len(c.trajectory.ids) - c.trajectory.prompt_length >= config.max_total_tokens:  # no room left for a model turn
         c.trajectory.drop_observation()  # a trailing observation trains nothing
         c.finish = FINISH_TOKENS
 

@@ -86,7 +86,7 @@ def _run(setup, config, make_env=Scripted, n=2, seed=11):
 
 def test_conversations_spell_the_templates_rendering_and_log_probs_match_transformers(setup):
     tok, model, _ = setup
-    result = _run(setup, MultiTurnConfig(max_turns=4, max_tokens=200, max_turn_tokens=6))
+    result = _run(setup, MultiTurnConfig(max_turns=4, max_total_tokens=200, max_turn_tokens=6))
     renderer = ChatRenderer(tok)
     assert [c.row for c in result.conversations] == [0, 0, 1, 1, 2, 2]
     for c in result.conversations:
@@ -119,12 +119,12 @@ def test_conversations_spell_the_templates_rendering_and_log_probs_match_transfo
 
 
 def test_turn_and_token_limits_end_conversations(setup):
-    turns = _run(setup, MultiTurnConfig(max_turns=2, max_tokens=200, max_turn_tokens=4)).conversations
+    turns = _run(setup, MultiTurnConfig(max_turns=2, max_total_tokens=200, max_turn_tokens=4)).conversations
     for c in turns:
         expected = FINISH_DONE if ROWS[c.row]["turns"] <= 2 else FINISH_TURNS
         assert c.finish == expected and c.turns == min(2, ROWS[c.row]["turns"])
         assert c.trajectory.segments[-1].kind == "model"  # no trailing observation
-    tight = _run(setup, MultiTurnConfig(max_turns=4, max_tokens=12, max_turn_tokens=8)).conversations
+    tight = _run(setup, MultiTurnConfig(max_turns=4, max_total_tokens=12, max_turn_tokens=8)).conversations
     for c in tight:
         assert len(c.trajectory.ids) - c.trajectory.prompt_length <= 12
         assert c.trajectory.segments[-1].kind == "model"
