@@ -79,18 +79,11 @@ def _hf_reference(hf_dir):
 
     from megarl.models import mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
+    from megarl.testing.reference import hf_ppo_backward
 
     ids, attn, resp, adv, noise = _batch_tensors()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    logits = model(ids, attention_mask=attn.long()).logits
-    lp = torch.zeros_like(attn)
-    lp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    lp = lp * attn
-    old = (lp.detach() + noise) * resp
-    ratio = torch.exp(lp - old)
-    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
-    loss = (per_token * resp).sum() / resp.sum()
-    loss.backward()
+    lp, old, loss = hf_ppo_backward(model, ids, attn, resp, adv, noise, CLIP)
     cfg = load_hf_config(hf_dir)
     spec = spec_from_hf_config(cfg)
     params = dict(model.named_parameters())
@@ -101,7 +94,7 @@ def _hf_reference(hf_dir):
         padded = spec.padded_vocab_size(1)
         ref_grads[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(grads, n, cfg) for n in m.hf], padded)
         ref_weights[m.mcore] = mapping.to_mcore(m, spec, [_hf_tensor(weights, n, cfg) for n in m.hf], padded)
-    return dict(log_probs=lp.detach(), old=old, loss=loss.item(), grads=ref_grads, weights=ref_weights,
+    return dict(log_probs=lp, old=old, loss=loss, grads=ref_grads, weights=ref_weights,
                 router=_router_reference(model, spec), forced=_forced_reference(model, spec))
 
 

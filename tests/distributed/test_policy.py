@@ -42,18 +42,11 @@ def _hf_reference(hf_dir):
 
     from megarl.models import mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
+    from megarl.testing.reference import hf_ppo_backward
 
     ids, attn, resp, adv, noise = _batch_tensors()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    logits = model(ids, attention_mask=attn.long()).logits
-    lp = torch.zeros_like(attn)
-    lp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    lp = lp * attn
-    old = (lp.detach() + noise) * resp
-    ratio = torch.exp(lp - old)
-    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
-    loss = (per_token * resp).sum() / resp.sum()
-    loss.backward()
+    lp, old, loss = hf_ppo_backward(model, ids, attn, resp, adv, noise, CLIP)
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     params = dict(model.named_parameters())
     grads, weights = {}, {}
@@ -61,7 +54,7 @@ def _hf_reference(hf_dir):
         padded = spec.padded_vocab_size(1)
         grads[m.mcore] = mapping.to_mcore(m, spec, [params[n].grad for n in m.hf], padded)
         weights[m.mcore] = mapping.to_mcore(m, spec, [params[n].detach() for n in m.hf], padded)
-    return lp.detach(), old, loss.item(), grads, weights
+    return lp, old, loss, grads, weights
 
 
 def _world(rank, world_size, ckpt, old_log_probs):

@@ -52,21 +52,14 @@ def _policy_reference(hf_dir):
     from transformers import AutoModelForCausalLM
 
     from megarl.models.spec import load_hf_config, spec_from_hf_config
+    from megarl.testing.reference import hf_ppo_backward
 
     ids, attn, resp, adv, noise, _ = _batch()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    logits = model(ids, attention_mask=attn.long()).logits
-    lp = torch.zeros_like(attn)
-    lp[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    lp = lp * attn
-    old = (lp.detach() + noise) * resp
-    ratio = torch.exp(lp - old)
-    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
-    loss = (per_token * resp).sum() / resp.sum()
-    loss.backward()
+    lp, old, loss = hf_ppo_backward(model, ids, attn, resp, adv, noise, CLIP)
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     params = dict(model.named_parameters())
-    return dict(log_probs=lp.detach(), old=old, loss=loss.item(),
+    return dict(log_probs=lp, old=old, loss=loss,
                 grads=_to_mcore(spec, {n: p.grad for n, p in params.items()}),
                 weights=_to_mcore(spec, {n: p.detach() for n, p in params.items()}))
 
@@ -89,7 +82,7 @@ def _critic_reference(hf_dir):
     loss.backward()
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     updated = _to_mcore(spec, {n: p.detach() - LR * p.grad for n, p in rm.named_parameters()})
-    return dict(values=values.detach(), old=old, loss=loss.item(), updated=updated)
+    return dict(values=values.detach(), old=old, loss=loss, updated=updated)
 
 
 def _world(rank, world_size, lm_ckpt, rm_ckpt, old_log_probs, old_values):
