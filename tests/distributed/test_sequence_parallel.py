@@ -82,7 +82,7 @@ def _critic_reference(hf_dir):
     loss.backward()
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     updated = _to_mcore(spec, {n: p.detach() - LR * p.grad for n, p in rm.named_parameters()})
-    return dict(values=values.detach(), old=old, loss=loss, updated=updated)
+    return dict(values=values.detach(), old=old, loss=loss.item(), updated=updated)
 
 
 def _world(rank, world_size, lm_ckpt, rm_ckpt, old_log_probs, old_values):
