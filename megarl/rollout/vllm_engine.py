@@ -147,6 +147,8 @@ class VLLMEngine:
     full-shape HF-named tensors on every rank of a rollout TP group; vLLM's loaders read only the rank's
     slice (the hybrid engine's transport fills only that).
     ``expected_tp_ranks``: the global ranks of this rank's rollout group, verified against vLLM's TP group.
+    ``prefix_caching``: vLLM's prefix cache (on: a multi-turn conversation's next turn prefills only its new
+    tokens; off only to measure what that saves, benchmarks/multiturn.py).
     ``kv_cache_bytes``: the KV cache size; None lets vLLM size it from ``gpu_memory_utilization`` on a GPU
     and uses :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the host's memory).
     """
@@ -154,7 +156,8 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: torch.dtype | str = torch.bfloat16,
                  gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = False, pad_token_id: int = 0,
-                 expected_tp_ranks: Sequence[int] | None = None, record_routing: bool = False) -> None:
+                 expected_tp_ranks: Sequence[int] | None = None, record_routing: bool = False,
+                 prefix_caching: bool = True) -> None:
         cfg = _read_config(Path(model_dir))
         self.vocab_size = int(cfg["vocab_size"])
         self.tp, self.pad_token_id, self._seed = tp, pad_token_id, seed
@@ -191,6 +194,7 @@ class VLLMEngine:
                       load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=f"{__name__}.WeightReceiver",
                       weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
                       generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
+                      enable_prefix_caching=prefix_caching,  # a conversation's next turn reuses its earlier ones
                       **cpu_scheduling)
         kwargs.update(routing_args)
         self._vllm = vllm
