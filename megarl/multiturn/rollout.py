@@ -217,28 +217,27 @@ def _metrics(convs: list[Conversation], waited: dict) -> dict[str, float]:
 def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Batch:
     """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
     model's tokens only: observations are context, not trained), ``rollout_log_probs`` (token-aligned: entry i is
-    the log-prob of token i), ``prompt_index`` (the row, for group baselines), ``scores`` (each conversation's
-    reward) and ``response_lengths`` (tokens after the prompt); non-tensor ``finish_reasons`` ("stop" when the
-    environment ended the episode, else "length") and ``final_texts`` (the model's last turn, what a reward function
-    scores)."""
+    the log-prob of token i), ``prompt_uid`` (the row, for group baselines), ``environment_scores`` (each
+    conversation's reward from its environment) and ``response_lengths`` (tokens after the prompt); non-tensor
+    ``finish_reasons`` ("stop" when the environment ended the episode, else "length") and ``final_texts`` (the
+    model's last turn, what a reward function scores)."""
     width = max(len(c.trajectory.ids) for c in convs)
 
     def padded(values: list[list], value, dtype) -> torch.Tensor:
         return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
 
     ids = [c.trajectory.ids for c in convs]
-    batch = Batch.from_dict({
+    return Batch.from_dict({
         "input_ids": padded(ids, pad_token_id, torch.long),
         "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
         "response_mask": padded([c.trajectory.loss_mask() for c in convs], 0, torch.float32),
         "rollout_log_probs": padded([c.trajectory.rollout_log_probs() for c in convs], 0.0, torch.float32),
-        "prompt_index": torch.tensor([c.row for c in convs], dtype=torch.long),
-        "scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
+        "prompt_uid": torch.tensor([c.row for c in convs], dtype=torch.long),
+        "environment_scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
         "response_lengths": torch.tensor([len(v) - c.trajectory.prompt_length for c, v in zip(convs, ids, strict=True)],
                                          dtype=torch.long),
     }, non_tensors={"finish_reasons": [FINISH_STOP if c.finish == FINISH_DONE else FINISH_LENGTH for c in convs],
                     "final_texts": [c.trajectory.final_text for c in convs]})
-    return batch
 
 
 def model_turns(rows: Batch) -> list[tuple[list[int], list[float]]]:

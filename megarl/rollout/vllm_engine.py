@@ -74,6 +74,7 @@ from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import hf_tensors
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams, WeightUpdateError
+from megarl.rollout.vllm_routing import routed_experts, routing_args, routing_shape, stack_routing
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +164,13 @@ class VLLMEngine:
         self.tp, self.pad_token_id, self._seed = tp, pad_token_id, seed
         spec = spec_from_hf_config(cfg)
         self._num_experts = spec.moe.num_experts if spec.moe is not None else 0
-        self._routing = _routing_shape(spec) if record_routing else None
+        self._routing = routing_shape(spec) if record_routing else None
         self._shapes = {t.name: t.shape for t in hf_tensors(spec, ParallelLayout())}
         vllm = _import_vllm()
-        routing_args = _routing_args(vllm, torch.cuda.is_available()) if self._routing is not None else {}
+        if self._routing is not None and not prefix_caching:
+            raise ConfigError("recording expert routing needs vLLM's prefix caching (its routed-experts output "
+                              "requires it); leave prefix_caching on")
+        routing_kwargs = routing_args(vllm, torch.cuda.is_available()) if self._routing is not None else {}
         _check_head_dim(spec.head_dim)
         _prepare_process(tp, gpu_memory_utilization)
         for name in _KnownNoise.LOGGERS:
@@ -196,7 +200,7 @@ class VLLMEngine:
                       generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
                       enable_prefix_caching=prefix_caching,  # a conversation's next turn reuses its earlier ones
                       **cpu_scheduling)
-        kwargs.update(routing_args)
+        kwargs.update(routing_kwargs)
         self._vllm = vllm
         self._llm = _build_llm(vllm, kwargs)
         _unlink_shm(self._rpc("megarl_shm_names"))
@@ -477,7 +481,7 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int,
             ids = [int(t) for t in c.token_ids]
             rows.append((i, ids, _sampled_log_probs(c, ids, i), _finish_reason(c, i)))
             if routing is not None:
-                routed.append(_routed_experts(c, len(request.prompt_token_ids) + len(ids), routing, i))
+                routed.append(routed_experts(c, len(request.prompt_token_ids) + len(ids), routing, i))
     width = max((len(ids) for _, ids, _, _ in rows), default=0)
     responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -492,54 +496,8 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int,
         log_probs=log_probs,
         response_lengths=lengths,
         finish_reasons=[reason for _, _, _, reason in rows],
-        routed_experts=None if routing is None else _stack_routing(routed, routing),
+        routed_experts=None if routing is None else stack_routing(routed, routing),
     )
-
-
-def _routed_experts(completion: Any, tokens: int, routing: tuple[int, int], prompt: int) -> torch.Tensor:
-    """One row's ``routed_experts`` as int16 [tokens fed, layers, k]: vLLM feeds every token but the last."""
-    experts = getattr(completion, "routed_experts", None)
-    if experts is None:
-        raise RuntimeError(f"vLLM returned no routed_experts for a response of prompt {prompt}; the engine must be "
-                           "built with enable_return_routed_experts")
-    t = torch.as_tensor(experts).to(torch.int16)
-    if t.dim() != 3 or tuple(t.shape[1:]) != routing or not tokens - 1 <= t.shape[0] <= tokens:
-        raise RuntimeError(f"vLLM's routed_experts for a {tokens}-token row of prompt {prompt} has shape "
-                           f"{tuple(t.shape)}; expected [{tokens - 1}, {routing[0]}, {routing[1]}]")
-    return t
-
-
-def _stack_routing(rows: list[torch.Tensor], routing: tuple[int, int]) -> torch.Tensor:
-    """[rows, W, layers, k], W the longest row; positions a row never fed hold experts 0..k-1 (the contract)."""
-    layers, k = routing
-    width = max((r.shape[0] + 1 for r in rows), default=0)
-    out = torch.arange(k, dtype=torch.int16).expand(len(rows), width, layers, k).clone()
-    for j, r in enumerate(rows):
-        out[j, : r.shape[0]] = r
-    return out
-
-
-def _routing_shape(spec: Any) -> tuple[int, int]:
-    """(MoE layers, top-k) of the routing a router-replay run records; refuses a dense model."""
-    if spec.moe is None:
-        raise ConfigError(f"recording expert routing needs a Mixture-of-Experts model; {spec.architecture} is dense")
-    return spec.num_layers, spec.moe.top_k
-
-
-def _routing_args(vllm: Any, on_gpu: bool) -> dict:
-    """Engine arguments that make vLLM return each token's routed experts (router replay, R3)."""
-    if not on_gpu:
-        raise ConfigError(
-            "router replay with the vLLM backend needs vLLM's routed-experts output (enable_return_routed_experts), "
-            "which runs only in its Model Runner V2; vLLM's CPU build generates with the V1 runner and refuses it "
-            "(vLLM 0.32). On CPU use rollout.engine.backend=embedded (it records routing) or policy.router_replay="
-            "false; on CUDA it works as configured.")
-    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(vllm.EngineArgs)}:
-        raise MissingDependencyError(f"vLLM {getattr(vllm, '__version__', '?')} cannot return routed experts "
-                                     "(enable_return_routed_experts, vLLM >= 0.32): upgrade it or set "
-                                     "policy.router_replay=false")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM's aux outputs (routed experts) exist in this runner only
-    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
 
 
 def _sampled_log_probs(completion: Any, ids: list[int], prompt: int) -> list[float]:

@@ -220,8 +220,6 @@ class Experience:
                                    renderer, generate, self._params(sampling, seed), self.cfg.rollout.multi_turn,
                                    stop_ids=self.stop_token_ids)
         batch = conversations_batch(result.conversations, self.pad_token_id)
-        batch.tensors["prompt_uid"] = batch.tensors.pop("prompt_index")
-        batch.tensors["environment_scores"] = batch.tensors.pop("scores")
         batch.tensors["policy_version"] = torch.full((len(batch),), min(versions), dtype=torch.long)
         batch.meta["metrics"] = call_metrics | result.metrics | {"timing/to_train_s": self.cluster.to_train()}
         self.stage("rollout", batch)

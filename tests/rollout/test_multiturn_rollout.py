@@ -105,8 +105,8 @@ def test_conversations_spell_the_templates_rendering_and_log_probs_match_transfo
         assert mask.sum() == sum(len(s.ids) for s in t.segments if s.kind == "model")
         assert (got - ref)[mask].abs().max() < 1e-5
     batch = conversations_batch(result.conversations, tok.pad_token_id)
-    assert batch["prompt_index"].tolist() == [0, 0, 1, 1, 2, 2]
-    assert batch["scores"].tolist() == [0.75, 0.75, 0.25, 0.25, 0.5, 0.5]
+    assert batch["prompt_uid"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch["environment_scores"].tolist() == [0.75, 0.75, 0.25, 0.25, 0.5, 0.5]
     width = batch["input_ids"].shape[1]
     for i, c in enumerate(result.conversations):
         pad = width - len(c.trajectory.ids)
