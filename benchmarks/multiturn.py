@@ -12,12 +12,15 @@ megarl's loop (``megarl.multiturn.rollout.run_conversations``), one engine call 
 - ``vllm-prefix-cache``: vLLM (CPU build, eager), prefix caching on (megarl's setting): a turn prefills only the
   new observation and decodes;
 - ``vllm-from-scratch``: the same with prefix caching off: every turn prefills the whole conversation again;
-- ``embedded``: megarl's embedded engine, which keeps no KV cache across calls (prefills everything each turn).
+- ``embedded-kept``: megarl's embedded engine keeping each finished row's KV between calls
+  (``prefix_cache_bytes``, 1 GiB; what ``rollout.multi_turn`` turns on): a turn prefills only the new tokens;
+- ``embedded-from-scratch``: the embedded engine keeping nothing (prefills the whole conversation each turn).
 
-Reported per variant (medians over ``--repeats`` rounds after a warm-up round; the variants alternate): wall
-seconds, generated tokens per second of the whole rollout, the prompt tokens the engine was handed (what a
-from-scratch engine prefills), and the share of the rollout spent waiting on the environment. Writes a Markdown
-table to benchmarks/results/multiturn-<date>.md.
+Reported per variant (medians over ``--repeats`` rounds after a warm-up round): wall seconds, generated tokens per
+second of the whole rollout, the prompt tokens the engine was handed (what a from-scratch engine prefills) and the
+share of them it did not compute again (the engine's own count: vLLM's ``num_cached_tokens``, the embedded engine's
+kept prefixes), and the share of the rollout spent waiting on the environment. Writes a Markdown table to
+benchmarks/results/multiturn-<date>.md.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from megarl.testing.dist import run_world
 
-VARIANTS = ("vllm-prefix-cache", "vllm-from-scratch", "embedded")
+VARIANTS = ("vllm-prefix-cache", "vllm-from-scratch", "embedded-kept", "embedded-from-scratch")
 PROMPTS = 16
 
 
@@ -80,23 +83,23 @@ def _variant(rank, world_size, model_dir, variant, args, rounds):
     init_distributed(ParallelLayout())
     tok = AutoTokenizer.from_pretrained(model_dir)
     weights = load_file(f"{model_dir}/model.safetensors")
-    if variant == "embedded":
+    if variant.startswith("embedded"):
         from megarl.rollout.embedded import EmbeddedEngine
 
         engine = EmbeddedEngine(AutoConfig.from_pretrained(model_dir), pad_token_id=tok.pad_token_id,
-                                max_batch_size=args.conversations)
+                                max_batch_size=args.conversations,
+                                prefix_cache_bytes=(1 << 30) if variant == "embedded-kept" else 0)
     else:
         from megarl.rollout.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(model_dir, tp=1, dtype=torch.float32, seed=0, max_model_len=2048, enforce_eager=True,
                             kv_cache_bytes=1 << 30, prefix_caching=variant == "vllm-prefix-cache")
-    engine.update_weights(weights.items())
-    engine.finish_weight_update()
-    handed = [0]
+    handed = [0, 0]  # prompt tokens handed to the engine, of which it did not compute again
 
     def generate(prompts, params):
         handed[0] += sum(len(p) for p in prompts)
         out = engine.generate(prompts, params)
+        handed[1] += int(out.cached_tokens.sum()) if out.cached_tokens is not None else 0
         return list(zip(out.token_lists(), out.log_prob_lists(), strict=True))
 
     config = MultiTurnConfig(max_turns=args.turns, max_turn_tokens=args.turn_tokens, max_total_tokens=100_000,
@@ -105,7 +108,9 @@ def _variant(rank, world_size, model_dir, variant, args, rounds):
     params = SamplingParams(temperature=1.0, max_new_tokens=1, seed=7)
     out = []
     for _ in range(rounds):
-        handed[0] = 0
+        engine.update_weights(weights.items())  # each round as a training step's: fresh weights, nothing kept
+        engine.finish_weight_update()
+        handed[:] = [0, 0]
         start = time.perf_counter()
         result = run_conversations(rows, args.conversations // PROMPTS, lambda: Scripted(args.obs_words,
                                                                                         args.env_ms / 1000),
@@ -113,7 +118,7 @@ def _variant(rank, world_size, model_dir, variant, args, rounds):
         seconds = time.perf_counter() - start
         tokens = sum(sum(t.kind == "model" and len(t.ids) or 0 for t in c.trajectory.segments)
                      for c in result.conversations)
-        out.append({"s": seconds, "tokens": tokens, "handed": handed[0],
+        out.append({"s": seconds, "tokens": tokens, "handed": handed[0], "reused": handed[1] / handed[0],
                     "env_share": result.metrics["multiturn/env_wait_share"]})
     return out
 
@@ -138,12 +143,12 @@ def main() -> int:
              f"{args.turns} --turn-tokens {args.turn_tokens} --obs-words {args.obs_words} --env-ms {args.env_ms:g}`; "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
              "random Llama, hidden 512, 6 layers, vocabulary 300; fp32; medians of the rounds after a warm-up.", "",
-             "| variant | wall s | generated tokens | tokens/s | prompt tokens handed to the engine | env wait share |",
-             "|---|---|---|---|---|---|"]
+             "| variant | wall s | generated tokens | tokens/s | prompt tokens handed to the engine | of them reused "
+             "| env wait share |", "|---|---|---|---|---|---|---|"]
     for v, rs in runs.items():
         s = statistics.median(r["s"] for r in rs)
         tokens = rs[0]["tokens"]
-        lines.append(f"| {v} | {s:.2f} | {tokens} | {tokens / s:.0f} | {rs[0]['handed']} | "
+        lines.append(f"| {v} | {s:.2f} | {tokens} | {tokens / s:.0f} | {rs[0]['handed']} | {rs[0]['reused']:.2f} | "
                      f"{statistics.median(r['env_share'] for r in rs):.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)

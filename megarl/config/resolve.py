@@ -4,7 +4,8 @@ decides field decided, so the dumped ``<output_dir>/config.yaml`` shows the run 
 Decided here (on the driver, before any worker starts): every path made absolute (workers may run in
 another directory, or on another machine with a shared filesystem), the tokenizer directories, whether old log-probs
 get a forward of their own (``algorithm.recompute_old_log_probs``), the forward-only micro-batching of
-each engine, and the role -> pool placement. Left to the workers, because only the machine they land on
+each engine, the role -> pool placement and the embedded engine's prefix cache
+(``rollout.engine.prefix_cache_mb``). Left to the workers, because only the machine they land on
 knows: ``cluster.pools.*.device: auto`` and ``rollout.engine.offload_train_state: null`` (both follow
 whether the worker has a GPU), and ``cluster.allocator: auto`` (logged by every process).
 
@@ -22,6 +23,7 @@ from megarl.config.train import ModelConfig, RolloutSection, TrainConfig
 from megarl.engine.config import EngineConfig
 from megarl.rewards.rules import BUILTIN_REWARDS
 from megarl.rollout.base import SamplingConfig, SamplingParams
+from megarl.rollout.config import RolloutBackend, RolloutConfig
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
@@ -39,6 +41,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     placement = cfg.cluster.role_pools(cfg.roles())
     return dataclasses.replace(
         cfg,
+        rollout=dataclasses.replace(cfg.rollout, engine=_rollout_engine(cfg)),
         model=_model(cfg.model),
         data=dataclasses.replace(d, train=_path(d.train), val=d.val and _path(d.val),
                                  row_adapter=d.row_adapter and _file_spec(d.row_adapter)),
@@ -52,6 +55,16 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         teacher=teacher,
         cluster=dataclasses.replace(cfg.cluster, placement=placement),
     )
+
+
+def _rollout_engine(cfg: TrainConfig) -> RolloutConfig:
+    """``prefix_cache_mb: null`` decided: the embedded engine keeps finished rows' KV (1 GiB) only for
+    conversations, whose next turn continues them; single-turn prompts never do, and vLLM has its own."""
+    engine = cfg.rollout.engine
+    if engine.prefix_cache_mb is not None:
+        return engine
+    keep = cfg.rollout.multi_turn.enabled and engine.backend is RolloutBackend.EMBEDDED
+    return dataclasses.replace(engine, prefix_cache_mb=1024.0 if keep else 0.0)
 
 
 def hf_files(path: str | Path) -> Path:

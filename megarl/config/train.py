@@ -457,7 +457,14 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
     if r.engine.backend is RolloutBackend.EMBEDDED and r.engine.tp != 1:
         raise ConfigError(f"the embedded rollout engine runs one full model per rank: rollout.engine.tp must be 1, "
                           f"found {r.engine.tp}; use rollout.engine.backend=vllm for tensor-parallel generation.")
+    if r.engine.prefix_cache_mb is not None and r.engine.prefix_cache_mb < 0:
+        raise ConfigError(f"rollout.engine.prefix_cache_mb must be >= 0 (0: off) or null, found "
+                          f"{r.engine.prefix_cache_mb}.")
     if r.engine.backend is RolloutBackend.VLLM:
+        if r.engine.prefix_cache_mb:
+            raise ConfigError(f"rollout.engine.prefix_cache_mb={r.engine.prefix_cache_mb} is the embedded engine's; "
+                              "vLLM keeps its prefix cache inside its KV cache (rollout.engine.kv_cache_mb / "
+                              "gpu_memory_utilization). Unset it.")
         if not cfg.cluster.rollout_apart:  # (a rollout pool's layout is its rollout TP groups: checked above)
             check_vllm_groups(layout, r.engine.tp)
         for name, s in (("sampling", r.sampling), ("validation", r.validation)):

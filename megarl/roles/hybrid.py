@@ -154,7 +154,8 @@ def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad
         model_type = cfg.pop("model_type")
         hf = AutoConfig.for_model(model_type, **cfg)
         return EmbeddedEngine(hf, dtype=dtype, pad_token_id=pad_token_id, device=ctx.device,
-                              max_batch_size=config.max_batch_size)
+                              max_batch_size=config.max_batch_size,
+                              prefix_cache_bytes=int((config.prefix_cache_mb or 0) * 2**20))
     if config.backend is RolloutBackend.VLLM:
         from megarl.rollout.vllm_engine import VLLMEngine
 

@@ -87,6 +87,8 @@ class RolloutOutput:
     (MoE models, engines that record routing): each row's ``top_k`` experts per token of its whole sequence
     (prompt then response, left-aligned like a training row) and MoE layer, [rows, W, layers, top_k];
     positions the engine never fed (padding, each row's last token) hold experts ``0..top_k-1``.
+    ``cached_tokens`` (engines that report it): per row, how many leading prompt tokens the engine did not
+    compute again because it kept their KV cache from an earlier call (or, vLLM, found them in its prefix cache).
     """
 
     prompt_index: torch.Tensor  # long [rows]
@@ -96,6 +98,7 @@ class RolloutOutput:
     response_lengths: torch.Tensor  # long [rows]
     finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH per row
     routed_experts: torch.Tensor | None = None  # int16 [rows, W, layers, top_k] (MoE), else None
+    cached_tokens: torch.Tensor | None = None  # long [rows], else None
 
     def __len__(self) -> int:
         return len(self.finish_reasons)

@@ -20,6 +20,9 @@ class RolloutConfig:
     dtype: Precision = Precision.FP32  # dtype of the rollout weights (bfloat16 on GPU)
     bucket_mb: float = 64.0  # resharding bucket cap per rank
     max_batch_size: int = 64  # rows decoded at once per replica (embedded engine)
+    # embedded engine: MB of finished rows' KV kept between calls for prompts that continue them (a conversation's
+    # next turn); null: 1024 with rollout.multi_turn, else 0 (off). vLLM keeps its own prefix cache in kv_cache_mb
+    prefix_cache_mb: float | None = None
     max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more (mean |diff|)
     offload_train_state: bool | None = None  # null: offload grads/optimizer/params around rollout on GPU only
     # vLLM backend only

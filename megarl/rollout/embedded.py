@@ -12,6 +12,12 @@ do not leave the rest of the work queued behind them. Joining and trimming touch
 ``keys`` / ``values`` directly and are used only when every layer is a plain ``DynamicLayer``; other
 caches (sliding windows) take new rows only when the batch is empty.
 
+With ``prefix_cache_bytes`` (plain caches only), the KV of every finished row -- its prompt and all but its last
+sampled token -- is kept between calls (:class:`megarl.rollout.kv_cache.PrefixStore`), and a later prompt that
+continues one (a conversation's next turn: the trajectory so far, then the observation) is prefilled from the
+kept columns on: only its new tokens are computed (``RolloutOutput.cached_tokens`` counts the others). The kept
+KV belongs to the weights that computed it: a weight update, ``wake_up`` or ``sleep`` forgets all of it.
+
 Weights arrive under checkpoint (HF hub) names. Where transformers fuses a Mixture-of-Experts layer's experts
 into 3-D parameters (``mlp.experts.gate_up_proj [E, 2I, H]``, gate rows then up rows, and ``mlp.experts.down_proj
 [E, H, I]``; Qwen3-MoE in transformers 5), the engine accepts the per-expert names a checkpoint and the weight
@@ -56,6 +62,8 @@ from megarl.rollout.base import (
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from megarl.rollout.kv_cache import Prefix
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +173,9 @@ def _plain_dynamic_cache(config) -> bool:
 
 @dataclass
 class _Batch:
-    """Rows decoding together. The cache holds every token fed so far, right-aligned: row ``i``'s real tokens
-    are its last ``next_pos[i]`` columns (``mask`` is 1 there), its first ones are left padding."""
+    """Rows decoding together. The cache holds every token fed so far: ``mask`` is 1 on a row's own columns
+    (``next_pos[i]`` of them, the last column always among them) and 0 on padding -- left padding, and between a
+    kept prefix and the rest of its prompt (:meth:`EmbeddedEngine._prefill`)."""
 
     rows: torch.Tensor  # long [B]: output row of each batch row
     mask: torch.Tensor  # long [B, L]: attention mask over the cache's L columns
@@ -181,7 +190,7 @@ class _Batch:
 
     def trim_left(self) -> None:
         """Drop leading cache columns that no row attends to (plain DynamicLayer caches only)."""
-        lead = self.mask.shape[1] - int(self.next_pos.max())
+        lead = int(self.mask.any(0).long().argmax())  # the first column some row attends to
         if lead > 0:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
@@ -208,6 +217,7 @@ class _Results:
     lengths: torch.Tensor  # long [rows]
     stopped: torch.Tensor  # bool [rows]
     prompt_lengths: torch.Tensor  # long [rows]
+    cached: torch.Tensor  # long [rows]: leading prompt tokens whose KV came from an earlier call
     routing: torch.Tensor | None = None  # int16 [rows, longest prompt + max_new, layers, top_k] (MoE)
 
     @classmethod
@@ -223,7 +233,8 @@ class _Results:
                    log_probs=torch.zeros((rows, max_new), dtype=torch.float32, device=device),
                    lengths=torch.zeros(rows, dtype=torch.long, device=device),
                    stopped=torch.zeros(rows, dtype=torch.bool, device=device),
-                   prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long, device=device), routing=routing)
+                   prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long, device=device),
+                   cached=torch.zeros(rows, dtype=torch.long, device=device), routing=routing)
 
     def output(self, row_prompt: list[int]) -> RolloutOutput:
         width = int(self.lengths.max()) if len(self.lengths) else 0
@@ -234,6 +245,7 @@ class _Results:
             log_probs=self.log_probs[:, :width].contiguous(),
             response_lengths=self.lengths,
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in self.stopped.tolist()],
+            cached_tokens=self.cached,
             routed_experts=(None if self.routing is None
                             else self.routing[:, : int((self.prompt_lengths + self.lengths).max())].contiguous()),
         )
@@ -244,7 +256,8 @@ class EmbeddedEngine:
 
     ``vocab_limit``: logits at ids >= the limit are -inf before sampling and log-probs (for configs whose
     vocabulary is padded past the tokenizer's, e.g. Qwen2.5). ``max_batch_size`` bounds the rows decoded
-    at once (prefill and KV cache memory).
+    at once (prefill and KV cache memory). ``prefix_cache_bytes``: memory for finished rows' KV kept for prompts
+    that continue them (module docstring); 0 keeps nothing.
     """
 
     def __init__(
@@ -256,6 +269,7 @@ class EmbeddedEngine:
         device: str | torch.device = "cpu",
         vocab_limit: int | None = None,
         max_batch_size: int = 64,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         vocab = hf_config.get_text_config().vocab_size
         if not 0 <= pad_token_id < vocab:
@@ -265,6 +279,8 @@ class EmbeddedEngine:
                               f"found {vocab_limit}")
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1; found {max_batch_size}")
+        if prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0 (0: off); found {prefix_cache_bytes}")
         self.device = torch.device(device)
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab
@@ -289,6 +305,11 @@ class EmbeddedEngine:
         self._awake = True
         self._ready = False  # True after a complete weight sync
         self._mergeable = _plain_dynamic_cache(self.model.config)
+        self._prefixes = None  # finished rows' KV for prompts that continue them (plain caches only)
+        if prefix_cache_bytes and self._mergeable:
+            from megarl.rollout.kv_cache import PrefixStore
+
+            self._prefixes = PrefixStore(prefix_cache_bytes)
         # transformers >= 5.2x names the KV cache argument ``cache`` (``past_key_values`` deprecated); older
         # releases take only ``past_key_values`` and would silently ignore ``cache`` (no context after prefill)
         forward_args = inspect.signature(self.model.forward).parameters
@@ -325,6 +346,7 @@ class EmbeddedEngine:
         if not self._awake:
             raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
         self._ready = False
+        self._forget_prefixes()
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in tensors:
@@ -380,6 +402,7 @@ class EmbeddedEngine:
             return
         for param in self._params.values():
             param.untyped_storage().resize_(0)
+        self._forget_prefixes()
         self._awake = False
         self._ready = False
         if self.device.type == "cuda":
@@ -393,6 +416,12 @@ class EmbeddedEngine:
             self._awake = True
         self._loaded = set()
         self._ready = False
+        self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
+        """Drop the kept KV: it belongs to the weights that computed it."""
+        if self._prefixes is not None:
+            self._prefixes.clear()
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -415,6 +444,9 @@ class EmbeddedEngine:
         results = _Results.empty([len(prompts[i]) for i in row_prompt], params.max_new_tokens, self.pad_token_id,
                                  self.device, moe)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        kept = {}  # prompt index -> its longest kept prefix (taken out of the store)
+        if self._prefixes is not None:
+            kept = {i: p for i, prompt in enumerate(prompts) if (p := self._prefixes.take(prompt)) is not None}
         admit_at_least = max(1, self.max_batch_size // 4)  # amortise a prefill + cache merge over many rows
         batch, next_row, steps = None, 0, 0
         with torch.no_grad():
@@ -423,13 +455,13 @@ class EmbeddedEngine:
                 waiting = len(row_prompt) - next_row
                 if waiting and (batch is None or (self._mergeable and free >= min(waiting, admit_at_least))):
                     rows = range(next_row, next_row + min(free, waiting))
-                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows, results)
+                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows, results, kept)
                     next_row = rows.stop
                     if batch is None:
                         batch = joining
                     else:
                         batch.merge(joining)
-                batch = self._step(batch, params, generator, results, stop_ids)
+                batch = self._step(batch, params, generator, results, stop_ids, prompts, row_prompt)
                 steps += 1
         out = results.output(row_prompt)
         logger.debug("generated %d rows, %d tokens, %d decode steps in %.3f s", len(out),
@@ -467,20 +499,30 @@ class EmbeddedEngine:
         return cache
 
     def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range,
-                 results: _Results) -> _Batch:
+                 results: _Results, kept: dict[int, Prefix]) -> _Batch:
         """A batch for output ``rows`` (prompt ids ``row_prompts``, grouped): each distinct prompt is prefilled
-        once, then its cache rows are repeated (and, MoE, its routing recorded for each of them)."""
+        once -- after its kept prefix, if ``kept`` has one -- then its cache rows are repeated (and, MoE, its
+        routing recorded for each of them)."""
         distinct, repeats = zip(*((i, len(list(g))) for i, g in itertools.groupby(row_prompts)), strict=True)
-        ids, mask, positions = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
+        hits = [kept.pop(i, None) for i in distinct]
+        starts = [0 if hit is None else len(hit.tokens) for hit in hits]
+        ids, mask, positions = _left_pad([prompts[i][s:] for i, s in zip(distinct, starts, strict=True)],
+                                         self.pad_token_id, self.device)
         cache = self._new_cache()
+        if any(starts):  # [kept prefix (right-aligned) | the rest of the prompt (left-padded)]
+            mask = torch.cat([self._seed_cache(cache, hits, max(starts)), mask], dim=1)
+            positions = positions + torch.tensor(starts, device=self.device)[:, None]
         logits = self._forward(ids, mask, positions, cache)
         routed = self._take_routing(tuple(ids.shape))
-        if routed is not None:  # left-padded [distinct, width, layers, k] -> each row's prompt columns
-            row = rows.start
-            for d, (i, count) in enumerate(zip(distinct, repeats, strict=True)):
-                length = len(prompts[i])
-                results.routing[row: row + count, :length] = routed[d, ids.shape[1] - length:]
-                row += count
+        row = rows.start
+        for d, (i, count) in enumerate(zip(distinct, repeats, strict=True)):
+            results.cached[row: row + count] = starts[d]
+            if routed is not None:  # left-padded [distinct, width, layers, k] -> each row's prompt columns
+                length, start = len(prompts[i]), starts[d]
+                if hits[d] is not None:
+                    results.routing[row: row + count, :start] = hits[d].routing
+                results.routing[row: row + count, start:length] = routed[d, ids.shape[1] - (length - start):]
+            row += count
         expand = torch.repeat_interleave(torch.arange(len(distinct), device=self.device),
                                          torch.tensor(repeats, device=self.device))
         if len(expand) != len(distinct):
@@ -489,9 +531,44 @@ class EmbeddedEngine:
         row_ids = torch.arange(rows.start, rows.stop, device=self.device)
         return _Batch(rows=row_ids, mask=mask, next_pos=mask.sum(-1), logits=logits, cache=cache)
 
+    def _seed_cache(self, cache, hits: list[Prefix | None], width: int) -> torch.Tensor:
+        """Fill the empty ``cache`` with each row's kept prefix, right-aligned in ``width`` columns (zeros
+        before it, and for rows without one); returns the attention mask of those columns."""
+        mask = torch.zeros((len(hits), width), dtype=torch.long, device=self.device)
+        sample = next(hit for hit in hits if hit is not None)
+        for layer in range(len(sample.keys)):
+            keys = sample.keys[layer].new_zeros((len(hits), *sample.keys[layer].shape[:-2], width,
+                                                 sample.keys[layer].shape[-1]))
+            values = sample.values[layer].new_zeros((len(hits), *sample.values[layer].shape[:-2], width,
+                                                     sample.values[layer].shape[-1]))
+            for d, hit in enumerate(hits):
+                if hit is not None:
+                    keys[d, :, width - len(hit.tokens):] = hit.keys[layer]
+                    values[d, :, width - len(hit.tokens):] = hit.values[layer]
+                    mask[d, width - len(hit.tokens):] = 1
+            cache.update(keys, values, layer)
+        return mask
+
+    def _keep_prefixes(self, batch: _Batch, done: torch.Tensor, prompts: Sequence[Sequence[int]],
+                       row_prompt: list[int], results: _Results) -> None:
+        """Store the KV of the finished rows (``done``: bool over the batch) for a later call that continues them:
+        the columns each attends to, i.e. its prompt and every sampled token but the last (never fed)."""
+        from megarl.rollout.kv_cache import Prefix
+
+        for b in done.nonzero().squeeze(1).tolist():
+            row = int(batch.rows[b])
+            columns = batch.mask[b].nonzero().squeeze(1)
+            response = results.tokens[row, : int(results.lengths[row]) - 1].tolist()
+            tokens = (*prompts[row_prompt[row]], *response)
+            routing = None if results.routing is None else results.routing[row, : len(tokens)].clone()
+            self._prefixes.put(Prefix(
+                tokens=tokens, routing=routing,
+                keys=[layer.keys[b].index_select(1, columns) for layer in batch.cache.layers],
+                values=[layer.values[b].index_select(1, columns) for layer in batch.cache.layers]))
+
     def _step(
         self, batch: _Batch, params: SamplingParams, generator: torch.Generator, results: _Results,
-        stop_ids: torch.Tensor,
+        stop_ids: torch.Tensor, prompts: Sequence[Sequence[int]], row_prompt: list[int],
     ) -> _Batch | None:
         """Sample one token per row, record it, drop finished rows, feed the rest; None when all finished."""
         tokens, log_probs = sample_next(batch.logits, params, generator, self.vocab_limit)
@@ -502,6 +579,8 @@ class EmbeddedEngine:
         hit = torch.isin(tokens, stop_ids)
         results.stopped[batch.rows[hit]] = True
         done = hit | (column + 1 >= params.max_new_tokens)
+        if self._prefixes is not None and bool(done.any()):
+            self._keep_prefixes(batch, done, prompts, row_prompt, results)
         if bool(done.all()):
             return None
         if bool(done.any()):

@@ -1,4 +1,5 @@
-"""A KV-cache layer for the embedded engine's decode loop that appends in place.
+"""The embedded engine's KV caches: a cache layer that appends in place, and the store of finished rows' KV that
+a later call continuing them (a conversation's next turn) starts from (:class:`PrefixStore`).
 
 transformers' ``DynamicLayer`` appends each step's keys and values with ``torch.cat``, which copies
 the whole cache every step: O(L^2) bytes over an L-token generation, as much memory traffic as the
@@ -18,6 +19,10 @@ Imports transformers (the embedded engine imports this module lazily).
 """
 
 from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -69,3 +74,86 @@ class GrowingLayer(DynamicLayer):
     def _set_views(self, length: int) -> None:
         self.keys, self.values = self._buffers[0][:, :, :length], self._buffers[1][:, :, :length]
         self._views = (self.keys, self.values)
+
+
+@dataclass
+class Prefix:
+    """The KV of one finished row: every token it fed the model (its prompt and all but its last sampled token)."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]  # per layer [H, len(tokens), D]
+    values: list[torch.Tensor]
+    routing: torch.Tensor | None  # MoE: int16 [len(tokens), layers, top_k] of those tokens, else None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.keys, *self.values, *([] if self.routing is None else [self.routing])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_MASK = (1 << 64) - 1
+
+
+def _prefix_hashes(tokens: Sequence[int]) -> list[int]:
+    """``h[l]`` for ``l = 0 .. len(tokens)``: a 64-bit polynomial hash of ``tokens[:l]``."""
+    h, out = 0, [0]
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) & _MASK
+        out.append(h)
+    return out
+
+
+class PrefixStore:
+    """Finished rows' KV, kept between generation calls for prompts that continue them (a multi-turn
+    conversation's next turn is its trajectory so far: the previous call's prompt and response, then the
+    observation). Least recently stored entries leave first once ``capacity_bytes`` would be passed; an entry
+    larger than the capacity is not kept. :meth:`longest` finds the longest stored proper prefix of a prompt in
+    one pass over its tokens (rolling hashes, then an exact comparison). Entries are valid only for the weights
+    that computed them: the engine clears the store on every weight update and on sleep.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[tuple[int, int], Prefix] = OrderedDict()  # (length, hash) -> entry
+        self._lengths: Counter[int] = Counter()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.nbytes = 0
+
+    def put(self, prefix: Prefix) -> None:
+        size = prefix.nbytes
+        if size > self.capacity_bytes:
+            return
+        key = (len(prefix.tokens), _prefix_hashes(prefix.tokens)[-1])
+        self._remove(key)
+        while self._entries and self.nbytes + size > self.capacity_bytes:
+            self._remove(next(iter(self._entries)))
+        self._entries[key] = prefix
+        self._lengths[key[0]] += 1
+        self.nbytes += size
+
+    def take(self, prompt: Sequence[int]) -> Prefix | None:
+        """Remove and return the longest entry whose tokens are a proper prefix of ``prompt`` (the prompt keeps
+        at least one token to feed), or None."""
+        if not self._entries:
+            return None
+        hashes = _prefix_hashes(prompt)
+        for length in range(len(prompt) - 1, 0, -1):
+            if self._lengths[length] and (length, hashes[length]) in self._entries:
+                key = (length, hashes[length])
+                if self._entries[key].tokens == tuple(prompt[:length]):
+                    return self._remove(key)
+        return None
+
+    def _remove(self, key: tuple[int, int]) -> Prefix | None:
+        prefix = self._entries.pop(key, None)
+        if prefix is not None:
+            self._lengths[key[0]] -= 1
+            self.nbytes -= prefix.nbytes
+        return prefix

@@ -30,7 +30,8 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
 
     Fields: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens),
     ``rollout_log_probs`` (token-aligned: entry i is the log-prob of token i), ``prompt_index``,
-    ``response_lengths``, ``routed_experts`` when every output recorded its MoE routing (token-aligned
+    ``response_lengths``, ``cached_tokens`` when every output reports it (prompt tokens the engine did not compute
+    again), ``routed_experts`` when every output recorded its MoE routing (token-aligned
     [rows, width, layers, top_k]); non-tensor ``finish_reasons``. Built with whole-batch tensor ops (no per-row
     loop: a few hundred rows cost ~50 ms that way on a CPU).
     """
@@ -57,6 +58,8 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
     fields = {"input_ids": ids[:, :width].contiguous(), "attention_mask": (col < end[:, None]).float(),
               "response_mask": ((col >= start[:, None]) & (col < end[:, None])).float(),
               "rollout_log_probs": lps[:, :width].contiguous(), "prompt_index": index, "response_lengths": n}
+    if all(out.cached_tokens is not None for out in outputs):
+        fields["cached_tokens"] = torch.cat([out.cached_tokens.cpu().long() for out in outputs])
     if all(out.routed_experts is not None for out in outputs):
         fields["routed_experts"] = torch.cat([_pad_routing(out.routed_experts.cpu(), width) for out in outputs])
     return Batch.from_dict(fields,

@@ -471,6 +471,7 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int,
     """
     rows: list[tuple[int, list[int], list[float], str]] = []
     routed: list[torch.Tensor] = []
+    cached: list[int | None] = []  # per row: its prompt's tokens found in the prefix cache
     for i, request in enumerate(request_outputs):
         completions = sorted(request.outputs, key=lambda c: c.index)
         if len(completions) == 1 < n:
@@ -480,6 +481,7 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int,
         for c in completions:
             ids = [int(t) for t in c.token_ids]
             rows.append((i, ids, _sampled_log_probs(c, ids, i), _finish_reason(c, i)))
+            cached.append(getattr(request, "num_cached_tokens", None))  # None: a vLLM that does not report it
             if routing is not None:
                 routed.append(routed_experts(c, len(request.prompt_token_ids) + len(ids), routing, i))
     width = max((len(ids) for _, ids, _, _ in rows), default=0)
@@ -497,6 +499,7 @@ def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int,
         response_lengths=lengths,
         finish_reasons=[reason for _, _, _, reason in rows],
         routed_experts=None if routing is None else stack_routing(routed, routing),
+        cached_tokens=None if None in cached else torch.tensor(cached, dtype=torch.long),
     )
 
 

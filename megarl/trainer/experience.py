@@ -208,11 +208,15 @@ class Experience:
         make_env, renderer = self.conversations
         call_metrics: dict[str, float] = {}
         versions: set[int] = set()  # of the weights that generated the turns (one: the engines sync only before)
+        reuse = [0, 0]  # prompt tokens the engines did not compute again (kept KV / prefix cache), of all prompt tokens
 
         def generate(prompts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
             rows = self.cluster.generate(prompt_batch(prompts), params)
             for k, v in rows.meta["metrics"].items():  # per call (timings): summed over the turns
                 call_metrics[k] = call_metrics.get(k, 0.0) + v
+            if "cached_tokens" in rows.keys():  # noqa: SIM118 (Batch)
+                reuse[0] += int(rows["cached_tokens"].sum())
+                reuse[1] += sum(len(p) for p in prompts)
             versions.update(rows["policy_version"].tolist())
             return model_turns(rows)
 
@@ -221,6 +225,8 @@ class Experience:
                                    stop_ids=self.stop_token_ids)
         batch = conversations_batch(result.conversations, self.pad_token_id)
         batch.tensors["policy_version"] = torch.full((len(batch),), min(versions), dtype=torch.long)
+        if reuse[1]:
+            call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
         batch.meta["metrics"] = call_metrics | result.metrics | {"timing/to_train_s": self.cluster.to_train()}
         self.stage("rollout", batch)
         return batch

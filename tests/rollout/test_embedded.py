@@ -3,6 +3,8 @@ teacher-forced forward of the original HF model (log-probs), on tiny random Llam
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -346,3 +348,67 @@ def test_sleep_frees_storage_and_wake_up_restores_generation(references):
         engine.generate(PROMPTS, params)
     after = load(engine, model).generate(PROMPTS, params)
     assert torch.equal(before.responses, after.responses) and torch.equal(before.log_probs, after.log_probs)
+
+
+# ---- KV kept across calls (multi-turn) ---------------------------------------------------------
+
+
+def _continue(prompts, out, observations):
+    """Each row's next prompt: its prompt, its response, an observation (a conversation's next turn)."""
+    return [list(prompts[int(i)]) + row + obs
+            for i, row, obs in zip(out.prompt_index, out.token_lists(), observations, strict=True)]
+
+
+def test_kept_prefixes_continue_conversations(references):
+    """Three turns over four conversations plus a fresh prompt, 3 rows at a time (rows join running batches, kept
+    prefixes of different lengths share a prefill): each continuing prompt reuses exactly its previous call's prompt
+    and all but its last sampled token (hand-counted), and every row's log-probs equal the reference's over its
+    whole sequence. Greedy tokens equal an engine that keeps nothing; a weight sync forgets everything."""
+    config, model = references["llama_gqa"]
+    kept = make_engine(config, model, max_batch_size=3, prefix_cache_bytes=8 << 20)
+    plain = make_engine(config, model, max_batch_size=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(2, 60)), seed=3)
+    prompts = PROMPTS
+    out = kept.generate(prompts, params)
+    assert out.cached_tokens.tolist() == [0] * len(prompts)
+    for turn in range(2):
+        observations = [[300 + turn, 301], [302] * (3 + turn), [303], [304, 305, 306, 307, 308]]
+        fresh = [[11, 12, 13 + turn]]
+        nxt = _continue(prompts, out, observations) + fresh
+        expected = [len(p) + len(r) - 1 for p, r in zip([prompts[int(i)] for i in out.prompt_index],
+                                                          out.token_lists(), strict=True)] + [0]
+        prompts, out = nxt, kept.generate(nxt, dataclasses.replace(params, seed=10 + turn))
+        assert out.cached_tokens.tolist() == expected, turn
+        for i, (row, lp) in enumerate(zip(out.token_lists(), out.log_prob_lists(), strict=True)):
+            ref = teacher_forced_log_probs(model, prompts[i], row, 1.0)
+            torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), ref, rtol=0, atol=1e-5)
+        prompts, out = prompts[:4], _rows(out, 4)  # the fresh prompt does not go on
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = kept.generate(PROMPTS, greedy)
+    nxt = _continue(PROMPTS, first, [[400]] * 4)
+    second = kept.generate(nxt, greedy)
+    assert second.cached_tokens.tolist() == [len(p) - 2 for p in nxt]  # all but the last token and the observation
+    assert second.token_lists() == plain.generate(nxt, greedy).token_lists()
+    load(kept, model)
+    assert kept.generate(nxt, greedy).cached_tokens.tolist() == [0] * 4
+
+
+def _rows(out, count):
+    return dataclasses.replace(out, prompt_index=out.prompt_index[:count], responses=out.responses[:count],
+                               response_mask=out.response_mask[:count], log_probs=out.log_probs[:count],
+                               response_lengths=out.response_lengths[:count], finish_reasons=out.finish_reasons[:count])
+
+
+def test_sliding_window_models_keep_nothing(references):
+    """A cache with sliding-window layers is not kept (its columns cannot be cut and padded): every prompt is
+    prefilled in full, and the results still equal the reference."""
+    config, model = references["qwen2_sliding"]
+    engine = make_engine(config, model, prefix_cache_bytes=8 << 20)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
+    out = engine.generate(PROMPTS, params)
+    nxt = _continue(PROMPTS, out, [[7]] * 4)
+    out = engine.generate(nxt, params)
+    assert out.cached_tokens.tolist() == [0] * 4
+    for p, row, lp in zip(nxt, out.token_lists(), out.log_prob_lists(), strict=True):
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), teacher_forced_log_probs(model, p, row, 1.0),
+                                   rtol=0, atol=1e-5)

@@ -106,18 +106,29 @@ def test_fused_names_load_whole(source):
 def test_generation_records_every_fed_tokens_experts(source):
     """Each row's routed_experts at every token the engine fed (prompt tokens, then each response token but the
     last) equal the top-k experts transformers' router picks in a plain forward over the row's whole sequence;
-    positions never fed hold experts 0..k-1. Sampled (joins and early stops exercise the batch bookkeeping)."""
+    positions never fed hold experts 0..k-1. Sampled (joins and early stops exercise the batch bookkeeping); then a
+    second turn continuing every row, whose prompts' leading experts come from the KV the engine kept."""
     config, model, disk = source
-    engine = EmbeddedEngine(config, pad_token_id=PAD, max_batch_size=4)
+    engine = EmbeddedEngine(config, pad_token_id=PAD, max_batch_size=4, prefix_cache_bytes=8 << 20)
     _load(engine, disk)
     engine.finish_weight_update()
-    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=7,
-                                                  stop_token_ids=(11, 12, 13)))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=7, stop_token_ids=(11, 12, 13))
+    out = engine.generate(PROMPTS, params)
+    _check_routing(config, model, [PROMPTS[i] for i in out.prompt_index.tolist()], out)
+    nxt = [PROMPTS[i] + row + [20 + i] * (1 + i) for i, row in zip(out.prompt_index.tolist(), out.token_lists(),
+                                                                    strict=True)]
+    again = engine.generate(nxt, SamplingParams(temperature=1.0, max_new_tokens=5, seed=8, stop_token_ids=(11, 12)))
+    assert again.cached_tokens.tolist() == [len(PROMPTS[i]) + n - 1 for i, n in
+                                            zip(out.prompt_index.tolist(), out.response_lengths.tolist(), strict=True)]
+    _check_routing(config, model, nxt, again)
+
+
+def _check_routing(config, model, prompts, out) -> None:
     routed = out.routed_experts
     k, layers = config.num_experts_per_tok, config.num_hidden_layers
     assert routed.dtype == torch.int16 and routed.shape[2:] == (layers, k)
-    for row, (p, n) in enumerate(zip(out.prompt_index.tolist(), out.response_lengths.tolist(), strict=True)):
-        seq = PROMPTS[p] + out.responses[row, :n].tolist()
+    for row, (p, n) in enumerate(zip(prompts, out.response_lengths.tolist(), strict=True)):
+        seq = p + out.responses[row, :n].tolist()
         with torch.no_grad():
             logits = model(torch.tensor([seq]), output_router_logits=True).router_logits  # per layer [len, E]
         fed = len(seq) - 1

@@ -1,10 +1,11 @@
 """GrowingLayer against transformers' own DynamicLayer (the reference), through every operation the
-embedded engine and transformers apply to a cache layer, and its in-place appends (hand-worked)."""
+embedded engine and transformers apply to a cache layer, and its in-place appends (hand-worked); PrefixStore's
+matching and eviction on hand-worked entries."""
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from megarl.rollout.kv_cache import GrowingLayer
+from megarl.rollout.kv_cache import GrowingLayer, Prefix, PrefixStore
 
 
 def _states(gen: torch.Generator, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,3 +72,30 @@ def test_appends_write_into_spare_columns():
     assert layer.keys.untyped_storage().data_ptr() != storage
     assert layer.keys.untyped_storage().nbytes() == 3 * 2 * (70 + 64) * 8 * 4
     assert layer.keys.shape == (3, 2, 70, 8)
+
+
+def _prefix(tokens: list[int]) -> Prefix:
+    """One layer, 2 heads of 8 float32 values per token: 2 * 2 * 8 * 4 = 128 bytes per token."""
+    k = torch.full((2, len(tokens), 8), float(len(tokens)))
+    return Prefix(tokens=tuple(tokens), keys=[k], values=[k.clone()], routing=None)
+
+
+def test_prefix_store_takes_the_longest_proper_prefix_and_evicts_the_oldest():
+    store = PrefixStore(capacity_bytes=128 * 10)  # room for 10 tokens
+    store.put(_prefix([1, 2]))
+    store.put(_prefix([1, 2, 3, 4]))
+    store.put(_prefix([9, 9, 9]))
+    assert len(store) == 3 and store.nbytes == 128 * 9
+    assert store.take([1, 2]) is None  # a prompt equal to an entry keeps no token to feed: not a match
+    assert store.take([5, 1, 2, 3]) is None  # not a prefix
+    assert store.take([1, 2, 3, 4, 5]).tokens == (1, 2, 3, 4)  # the longest one, removed from the store
+    assert store.take([1, 2, 3, 4, 5]).tokens == (1, 2)
+    assert len(store) == 1 and store.nbytes == 128 * 3
+    store.put(_prefix([4] * 5))
+    store.put(_prefix([5] * 4))  # 3 + 5 + 4 > 10: the oldest ([9, 9, 9]) leaves
+    assert store.take([9, 9, 9, 9]) is None and store.take([4] * 6).tokens == (4,) * 5
+    store.put(_prefix([7] * 11))  # larger than the whole store: not kept, nothing evicted for it
+    assert store.take([7] * 12) is None and store.take([5] * 5) is not None
+    store.put(_prefix([3, 3]))
+    store.clear()
+    assert len(store) == 0 and store.nbytes == 0 and store.take([3, 3, 3]) is None

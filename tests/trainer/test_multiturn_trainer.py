@@ -47,6 +47,9 @@ def test_grpo_learns_to_use_the_observation(ray_cluster, task, tmp_path):
         assert m["multiturn/turns_mean"] == 2.0 and m["multiturn/env_errors"] == 0.0
         # two model turns of at most 2 tokens and the reveal's observation between them
         assert 4.0 <= m["response/length_mean"] <= 8.0
+        # the second turn's prompt starts with the first turn's prompt and response, whose KV its engine kept: at
+        # most half of all prompt tokens (the first turn's are all new), and none reused would mean nothing kept
+        assert 0.25 < m["multiturn/prompt_tokens_reused"] < 0.5
 
 
 def test_ppo_with_a_critic_runs_and_resumes(ray_cluster, task, tmp_path):

@@ -70,6 +70,9 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("policy.optim.optimizer=sgd policy.optim.use_distributed_optimizer=false", None, None),
     ("cluster.launcher=local", ConfigError, r"the pools are {'main': 2} \(devices each\)"),  # the example has 2 devices
     ("cluster.launcher=local cluster.pools.main.devices_per_node=1 cluster.pools.main.tp=1", None, None),
+    ("rollout.engine.prefix_cache_mb=-1", ConfigError, "prefix_cache_mb must be >= 0"),
+    ("rollout.engine.backend=vllm rollout.engine.prefix_cache_mb=64", ConfigError,
+     "prefix_cache_mb=64.0 is the embedded engine's"),
 ])
 def test_bad_config_is_named(task, override, error, match):
     overrides = [*_overrides(task), *override.split()]
