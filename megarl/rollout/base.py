@@ -6,13 +6,21 @@ per-token log-prob means (:func:`sample_next`). Pure: imports torch and megarl.e
 no process groups, no transformers, no vLLM.
 
 Log-prob definition (the training side compares against it): the log-prob of the sampled token under
-``softmax(logits / temperature)`` computed in float32 *before* top-k / top-p truncation; greedy decoding
-(temperature 0) uses temperature 1. With a vocabulary limit, logits at ids >= the limit are -inf first
-(they get probability 0 and are never sampled).
+``softmax(logits / temperature)`` computed in float32 *before* the repetition penalty and min-p / top-k / top-p
+truncation (the policy's own distribution, which the training forward computes); greedy decoding (temperature 0)
+uses temperature 1. With a vocabulary limit, logits at ids >= the limit are -inf first (they get probability 0
+and are never sampled).
+
+What is sampled from, in vLLM's order (vllm/v1/sample/sampler.py): the repetition penalty on the raw logits
+(every token of the prompt or the response so far: a positive logit divided by the penalty, a negative one
+multiplied, as in transformers and vLLM), then the temperature, then min-p (tokens whose probability is below
+``min_p`` times the most likely token's are dropped), then top-k, then top-p over what is left. Greedy decoding
+takes the argmax of the penalised logits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -38,6 +46,8 @@ class SamplingConfig:
     temperature: float = 1.0  # softmax temperature; 0 = greedy
     top_p: float = 1.0  # nucleus: the smallest set of tokens with this much probability; 1 = off
     top_k: int = 0  # only the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+    repetition_penalty: float = 1.0  # divide (positive) / multiply (negative) logits of tokens already seen; 1 = off
 
     def __post_init__(self) -> None:
         checks = [
@@ -45,6 +55,8 @@ class SamplingConfig:
             (self.temperature >= 0, "temperature", ">= 0 (0 = greedy)", self.temperature),
             (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 = off)", self.top_p),
             (self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 = off)", self.min_p),
+            (self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)", self.repetition_penalty),
         ]
         for ok, name, expected, found in checks:
             if not ok:
@@ -163,7 +175,8 @@ def _candidates(
     scaled: torch.Tensor, lse: torch.Tensor, top_k: int, top_p: float
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(candidate ids [B, k] or None for the whole vocabulary, unnormalised sampling weights): the top-k, then
-    the smallest nucleus of (the renormalised top-k) holding ``top_p`` of the mass; the first token always stays."""
+    the smallest nucleus of (the renormalised top-k) holding ``top_p`` of the mass; the first token always stays.
+    ``lse``: the log-sum-exp of ``scaled`` (a probability mass of 1 over what ``scaled`` does not rule out)."""
     if 0 < top_k < scaled.shape[-1]:
         values, ids = torch.topk(scaled, top_k, dim=-1)
         norm = torch.logsumexp(values, dim=-1, keepdim=True)
@@ -178,23 +191,46 @@ def _candidates(
     return ids, probs
 
 
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits [B, V]`` with every ``seen [B, V]`` token's logit divided by ``penalty`` where positive and
+    multiplied by it where negative (transformers' RepetitionPenaltyLogitsProcessor, vLLM's repetition penalty)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
 def sample_next(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
     vocab_limit: int | None = None,
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits [B, V]``; returns (tokens long [B], log-probs float32 [B])."""
+    """Sample one token per row from ``logits [B, V]``; returns (tokens long [B], log-probs float32 [B]) (module
+    docstring). ``seen`` (bool [B, V]): the tokens of each row's prompt and response so far, which
+    ``params.repetition_penalty`` penalises; required when it is not 1."""
     logits = logits.float()
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = logits.clone()
         logits[:, vocab_limit:] = float("-inf")
-    scaled = logits if params.greedy or params.temperature == 1.0 else logits / params.temperature
+    t = 1.0 if params.greedy else params.temperature
+    scaled = logits if t == 1.0 else logits / t
     lse = torch.logsumexp(scaled, dim=-1)
-    if params.greedy:
-        tokens = scaled.argmax(dim=-1)
+    if params.repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError("repetition_penalty needs the tokens each row has seen (seen=[B, V] bool)")
+        sampled = penalize_repetition(logits, seen, params.repetition_penalty)
+        sampled = sampled if t == 1.0 else sampled / t
     else:
-        ids, weights = _candidates(scaled, lse, params.top_k, params.top_p)
+        sampled = scaled
+    if params.greedy:
+        tokens = sampled.argmax(dim=-1)
+    else:
+        sampled_lse = lse if sampled is scaled else torch.logsumexp(sampled, dim=-1)
+        if params.min_p > 0:  # relative to the most likely token: exp(x - max) < min_p
+            sampled = sampled.masked_fill(sampled - sampled.amax(-1, keepdim=True) < math.log(params.min_p),
+                                          float("-inf"))
+            sampled_lse = torch.logsumexp(sampled, dim=-1)
+        ids, weights = _candidates(sampled, sampled_lse, params.top_k, params.top_p)
         choice = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
         tokens = choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
     return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse

@@ -182,11 +182,14 @@ class _Batch:
     next_pos: torch.Tensor  # long [B]: position of the next token = real tokens in the cache
     logits: torch.Tensor  # [B, V]: logits of the next token
     cache: object  # transformers DynamicCache
+    seen: torch.Tensor | None = None  # bool [B, V]: tokens of each row's prompt and response (repetition penalty)
 
     def select(self, keep: torch.Tensor) -> None:
         self.cache.batch_select_indices(keep)
         self.rows, self.mask, self.next_pos, self.logits = (
             self.rows[keep], self.mask[keep], self.next_pos[keep], self.logits[keep])
+        if self.seen is not None:
+            self.seen = self.seen[keep]
 
     def trim_left(self) -> None:
         """Drop leading cache columns that no row attends to (plain DynamicLayer caches only)."""
@@ -206,6 +209,8 @@ class _Batch:
         self.rows = torch.cat([self.rows, other.rows])
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.logits = torch.cat([self.logits, other.logits])
+        if self.seen is not None:
+            self.seen = torch.cat([self.seen, other.seen])
 
 
 @dataclass
@@ -455,7 +460,8 @@ class EmbeddedEngine:
                 waiting = len(row_prompt) - next_row
                 if waiting and (batch is None or (self._mergeable and free >= min(waiting, admit_at_least))):
                     rows = range(next_row, next_row + min(free, waiting))
-                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows, results, kept)
+                    joining = self._prefill(prompts, [row_prompt[r] for r in rows], rows, results, kept,
+                                            seen=params.repetition_penalty != 1.0)
                     next_row = rows.stop
                     if batch is None:
                         batch = joining
@@ -499,10 +505,10 @@ class EmbeddedEngine:
         return cache
 
     def _prefill(self, prompts: Sequence[Sequence[int]], row_prompts: list[int], rows: range,
-                 results: _Results, kept: dict[int, Prefix]) -> _Batch:
+                 results: _Results, kept: dict[int, Prefix], *, seen: bool) -> _Batch:
         """A batch for output ``rows`` (prompt ids ``row_prompts``, grouped): each distinct prompt is prefilled
         once -- after its kept prefix, if ``kept`` has one -- then its cache rows are repeated (and, MoE, its
-        routing recorded for each of them)."""
+        routing recorded for each of them). ``seen``: also mark each row's prompt tokens (repetition penalty)."""
         distinct, repeats = zip(*((i, len(list(g))) for i, g in itertools.groupby(row_prompts)), strict=True)
         hits = [kept.pop(i, None) for i in distinct]
         starts = [0 if hit is None else len(hit.tokens) for hit in hits]
@@ -525,11 +531,17 @@ class EmbeddedEngine:
             row += count
         expand = torch.repeat_interleave(torch.arange(len(distinct), device=self.device),
                                          torch.tensor(repeats, device=self.device))
+        marks = None
+        if seen:
+            marks = torch.zeros((len(distinct), self.vocab_size), dtype=torch.bool, device=self.device)
+            for d, i in enumerate(distinct):
+                marks[d, torch.as_tensor(prompts[i], device=self.device)] = True
         if len(expand) != len(distinct):
             cache.batch_select_indices(expand)
             logits, mask = logits[expand], mask[expand]
+            marks = None if marks is None else marks[expand]
         row_ids = torch.arange(rows.start, rows.stop, device=self.device)
-        return _Batch(rows=row_ids, mask=mask, next_pos=mask.sum(-1), logits=logits, cache=cache)
+        return _Batch(rows=row_ids, mask=mask, next_pos=mask.sum(-1), logits=logits, cache=cache, seen=marks)
 
     def _seed_cache(self, cache, hits: list[Prefix | None], width: int) -> torch.Tensor:
         """Fill the empty ``cache`` with each row's kept prefix, right-aligned in ``width`` columns (zeros
@@ -571,7 +583,9 @@ class EmbeddedEngine:
         stop_ids: torch.Tensor, prompts: Sequence[Sequence[int]], row_prompt: list[int],
     ) -> _Batch | None:
         """Sample one token per row, record it, drop finished rows, feed the rest; None when all finished."""
-        tokens, log_probs = sample_next(batch.logits, params, generator, self.vocab_limit)
+        tokens, log_probs = sample_next(batch.logits, params, generator, self.vocab_limit, batch.seen)
+        if batch.seen is not None:
+            batch.seen[torch.arange(len(tokens), device=self.device), tokens] = True
         column = results.lengths[batch.rows]
         results.tokens[batch.rows, column] = tokens
         results.log_probs[batch.rows, column] = log_probs

@@ -42,8 +42,8 @@ Log-probs. Ours (megarl.rollout.base) are of ``softmax(logits / T)`` before top-
 greedy). ``logprobs_mode="processed_logprobs"`` gives ``log_softmax`` of the logits vLLM sampled from:
 greedy -> raw logits (equal to ours); sampling -> after temperature and after top-k/top-p masking, so
 equal to ours when top-k/top-p are off, and otherwise renormalised over the kept tokens (vLLM's value =
-ours - log(kept probability mass) >= ours; ``rollout/logprob_abs_diff`` shows the gap). The default
-``raw_logprobs`` ignores the temperature.
+ours - log(kept probability mass) >= ours; ``rollout/logprob_abs_diff`` shows the gap); likewise min-p, and a
+repetition penalty makes them the penalised distribution's. The default ``raw_logprobs`` ignores the temperature.
 
 Unseeded sampling draws from the device's default generator (CUDA's on GPU, the CPU generator on
 CPU), which must be identical on all ranks of a TP group and is the trainer's: each call seeds it from
@@ -359,6 +359,7 @@ class VLLMEngine:
             n=1 if params.greedy else params.n,  # vLLM refuses n > 1 when greedy; to_rollout_output repeats
             temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,  # -1 is "off" in every V1 release (0 only lately)
+            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # our rows stop at stop_token_ids only; vLLM would also stop at the model's EOS
             seed=seed, logprobs=0,  # 0: only the sampled token's log-prob

@@ -148,6 +148,68 @@ def test_sampler_support_matches_transformers_warpers(top_k, top_p):
         assert (weights[-1] > 0).sum() > 1024 and (weights[0] > 0).sum() < 256
 
 
+@pytest.mark.parametrize("min_p, top_k, top_p", [(0.1, 0, 1.0), (0.5, 0, 1.0), (0.05, 50, 1.0), (0.02, 0, 0.9)])
+def test_sampler_min_p_and_repetition_penalty_follow_transformers(min_p, top_k, top_p):
+    """The support after transformers' repetition penalty, temperature and min-p warpers (min-p before top-k and
+    top-p, vLLM's order; min-p is relative to the most likely token, so it removes the same tokens on either side of
+    a renormalisation, and with top-p the nucleus is taken over what min-p left); log-probs stay the policy's
+    (unpenalised, untruncated)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from megarl.rollout.base import penalize_repetition
+
+    logits, temperature, penalty = sampler_logits(vocab=3000), 0.7, 1.3
+    history = torch.randint(0, 3000, (len(logits), 40), generator=torch.Generator().manual_seed(1))
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, history, True)
+    scores = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
+    torch.testing.assert_close(penalize_repetition(logits, seen, penalty), scores, rtol=0, atol=0)
+    scores = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, scores))
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    params = SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty, max_new_tokens=1)
+    draws = 800
+    tokens, log_probs = sample_next(logits.repeat_interleave(draws, 0), params, torch.Generator().manual_seed(0),
+                                    seen=seen.repeat_interleave(draws, 0))
+    for row in range(len(logits)):
+        allowed = set(torch.isfinite(scores[row]).nonzero().squeeze(1).tolist())
+        drawn = set(tokens[row * draws: (row + 1) * draws].tolist())
+        assert drawn <= allowed, row
+        assert len(allowed) == 1 or len(drawn) > 1, row  # it does sample, not only the argmax
+    ref = torch.log_softmax(logits.double() / temperature, -1).repeat_interleave(draws, 0)
+    torch.testing.assert_close(log_probs.double(), ref.gather(1, tokens[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    # greedy takes the argmax of the penalised logits; its log-prob is the unpenalised T=1 one
+    greedy, lp = sample_next(logits, SamplingParams(temperature=0, repetition_penalty=penalty, max_new_tokens=1),
+                             None, seen=seen)
+    assert torch.equal(greedy, penalize_repetition(logits, seen, penalty).argmax(-1))
+    torch.testing.assert_close(lp.double(), torch.log_softmax(logits.double(), -1).gather(1, greedy[:, None])[:, 0],
+                               rtol=0, atol=1e-6)
+
+
+def test_greedy_with_repetition_penalty_matches_hf_generate(references):
+    """The penalty covers the prompt and every token generated so far (transformers' generate, the reference),
+    across rows joining a running batch."""
+    config, model = references["llama_gqa"]
+    max_new = 12
+    model.generation_config.eos_token_id = None
+    expected = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new, pad_token_id=PAD,
+                               repetition_penalty=1.8)[0, len(p):].tolist() for p in PROMPTS]
+    plain = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new,
+                            pad_token_id=PAD)[0, len(p):].tolist() for p in PROMPTS]
+    assert expected != plain  # the penalty changes what greedy decoding picks here
+    out = make_engine(config, model, max_batch_size=2).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=max_new, repetition_penalty=1.8))
+    assert out.token_lists() == expected
+
+
 def test_sampler_frequencies_and_log_probs():
     """4000 draws of each row: frequencies follow the renormalised nucleus (float64 reference), log-probs
     are the untruncated tempered log-softmax, and the same seed repeats the draws."""

@@ -113,6 +113,10 @@ def _fp32_world(rank, world_size, model_dir):
         a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
         res["sampled"][str(top_k)] = {"index": a.prompt_index.tolist(), "tokens": a.token_lists(),
                                  "log_probs": a.log_prob_lists(), "reproducible": a.token_lists() == b.token_lists()}
+    penalized = SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW, repetition_penalty=1.8)
+    res["repetition"] = engine.generate(PROMPTS, penalized).token_lists()
+    min_p = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, min_p=0.9, max_new_tokens=6, seed=5))
+    res["min_p"] = {"index": min_p.prompt_index.tolist(), "tokens": min_p.token_lists()}
     # more prompt tokens than one engine step takes (4096): vLLM would chunk the prefill, which crashes a
     # seeded request on CPU; the engine prefills whole prompts there
     many = [[(7 * i + j) % 290 + 5 for j in range(40)] for i in range(120)]
@@ -252,6 +256,27 @@ def test_sampled_log_probs_match_a_transformers_forward(fp32, reference, top_k):
                        .abs() for i, t, lp in zip(s["index"], s["tokens"], s["log_probs"], strict=True)])
     # the mean is rollout/logprob_abs_diff's statistic; single tokens differ by up to ~1.2e-5 (fp32 kernels)
     assert diffs.mean() < 1e-5 and diffs.max() < 5e-5, (diffs.mean(), diffs.max())
+
+
+def test_repetition_penalty_and_min_p_reach_vllm(fp32, reference):
+    """Greedy with a repetition penalty equals transformers' generate with the same penalty (prompt and response
+    tokens penalised); min_p=0.9 draws only tokens within 0.9 of the most likely one under transformers' forward."""
+    _, res = fp32
+    expected = []
+    for p in PROMPTS:
+        with torch.no_grad():
+            seq = reference.generate(torch.tensor([p]), do_sample=False, max_new_tokens=GREEDY_NEW, eos_token_id=None,
+                                     pad_token_id=0, repetition_penalty=1.8)
+        expected.append(seq[0, len(p):].tolist())
+    assert expected != _transformers_greedy(reference)  # the penalty matters for this model
+    assert res["repetition"] == expected
+    ratios = []
+    for i, tokens in zip(res["min_p"]["index"], res["min_p"]["tokens"], strict=True):
+        with torch.no_grad():
+            logits = reference(torch.tensor([PROMPTS[i] + tokens])).logits[0, len(PROMPTS[i]) - 1: -1].double()
+        probs = torch.softmax(logits, -1)
+        ratios += (probs.gather(1, torch.tensor(tokens)[:, None])[:, 0] / probs.max(-1).values).tolist()
+    assert min(ratios) >= 0.9 - 1e-4, min(ratios)
 
 
 def test_unseeded_calls_differ(fp32):
