@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from megarl.algos.advantages import AdvantageEstimator
+from megarl.algos.advantages import AdvantageEstimator, RewardScale
 from megarl.algos.config import AlgorithmConfig
+from megarl.algos.kl import KLEstimator
 from megarl.config.loader import from_dict
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
@@ -344,6 +345,29 @@ def check_config(cfg: TrainConfig) -> None:
                           "unset (auto), or take one optimizer step per batch without kl_penalty.")
     _check_reward(cfg)
     _check_dapo(cfg)
+    _check_loss_terms(cfg.algorithm)
+
+
+def _check_loss_terms(a: AlgorithmConfig) -> None:
+    """The TRL-style options (docs/trl.md) only where they change something."""
+    if a.kl_loss_bias_correction and not a.kl_loss_coef > 0:
+        raise ConfigError(f"algorithm.kl_loss_bias_correction=true weights the KL loss term, but kl_loss_coef="
+                          f"{a.kl_loss_coef} adds none; set kl_loss_coef > 0 (TRL's beta, e.g. 0.001) or "
+                          "kl_loss_bias_correction=false.")
+    if not a.kl_clamp:
+        if a.kl_estimator is not KLEstimator.K3:
+            raise ConfigError(f"algorithm.kl_clamp=false unclamps the low_var_kl estimator only, found kl_estimator="
+                              f"{a.kl_estimator.value}; set kl_estimator=low_var_kl or leave kl_clamp true.")
+        if not a.needs_reference:
+            raise ConfigError("algorithm.kl_clamp=false, but the run has no KL term (kl_loss_coef=0, kl_penalty "
+                              "unset); set kl_loss_coef > 0 or leave kl_clamp true.")
+    if not 0.0 <= a.top_entropy_quantile <= 1.0:
+        raise ConfigError(f"algorithm.top_entropy_quantile must lie in [0, 1] (the share of highest-entropy tokens "
+                          f"trained on; 1 = all, the paper's 0.2), found {a.top_entropy_quantile}.")
+    adv = a.advantage
+    if adv.scale_rewards is not RewardScale.GROUP and adv.estimator is not AdvantageEstimator.GRPO:
+        raise ConfigError(f"algorithm.advantage.scale_rewards={adv.scale_rewards.value} scales GRPO's advantages, "
+                          f"but the estimator is {adv.estimator.value}; use estimator=grpo or remove scale_rewards.")
 
 
 def _check_dapo(cfg: TrainConfig) -> None:

@@ -317,11 +317,11 @@ class Trainer:
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
         batch.tensors["ref_log_probs"] = ref["log_probs"]
-        if not self.cfg.algorithm.recompute_old_log_probs:
+        a = self.cfg.algorithm
+        if not a.recompute_old_log_probs:
             return {}  # no old log-probs: the update reports actor/kl from its forward at the same weights
-        mask = batch["response_mask"]
-        kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
-        return {"actor/kl": algos.masked_mean(kl, mask).item()}
+        kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], a.kl_estimator, a.kl_clamp)
+        return {"actor/kl": algos.masked_mean(kl, batch["response_mask"]).item()}
 
     def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
         """The distillation teacher's log-probs of the sampled tokens, and ``distill/reverse_kl``: the k1
@@ -345,7 +345,7 @@ class Trainer:
                 batch["teacher_log_probs"] - _student_log_probs(batch))
         if self.kl_ctl is not None:
             pen = algos.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                         self.kl_ctl.value, self.cfg.algorithm.kl_estimator)
+                                         self.kl_ctl.value, a.kl_estimator, a.kl_clamp)
             token_rewards = pen.rewards
             metrics |= {"actor/kl_coef": self.kl_ctl.value, "actor/reward_kl": pen.mean_kl.item()}
             self.kl_ctl.update(pen.mean_kl.item(), n_steps=len(batch))
