@@ -274,7 +274,8 @@ class Experience:
         functions = self.cfg.reward.named_functions()
         sources = (*functions, "model", "overlong", "environment")
         parts = {source: batch[f"{source}_scores"] for source in sources if f"{source}_scores" in batch}
-        if len(parts) > 1 or any(f.function_weight != 1.0 for f in functions.values()):  # the sources apart
+        named = bool(self.cfg.reward.functions)  # named functions are always logged apart (TRL's rewards/NAME)
+        if len(parts) > 1 or named or any(f.function_weight != 1.0 for f in functions.values()):  # sources apart
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
             metrics |= {f"{prefix}/{name}_std": parts[name].std().item() if len(scores) > 1 else 0.0
                         for name in self.cfg.reward.functions if name in parts}  # TRL's rewards/NAME/std

@@ -149,3 +149,13 @@ def test_reward_functions_resolve_their_paths(task, tmp_path, monkeypatch):
     r = resolve(cfg).reward
     assert r.functions["mine"].function == str(tmp_path / "rewards" / "mine.py") + ":score"
     assert r.functions["builtin"].function == "gsm8k" and r.function is None
+
+
+def test_one_named_function_is_logged_by_its_name(tmp_path):
+    cfg = _cfg(tmp_path, "reward.functions.correct.function=integer_answer")
+    batch = _batch()
+    exp = _experience(cfg)
+    exp.score(batch, _records())
+    metrics = exp.reward_metrics(batch, "reward", 0)
+    assert metrics["reward/correct_mean"] == pytest.approx(0.4)  # first integer: "7", "3", "8", "7", none
+    assert metrics["reward/correct_std"] == pytest.approx(statistics.stdev([1.0, 0.0, 0.0, 1.0, 0.0]))
