@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from megarl.algos.ops import lookup, masked_sum, masked_whiten, zero_masked
+from megarl.algos.ops import as_member, lookup, masked_sum, masked_whiten, zero_masked
 from megarl.errors import ConfigError
 
 
@@ -37,6 +37,14 @@ class Advantages(NamedTuple):
     returns: torch.Tensor  # [batch, response_len], 0 where masked
 
 
+class RewardScale(enum.Enum):
+    """What GRPO divides ``s_i - mean_g`` by (TRL's ``scale_rewards``)."""
+
+    GROUP = "group"  # the std of the prompt's group of responses (GRPO as published; TRL's default)
+    BATCH = "batch"  # one std over every response of the batch ("PPO Lite", arXiv 2508.08221)
+    NONE = "none"  # nothing: Dr. GRPO (arXiv 2503.20783), no question-level difficulty bias
+
+
 @dataclass(frozen=True)
 class AdvantageConfig:
     """Which estimator and its hyper-parameters; each field is read only by the estimators named."""
@@ -44,8 +52,8 @@ class AdvantageConfig:
     estimator: AdvantageEstimator = AdvantageEstimator.GAE
     gamma: float = 1.0  # discount: GAE, REINFORCE++
     lam: float = 1.0  # GAE lambda
-    norm_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
-    eps: float = 1e-6  # GRPO: added to the group std
+    scale_rewards: RewardScale = RewardScale.GROUP  # GRPO: divide by the std of the group | batch | none (Dr. GRPO)
+    eps: float = 1e-6  # GRPO: added to that std (TRL adds 1e-4)
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
@@ -119,21 +127,31 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
 
 @torch.no_grad()
 def grpo(
-    scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    scale: RewardScale = RewardScale.GROUP,
+    eps: float = 1e-6,
 ) -> Advantages:
-    """Group-relative advantage (Shao et al. 2024): ``A_i = (s_i - mean_g) / (std_g + eps)``.
+    """Group-relative advantage (Shao et al. 2024): ``A_i = (s_i - mean_g) / (std + eps)``.
 
-    ``mean_g``/``std_g`` are the mean and sample (Bessel-corrected) standard deviation of the scores
-    of the responses sharing ``group_ids[i]``; ``norm_by_std=False`` gives ``A_i = s_i - mean_g``
-    (Dr. GRPO). A group of one response has ``A = 0``. ``A_i`` is broadcast over the counted tokens;
-    the returns are the raw scores ``s_i`` broadcast the same way (no critic consumes them).
+    ``mean_g`` is the mean of the scores of the responses sharing ``group_ids[i]``. ``std`` is a sample
+    (Bessel-corrected) standard deviation: with ``scale=GROUP`` that of the group's scores, with ``BATCH``
+    that of all scores of the batch (one number; 0 for a batch of one), and with ``NONE`` there is no
+    division: ``A_i = s_i - mean_g`` (Dr. GRPO). These are TRL's ``scale_rewards`` choices (TRL's ``eps``
+    is 1e-4). A group of one response has ``A = 0``. ``A_i`` is broadcast over the counted tokens; the
+    returns are the raw scores ``s_i`` broadcast the same way (no critic consumes them).
     """
-    if norm_by_std and eps <= 0:
-        raise ValueError(f"grpo: eps must be positive when dividing by the group std, found {eps}")
+    scale = as_member(RewardScale, scale, "reward scale")
+    if scale is not RewardScale.NONE and eps <= 0:
+        raise ValueError(f"grpo: eps must be positive when dividing by a std, found {eps}")
     count, _, mean, std = _group_stats(scores, group_ids)
     adv = scores - mean
-    if norm_by_std:
+    if scale is RewardScale.GROUP:
         adv = adv / (std + eps)
+    elif scale is RewardScale.BATCH:
+        batch_std = scores.std() if scores.numel() > 1 else torch.zeros((), dtype=scores.dtype)
+        adv = adv / (batch_std + eps)
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return Advantages(_broadcast(adv, mask), _broadcast(scores, mask))
 
@@ -210,7 +228,7 @@ def _gae_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
 
 def _grpo_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
     ids = _need(inputs, "group_ids", cfg, "the prompt index of each response")
-    return grpo(_scores(inputs), ids, inputs.mask, cfg.norm_by_std, cfg.eps)
+    return grpo(_scores(inputs), ids, inputs.mask, cfg.scale_rewards, cfg.eps)
 
 
 def _rloo_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:

@@ -23,6 +23,15 @@ class AlgorithmConfig:
     kl_penalty: KLControllerConfig | None = None  # KL to the reference subtracted from the reward
     kl_loss_coef: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 = off
     kl_estimator: KLEstimator = KLEstimator.K3  # of KL(policy || reference): kl (k1), abs, mse (k2), low_var_kl (k3)
+    # low_var_kl clamps its log-ratio to +-20 and its value to +-10 as verl does (a token past 10 then gets no
+    # KL gradient); false is the plain k3 of TRL
+    kl_clamp: bool = True  # low_var_kl: clamp (verl); false: unclamped k3 (TRL)
+    # TRL's use_bias_correction_kl (its default: true; DeepSeek-V3.2): the ratio keeps its gradient, which makes
+    # the KL gradient the unbiased reverse-KL one even on policy
+    kl_loss_bias_correction: bool = False  # KL loss x importance ratio pi / pi_old (needs kl_loss_coef > 0)
+    # TRL's top_entropy_quantile ("Beyond the 80/20 rule", arXiv 2506.01939, recommends 0.2); the quantile is
+    # taken over each micro-batch's counted tokens on its rank (docs/trl.md)
+    top_entropy_quantile: float = 1.0  # policy loss only on the top share of tokens by entropy; 1 = all
     value_clip: float | None = 0.2  # critic (GAE only)
     ppo_epochs: int = 1  # passes over each batch
     mini_batches: int = 1  # optimizer steps per epoch

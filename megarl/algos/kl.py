@@ -22,6 +22,9 @@ import torch
 from megarl.algos.ops import LossAggregation, LossNormalizer, aggregate_loss, lookup, masked_mean, zero_masked
 from megarl.errors import ConfigError
 
+# exp() of a log-ratio beyond this is inf in float32 (as in megarl.algos.losses)
+_LOG_RATIO_LIMIT = 20.0
+
 
 class KLEstimator(enum.Enum):
     K1 = "kl"
@@ -40,13 +43,18 @@ def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
-def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, clamp: bool = True) -> torch.Tensor:
     """``k3 = exp(d) - d - 1`` with ``d = clamp(log pi_ref - log pi, -20, 20)``, result clamped to [-10, 10].
 
     Unbiased and non-negative before clamping; the clamps (as in verl's ``low_var_kl``) keep a
-    single far-off token from producing inf or dominating the batch.
+    single far-off token from producing inf or dominating the batch. The price: a token whose k3
+    exceeds 10 (``log pi_ref - log pi`` beyond about 2.6 or below -11) gets no KL gradient at all.
+    ``clamp=False`` is the plain formula, as TRL's GRPOTrainer computes it (``algorithm.kl_clamp``).
     """
-    d = torch.clamp(ref_log_prob - log_prob, min=-20.0, max=20.0)
+    d = ref_log_prob - log_prob
+    if not clamp:
+        return torch.exp(d) - d - 1.0
+    d = torch.clamp(d, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
 
 
@@ -65,11 +73,17 @@ KL_ESTIMATORS: dict[KLEstimator, KLFn] = {
 }
 
 
-def kl_divergence(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
-    """Per-token KL estimate of ``KL(pi || pi_ref)`` by ``estimator`` (same shape as the inputs)."""
+def kl_divergence(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: KLEstimator,
+                  clamp: bool = True) -> torch.Tensor:
+    """Per-token KL estimate of ``KL(pi || pi_ref)`` by ``estimator`` (same shape as the inputs).
+
+    ``clamp=False`` drops ``low_var_kl``'s clamps (:func:`kl_k3`); the other estimators have none."""
     if log_prob.shape != ref_log_prob.shape:
         raise ValueError(f"log_prob {tuple(log_prob.shape)} and ref_log_prob {tuple(ref_log_prob.shape)} differ")
-    return lookup(KL_ESTIMATORS, estimator, KLEstimator, "KL estimator")(log_prob, ref_log_prob)
+    fn = lookup(KL_ESTIMATORS, estimator, KLEstimator, "KL estimator")
+    if not clamp and fn is kl_k3:
+        return kl_k3(log_prob, ref_log_prob, clamp=False)
+    return fn(log_prob, ref_log_prob)
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,7 @@ def apply_kl_penalty(
     mask: torch.Tensor,
     coef: float,
     estimator: KLEstimator = KLEstimator.K1,
+    clamp: bool = True,
 ) -> KLPenalty:
     """``r'_t = r_t - coef * kl_t`` on counted tokens, 0 elsewhere (Ziegler et al. 2019 reward shaping).
 
@@ -94,7 +109,7 @@ def apply_kl_penalty(
     ``mean_kl = mean_i (sum_t m kl / n_i)`` over sequences with at least one counted token, the
     quantity :class:`AdaptiveKLController` is driven by.
     """
-    kl = zero_masked(kl_divergence(log_prob, ref_log_prob, estimator), mask)
+    kl = zero_masked(kl_divergence(log_prob, ref_log_prob, estimator, clamp), mask)
     rewards = zero_masked(token_rewards - coef * kl, mask)
     per_seq = masked_mean(kl, mask, dim=-1)
     has_tokens = (mask != 0).any(dim=-1)
@@ -110,12 +125,30 @@ def kl_loss(
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
     normalizer: LossNormalizer | None = None,
     norm_constant: float | None = None,
+    clamp: bool = True,
+    old_log_prob: torch.Tensor | None = None,
+    sequence_ratio: bool = False,
 ) -> torch.Tensor:
     """The KL term added to the policy loss (GRPO): ``aggregate_loss(kl_divergence(...), mask, aggregation)``.
 
-    Differentiable in ``log_prob``; ``normalizer`` and ``norm_constant`` as in :func:`aggregate_loss`.
+    Differentiable in ``log_prob``; ``normalizer`` and ``norm_constant`` as in :func:`aggregate_loss`;
+    ``clamp`` as in :func:`kl_divergence`.
+
+    With ``old_log_prob`` (the policy that sampled) each token's KL is multiplied by the importance ratio
+    ``r = exp(log pi - log pi_old)``, which keeps its gradient: ``d(r kl) = r dkl + kl dr``, so even on
+    policy (``r = 1`` in value) the gradient gains ``kl * d log pi`` and becomes the unbiased gradient of
+    the reverse KL (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``). ``sequence_ratio`` uses one ratio
+    per sequence, ``exp(mean_t (log pi - log pi_old))`` over its counted tokens (TRL's
+    ``importance_sampling_level="sequence"``, megarl's GSPO). The log-ratio is clamped to +-20 with ``clamp``.
     """
-    kl = kl_divergence(zero_masked(log_prob, mask), zero_masked(ref_log_prob, mask), estimator)
+    kl = kl_divergence(zero_masked(log_prob, mask), zero_masked(ref_log_prob, mask), estimator, clamp)
+    if old_log_prob is not None:
+        log_ratio = zero_masked(log_prob - old_log_prob, mask)
+        if sequence_ratio:
+            log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+        if clamp:
+            log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        kl = kl * torch.exp(log_ratio)
     return aggregate_loss(kl, mask, aggregation, normalizer, norm_constant)
 
 

@@ -349,6 +349,26 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """Which counted tokens are among the ``top_quantile`` share by entropy ("Beyond the 80/20 rule",
+    arXiv 2506.01939; TRL's ``top_entropy_quantile``).
+
+    The threshold is the ``1 - top_quantile`` quantile (linear interpolation, ``torch.quantile``'s default) of
+    the float32 entropies of the counted tokens of ``entropy``; a counted token is kept where its entropy is
+    at or above it (ties all kept). ``top_quantile=1`` keeps every counted token, ``0`` only the
+    highest-entropy one(s). No counted token: nothing kept. Returns a bool tensor of ``entropy``'s shape
+    (never true where ``mask`` is 0); no gradient flows through the choice.
+    """
+    if not 0.0 <= top_quantile <= 1.0:
+        raise ConfigError(f"top_entropy_quantile must lie in [0, 1], found {top_quantile}")
+    counted = mask != 0
+    values = entropy.detach()[counted].float()
+    if values.numel() == 0:
+        return torch.zeros_like(counted)
+    threshold = torch.quantile(values, 1.0 - top_quantile)
+    return (entropy.detach().float() >= threshold) & counted
+
+
 def aggregate_entropy(
     entropy: torch.Tensor,
     mask: torch.Tensor,

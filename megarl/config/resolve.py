@@ -35,9 +35,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     teacher = cfg.teacher
     if teacher is not None:
         teacher = dataclasses.replace(teacher, model=_model(teacher.model), engine=_engine(teacher.engine))
-    function = cfg.reward.function
-    if function is not None and function not in BUILTIN_REWARDS and ":" in function:  # "path/to/file.py:name"
-        function = _file_spec(function)
+    functions = {name: dataclasses.replace(spec, function=_reward_spec(spec.function))
+                 for name, spec in cfg.reward.functions.items()}
+    reward = dataclasses.replace(cfg.reward, function=_reward_spec(cfg.reward.function), functions=functions)
     placement = cfg.cluster.role_pools(cfg.roles())
     return dataclasses.replace(
         cfg,
@@ -45,7 +45,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         model=_model(cfg.model),
         data=dataclasses.replace(d, train=_path(d.train), val=d.val and _path(d.val),
                                  row_adapter=d.row_adapter and _file_spec(d.row_adapter)),
-        reward=dataclasses.replace(cfg.reward, function=function),
+        reward=reward,
         trainer=dataclasses.replace(cfg.trainer, output_dir=_path(cfg.trainer.output_dir)),
         policy=_engine(cfg.policy),
         critic=_engine(cfg.critic),
@@ -75,6 +75,13 @@ def hf_files(path: str | Path) -> Path:
 def _path(path: str) -> str:
     """Absolute, relative to the driver's working directory (symbolic links kept)."""
     return os.path.abspath(os.path.expanduser(path))
+
+
+def _reward_spec(function: str | None) -> str | None:
+    """A reward function's spec with a file's path made absolute (a built-in key as it is)."""
+    if function is not None and function not in BUILTIN_REWARDS and ":" in function:  # "path/to/file.py:name"
+        return _file_spec(function)
+    return function
 
 
 def _file_spec(spec: str) -> str:

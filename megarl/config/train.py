@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from megarl.algos.advantages import AdvantageEstimator
+from megarl.algos.advantages import AdvantageEstimator, RewardScale
 from megarl.algos.config import AlgorithmConfig
+from megarl.algos.kl import KLEstimator
 from megarl.config.loader import from_dict
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
@@ -119,15 +120,33 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig:
-    """A response's reward: ``function_weight * function score + reward_model.weight * model score``
-    over the sources that are set (at least one)."""
+class RewardFunctionConfig:
+    """One reward function: what scores a response, its weight, its options, what its failures do."""
 
     function: str | None = "integer_answer"  # a built-in key or "path/to/file.py:function"; null: none
     function_weight: float = 1.0  # its score's weight in the reward
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
     on_error: OnError = OnError.RAISE  # failures of the function (not of the reward model)
     error_score: float = 0.0  # the score of a row the function failed on (on_error: score)
+
+
+# names a reward function cannot take: the other sources' (batch fields <source>_scores, reward/<source>_mean)
+RESERVED_REWARD_NAMES = ("function", "model", "overlong", "environment", "baseline")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(RewardFunctionConfig):
+    """A response's reward: ``function_weight * function score + reward_model.weight * model score``
+    over the sources that are set (at least one). Several reward functions (TRL's ``reward_funcs`` with
+    ``reward_weights``): ``function: null`` and one ``functions.NAME`` entry each (``function``,
+    ``function_weight``, ``options``, ``on_error``, ``error_score``), their weighted scores summed; each is
+    logged as ``reward/NAME_mean`` and ``reward/NAME_std``."""
+
+    functions: dict[str, RewardFunctionConfig] = dataclasses.field(default_factory=dict)  # NAME -> function
+
+    def named_functions(self) -> dict[str, RewardFunctionConfig]:
+        """Every reward function by its metric name: ``function`` for the single one, else ``functions``."""
+        return {"function": self} if self.function is not None else dict(self.functions)
     # DAPO soft overlong penalty, added to the reward: 0 up to max_new_tokens - overlong_buffer tokens, then a
     # linear ramp to -overlong_penalty_factor at max_new_tokens (megarl.algos.dapo)
     overlong_buffer: int = 0  # tokens of the ramp; 0 = off
@@ -344,6 +363,29 @@ def check_config(cfg: TrainConfig) -> None:
                           "unset (auto), or take one optimizer step per batch without kl_penalty.")
     _check_reward(cfg)
     _check_dapo(cfg)
+    _check_loss_terms(cfg.algorithm)
+
+
+def _check_loss_terms(a: AlgorithmConfig) -> None:
+    """The TRL-style options (docs/trl.md) only where they change something."""
+    if a.kl_loss_bias_correction and not a.kl_loss_coef > 0:
+        raise ConfigError(f"algorithm.kl_loss_bias_correction=true weights the KL loss term, but kl_loss_coef="
+                          f"{a.kl_loss_coef} adds none; set kl_loss_coef > 0 (TRL's beta, e.g. 0.001) or "
+                          "kl_loss_bias_correction=false.")
+    if not a.kl_clamp:
+        if a.kl_estimator is not KLEstimator.K3:
+            raise ConfigError(f"algorithm.kl_clamp=false unclamps the low_var_kl estimator only, found kl_estimator="
+                              f"{a.kl_estimator.value}; set kl_estimator=low_var_kl or leave kl_clamp true.")
+        if not a.needs_reference:
+            raise ConfigError("algorithm.kl_clamp=false, but the run has no KL term (kl_loss_coef=0, kl_penalty "
+                              "unset); set kl_loss_coef > 0 or leave kl_clamp true.")
+    if not 0.0 <= a.top_entropy_quantile <= 1.0:
+        raise ConfigError(f"algorithm.top_entropy_quantile must lie in [0, 1] (the share of highest-entropy tokens "
+                          f"trained on; 1 = all, the paper's 0.2), found {a.top_entropy_quantile}.")
+    adv = a.advantage
+    if adv.scale_rewards is not RewardScale.GROUP and adv.estimator is not AdvantageEstimator.GRPO:
+        raise ConfigError(f"algorithm.advantage.scale_rewards={adv.scale_rewards.value} scales GRPO's advantages, "
+                          f"but the estimator is {adv.estimator.value}; use estimator=grpo or remove scale_rewards.")
 
 
 def _check_dapo(cfg: TrainConfig) -> None:
@@ -482,7 +524,7 @@ def _check_reward(cfg: TrainConfig) -> None:
     reward model sharing the policy's tokenizer is checked once the tokenizers load, before any worker
     starts: :func:`megarl.trainer.checks.check_frozen_models`.)"""
     rw, rm = cfg.reward, cfg.reward_model
-    if rw.function is None and rm is None and cfg.teacher is None and not cfg.rollout.multi_turn.enabled:
+    if not rw.named_functions() and rm is None and cfg.teacher is None and not cfg.rollout.multi_turn.enabled:
         raise ConfigError("no reward source: set reward.function (a built-in key or 'file.py:function'), "
                           "reward_model.model.path (a sequence-classification reward model) and/or teacher.model.path "
                           "(on-policy distillation).")
@@ -496,6 +538,27 @@ def _check_reward(cfg: TrainConfig) -> None:
                          ("reward_model.weight", rm.weight if rm is not None else 0.0)):
         if not math.isfinite(weight):
             raise ConfigError(f"{name} must be a finite number, found {weight}.")
+    _check_reward_functions(rw)
     if rm is not None and (not rm.model.path or not Path(rm.model.path).is_dir()):
         raise ConfigError(f"reward_model.model.path {rm.model.path!r} is not a directory; give an HF "
                           "*ForSequenceClassification directory (num_labels=1) or a megarl checkpoint of one.")
+
+
+def _check_reward_functions(rw: RewardConfig) -> None:
+    """``reward.functions``: instead of ``reward.function``, each entry named, with a function and a finite weight."""
+    if rw.functions and rw.function is not None:
+        raise ConfigError(f"reward.functions names {sorted(rw.functions)} and reward.function is {rw.function!r} "
+                          "(its default unless set): the list replaces the single function. Set reward.function: "
+                          "null and list every reward function under reward.functions (e.g. functions.correct."
+                          "function=integer_answer), or remove reward.functions.")
+    for name, spec in rw.functions.items():
+        if not name.isidentifier() or name in RESERVED_REWARD_NAMES:
+            raise ConfigError(f"reward.functions.{name}: a reward function's name must be an identifier (letters, "
+                              f"digits, _) other than {list(RESERVED_REWARD_NAMES)} (the other reward sources' "
+                              "metric names); rename it.")
+        if spec.function is None:
+            raise ConfigError(f"reward.functions.{name}.function is null; give a built-in key or "
+                              "'path/to/file.py:function', or remove the entry.")
+        if not math.isfinite(spec.function_weight):
+            raise ConfigError(f"reward.functions.{name}.function_weight must be a finite number, found "
+                              f"{spec.function_weight}.")

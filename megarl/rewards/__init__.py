@@ -7,6 +7,7 @@ Ray, no vLLM, no torch.distributed; reward *models* (networks) live with the wor
 - :mod:`megarl.rewards.base`  :class:`RewardFunction`, :class:`WeightedReward`, :func:`score_samples`
   with :class:`OnError`, :class:`RewardError`
 - :mod:`megarl.rewards.rules` ``BUILTIN_REWARDS``: ``gsm8k``, ``math_boxed``, ``integer_answer``
+  (its option ``match``: first | start | last)
 - :mod:`megarl.rewards.user`  :func:`load_reward_function` (``"file.py:function"``),
   :func:`resolve_reward_function` (a built-in key or a file spec)
 """
@@ -24,6 +25,7 @@ from megarl.rewards.rules import (
     BUILTIN_REWARDS,
     GSM8KReward,
     IntegerAnswerReward,
+    IntegerMatch,
     MathBoxedReward,
     builtin_reward,
     extract_boxed,
@@ -37,6 +39,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "GSM8KReward",
     "IntegerAnswerReward",
+    "IntegerMatch",
     "MathBoxedReward",
     "OnError",
     "RewardError",

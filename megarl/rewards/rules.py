@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import re
 from collections.abc import Mapping
@@ -121,20 +122,44 @@ class MathBoxedReward:
         return self.correct_score if normalize_math(answer) == truth else self.format_score
 
 
+class IntegerMatch(enum.Enum):
+    """Which integer of a response :class:`IntegerAnswerReward` compares with the answer."""
+
+    FIRST = "first"  # the first integer anywhere ("the answer is 7" and "7 because" both give 7): the default
+    START = "start"  # the integer the response starts with (leading whitespace skipped), else no answer
+    LAST = "last"  # the last integer anywhere: the final answer after any reasoning
+
+
 @dataclasses.dataclass(frozen=True)
 class IntegerAnswerReward:
-    """The first integer in the response equals the row's integer answer (an int or a string like "7")."""
+    """The response's integer equals the row's integer answer (an int or a string like "7").
+
+    ``match`` picks the integer (:class:`IntegerMatch`): ``first`` (default) anywhere, ``start`` only at the
+    start of the response, ``last`` the final one. An integer is ``-?\\d+`` taken whole ("17" is not 7)."""
 
     answer_key: str = "answer"
     correct_score: float = 1.0
+    match: IntegerMatch | str = IntegerMatch.FIRST
+
+    def __post_init__(self) -> None:
+        valid = [m.value for m in IntegerMatch]
+        if not isinstance(self.match, IntegerMatch) and self.match not in valid:
+            raise ConfigError(f"integer_answer option match={self.match!r}: expected one of {valid} (first: the "
+                              "first integer anywhere, start: the one the response starts with, last: the final one)")
+        object.__setattr__(self, "match", IntegerMatch(self.match))  # a YAML string as its member
 
     def __call__(self, prompt: str, response: str, row: Mapping[str, Any]) -> float:
         truth = _ground_truth(row, self.answer_key, "integer_answer")
         if isinstance(truth, bool) or not isinstance(truth, int | str):
             raise TypeError(f"column {self.answer_key!r}: expected an integer answer, found {truth!r}")
         expected = int(truth)  # a non-integer string raises ValueError, naming it
-        match = _INTEGER.search(response)
-        return self.correct_score if match is not None and int(match.group()) == expected else 0.0
+        if self.match is IntegerMatch.START:
+            found = _INTEGER.match(response.lstrip())
+            answer = found.group() if found else None
+        else:
+            answers = _INTEGER.findall(response)
+            answer = (answers[0] if self.match is IntegerMatch.FIRST else answers[-1]) if answers else None
+        return self.correct_score if answer is not None and int(answer) == expected else 0.0
 
 
 BUILTIN_REWARDS: dict[str, type] = {

@@ -170,17 +170,26 @@ class PolicyRole(Role):
                 metrics = ({f"mismatch/{k}": v * weight for k, v in corr.metrics.items()}
                            | {f"mismatch/{k}": v * seq_weight for k, v in corr.seq_metrics.items()}
                            | {"mismatch/ratio_max": corr.ratio_max, "mismatch/ratio_min": corr.ratio_min})
+            keep = None
+            if a.top_entropy_quantile < 1.0:  # every policy loss is linear in A: a zero A is TRL's zeroed token loss,
+                # with the denominators (and the KL term) still over every counted token, as there
+                keep = algos.high_entropy_mask(ent, mask, a.top_entropy_quantile)
+                advantages = advantages * keep
+                metrics["entropy_mask_frac"] = keep.sum() / normalizer.token_count
             out = algos.compute_policy_loss(loss_cfg, lp, old, advantages, mask, normalizer)
             entropy = algos.aggregate_entropy(ent, mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
-            loss = out.loss - a.entropy_coef * entropy if a.entropy_coef else out.loss
+            bonus = entropy if keep is None else algos.aggregate_entropy(
+                algos.zero_masked(ent, keep), mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
+            loss = out.loss - a.entropy_coef * bonus if a.entropy_coef else out.loss
             metrics |= {k: v * weight for k, v in out.metrics().items() if k != "loss"}
             if a.kl_loss_coef:
                 kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, a.kl_estimator, loss_cfg.aggregation, normalizer,
-                                   loss_cfg.norm_constant)
+                                   loss_cfg.norm_constant, a.kl_clamp, old if a.kl_loss_bias_correction else None,
+                                   sequence_ratio=loss_cfg.loss is algos.PolicyLoss.GSPO)
                 loss = loss + a.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach()
                 if not recompute:
-                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], a.kl_estimator)
+                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], a.kl_estimator, a.kl_clamp)
                     metrics["kl"] = algos.masked_mean(per_token, mask) * weight
             if gap is not None:
                 metrics["rollout/logprob_abs_diff"] = gap.add(lp, mb["rollout_log_probs"], mask)

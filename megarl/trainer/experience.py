@@ -5,7 +5,8 @@ and scores them. With DAPO dynamic sampling (``algorithm.dynamic_sampling``) it 
 groups whose rewards differ and samples further batches of prompts (up to ``max_extra_rounds`` more) until
 it has ``data.batch_size`` such groups; the reward metrics describe every response sampled, the
 ``dynamic/*`` counts what was kept. A response's reward is ``reward.function_weight * function +
-reward_model.weight * reward model`` over the sources configured, plus DAPO's soft overlong penalty where
+reward_model.weight * reward model`` over the sources configured (or each of ``reward.functions`` with
+its weight, scored and logged apart: ``NAME_scores``, ``reward/NAME_mean``), plus DAPO's soft overlong penalty where
 ``reward.overlong_buffer`` is set. ReMax's greedy baseline (one response per prompt) is generated and
 scored in the same round. Validation samples and scores with the same methods.
 
@@ -44,7 +45,7 @@ from megarl.errors import MegarlError
 from megarl.multiturn.environment import environment_factory
 from megarl.multiturn.rollout import conversations_batch, model_turns, run_conversations
 from megarl.multiturn.trajectory import ChatRenderer
-from megarl.rewards.base import score_samples
+from megarl.rewards.base import RewardFunction, score_samples
 from megarl.rollout.base import SamplingConfig
 from megarl.trainer.asynchronous import RolloutProducer, groups_batch
 
@@ -68,9 +69,10 @@ class _Generation:
 
 
 class Experience:
-    def __init__(self, cfg: TrainConfig, cluster: Any, tokenizer: Any, reward_fn: Any, stop_token_ids: list[int],
-                 stage: Stage) -> None:
-        self.cfg, self.cluster, self.tokenizer, self.reward_fn = cfg, cluster, tokenizer, reward_fn
+    def __init__(self, cfg: TrainConfig, cluster: Any, tokenizer: Any, reward_fns: dict[str, RewardFunction],
+                 stop_token_ids: list[int], stage: Stage) -> None:
+        """``reward_fns``: the callables of ``cfg.reward.named_functions()``, by the same names."""
+        self.cfg, self.cluster, self.tokenizer, self.reward_fns = cfg, cluster, tokenizer, reward_fns
         self.stop_token_ids, self.stage = stop_token_ids, stage
         self.ahead: _Generation | None = None  # one_step_off: the next step's responses, being generated
         self.producer: RolloutProducer | None = None  # async: the generating thread and its buffer
@@ -252,10 +254,10 @@ class Experience:
 
     def score(self, batch: Batch, records: list[PromptRecord], baseline: Batch | None = None,
               stage: str = "reward") -> int:
-        """``scores``: each row's reward (its sources kept as ``function_scores``, ``model_scores``,
+        """``scores``: each row's reward (its sources kept as ``function_scores`` or ``NAME_scores``, ``model_scores``,
         ``overlong_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
         ``baseline_scores``: the reward of the row's prompt's baseline response. Returns how many rows the
-        reward function failed on (``reward.on_error: score``)."""
+        reward functions failed on (``on_error: score``), over all of them."""
         scores, parts, num_errors = self._rewards(batch, records)
         batch.tensors["scores"] = scores
         for source, values in parts.items():
@@ -275,10 +277,14 @@ class Experience:
         std = scores.std().item() if len(scores) > 1 else 0.0
         metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
                    f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(num_errors)}
-        parts = {k.removesuffix("_scores"): batch[k] for k in ("function_scores", "model_scores", "overlong_scores",
-                                                               "environment_scores") if k in batch}
-        if len(parts) > 1 or self.cfg.reward.function_weight != 1.0:  # the sources apart (unweighted)
+        functions = self.cfg.reward.named_functions()
+        sources = (*functions, "model", "overlong", "environment")
+        parts = {source: batch[f"{source}_scores"] for source in sources if f"{source}_scores" in batch}
+        named = bool(self.cfg.reward.functions)  # named functions are always logged apart (TRL's rewards/NAME)
+        if len(parts) > 1 or named or any(f.function_weight != 1.0 for f in functions.values()):  # sources apart
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
+            metrics |= {f"{prefix}/{name}_std": parts[name].std().item() if len(scores) > 1 else 0.0
+                        for name in self.cfg.reward.functions if name in parts}  # TRL's rewards/NAME/std
         if "model" in parts:
             metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
         if "baseline_scores" in batch:  # one value per prompt, repeated on its rows: the mean over prompts
@@ -295,7 +301,7 @@ class Experience:
         if "environment_scores" in batch:  # multi-turn: the environment's rewards of each conversation
             parts["environment"] = batch["environment_scores"]
             total = total + parts["environment"]
-        if self.reward_fn is not None:
+        if self.reward_fns:
             rows = [records[i] for i in batch["prompt_uid"].tolist()]
             if "final_texts" in batch.non_tensors:  # multi-turn: the model's last turn is its answer
                 responses = batch.non_tensors["final_texts"]
@@ -305,9 +311,10 @@ class Experience:
                     [[t for t, m in zip(ids, row_mask, strict=True) if m]
                      for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
                     skip_special_tokens=True)
-            parts["function"], info = score_samples(self.reward_fn, [rec.text for rec in rows], responses,
-                                                    [rec.row for rec in rows], r.on_error, r.error_score)
-            total, num_errors = total + r.function_weight * parts["function"], info.num_errors
+            for name, spec in r.named_functions().items():  # each with its own error policy
+                parts[name], info = score_samples(self.reward_fns[name], [rec.text for rec in rows], responses,
+                                                  [rec.row for rec in rows], spec.on_error, spec.error_score)
+                total, num_errors = total + spec.function_weight * parts[name], num_errors + info.num_errors
         if self.cfg.reward_model is not None:
             parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
             total = total + self.cfg.reward_model.weight * parts["model"]

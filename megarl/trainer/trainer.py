@@ -21,9 +21,10 @@ where ``algorithm.recompute_old_log_probs``; otherwise the one policy update per
 them and reports ``rollout/logprob_abs_diff`` and ``actor/kl`` from its own forward at the same weights.
 
 A response's reward is ``reward.function_weight * function + reward_model.weight * reward model`` over
-the sources configured. ReMax samples one greedy response per prompt in the same rollout phase as the
-sampled ones; its reward (same sources) is the prompt's baseline. Validation (:meth:`Trainer.validate`)
-only samples and scores: no training forward, no checks that tie it to the training distribution.
+the sources configured (each of ``reward.functions`` with its own weight in place of the one function).
+ReMax samples one greedy response per prompt in the same rollout phase as the sampled ones; its reward
+(same sources) is the prompt's baseline. Validation (:meth:`Trainer.validate`) only samples and scores:
+no training forward, no checks that tie it to the training distribution.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class Trainer:
         check_frozen_models(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
-        self.reward_fn = (resolve_reward_function(cfg.reward.function, **cfg.reward.options)
-                          if cfg.reward.function is not None else None)
+        self.reward_fns = {name: resolve_reward_function(spec.function, **spec.options)
+                           for name, spec in cfg.reward.named_functions().items()}
         self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
         self.stop = StopRequest()
         self.lock = RunLock(self.out)
@@ -135,7 +136,7 @@ class Trainer:
         from megarl.trainer.cluster import Cluster  # Ray and the workers: only once the config is known good
 
         self.cluster = Cluster(self.cfg, self.out, on_ray_started=self.stop.install)  # Ray replaces SIGTERM's handler
-        self.experience = Experience(self.cfg, self.cluster, self.tokenizer, self.reward_fn, self.stop_token_ids,
+        self.experience = Experience(self.cfg, self.cluster, self.tokenizer, self.reward_fns, self.stop_token_ids,
                                      self._stage)
         if self.resume_from is not None:
             self._restore(self.resume_from)
@@ -317,11 +318,11 @@ class Trainer:
     def reference_log_probs(self, batch: Batch) -> dict[str, float]:
         ref = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
         batch.tensors["ref_log_probs"] = ref["log_probs"]
-        if not self.cfg.algorithm.recompute_old_log_probs:
+        a = self.cfg.algorithm
+        if not a.recompute_old_log_probs:
             return {}  # no old log-probs: the update reports actor/kl from its forward at the same weights
-        mask = batch["response_mask"]
-        kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_estimator)
-        return {"actor/kl": algos.masked_mean(kl, mask).item()}
+        kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], a.kl_estimator, a.kl_clamp)
+        return {"actor/kl": algos.masked_mean(kl, batch["response_mask"]).item()}
 
     def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
         """The distillation teacher's log-probs of the sampled tokens, and ``distill/reverse_kl``: the k1
@@ -345,7 +346,7 @@ class Trainer:
                 batch["teacher_log_probs"] - _student_log_probs(batch))
         if self.kl_ctl is not None:
             pen = algos.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                         self.kl_ctl.value, self.cfg.algorithm.kl_estimator)
+                                         self.kl_ctl.value, a.kl_estimator, a.kl_clamp)
             token_rewards = pen.rewards
             metrics |= {"actor/kl_coef": self.kl_ctl.value, "actor/reward_kl": pen.mean_kl.item()}
             self.kl_ctl.update(pen.mean_kl.item(), n_steps=len(batch))

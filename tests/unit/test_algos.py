@@ -30,6 +30,7 @@ from megarl.algos import (
     LossNormalizer,
     PolicyLoss,
     PolicyLossConfig,
+    RewardScale,
     aggregate_entropy,
     aggregate_loss,
     apply_kl_penalty,
@@ -251,8 +252,8 @@ def _scores_ref(r: torch.Tensor) -> list[float]:
     return [math.fsum(float(r[i, t]) for t in _valid(i)) for i in range(B)]
 
 
-@pytest.mark.parametrize("norm_by_std", [True, False])
-def test_grpo_against_per_group_statistics(norm_by_std):
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_grpo_against_per_group_statistics(scale):
     r = _rand(6)
     # Put a larger group in: duplicate the batch so group 7 and 3 have four members each, 9 two.
     r2 = torch.cat([r, _rand(7)])
@@ -265,8 +266,9 @@ def test_grpo_against_per_group_statistics(norm_by_std):
     expected = []
     for gid, s in zip(ids.tolist(), scores, strict=True):
         diff = s - statistics.mean(groups[gid])
-        expected.append(diff / (statistics.stdev(groups[gid]) + 1e-6) if norm_by_std else diff)
-    cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO, norm_by_std=norm_by_std)
+        std = {"group": statistics.stdev(groups[gid]), "batch": statistics.stdev(scores), "none": None}[scale]
+        expected.append(diff if std is None else diff / (std + 1e-6))
+    cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO, scale_rewards=RewardScale(scale))
     out = compute_advantages(cfg, AdvantageInputs(r2, mask2, group_ids=ids))
     exp_grid = [[expected[i] if mask2[i, t] else 0.0 for t in range(T)] for i in range(2 * B)]
     _close(out.advantages, exp_grid)
@@ -278,7 +280,7 @@ def test_grpo_hand_worked_and_singleton_group():
     # Group 5 has one response: no relative signal, A = 0.
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 4.0], dtype=torch.float64)
     mask = torch.ones(5, 2)
-    adv, _ = grpo(scores, torch.tensor([0, 0, 0, 0, 5]), mask, norm_by_std=True, eps=1e-6)
+    adv, _ = grpo(scores, torch.tensor([0, 0, 0, 0, 5]), mask, RewardScale.GROUP, eps=1e-6)
     a = 0.5 / (math.sqrt(1.0 / 3.0) + 1e-6)
     _close(adv[:, 0], [a, -a, -a, a, 0.0])
     assert abs(a - 0.8660239) < 1e-6

@@ -13,6 +13,7 @@ from megarl.rewards import (
     BUILTIN_REWARDS,
     GSM8KReward,
     IntegerAnswerReward,
+    IntegerMatch,
     MathBoxedReward,
     OnError,
     RewardError,
@@ -116,6 +117,30 @@ def test_integer_answer():
     assert fn("3+4=", "17", {"answer": 7}) == 0.0  # whole integer, not a substring
     with pytest.raises(TypeError, match="integer answer"):
         fn("3+4=", "7", {"answer": 7.0})
+
+
+@pytest.mark.parametrize("response, first, start, last", [
+    ("7", 1, 1, 1),
+    ("  7 because 3+4", 1, 1, 0),  # the last integer is 4
+    ("3+4 is 7", 0, 0, 1),  # starts with 3, ends with 7
+    ("The answer is 7.", 1, 0, 1),  # no integer at the start
+    ("I think 8. No: 7", 0, 0, 1),
+    ("-7", 0, 0, 0),  # (answer 7) the sign belongs to the integer
+    ("17", 0, 0, 0),  # whole integers, not substrings
+    ("", 0, 0, 0),
+])
+def test_integer_answer_match_options(response, first, start, last):
+    """Hand-worked: which integer each ``match`` reads; ``first`` is the built-in's behaviour before the option."""
+    row = {"answer": 7}
+    assert IntegerAnswerReward()(None, response, row) == first  # the default: first
+    for match, expected in (("first", first), ("start", start), ("last", last)):
+        assert builtin_reward("integer_answer", match=match)("3+4=", response, row) == expected, match
+    assert IntegerAnswerReward(match=IntegerMatch.LAST)("", "3 then 7", row) == 1.0
+
+
+def test_integer_answer_bad_match_is_named():
+    with pytest.raises(ConfigError, match=r"match='final': expected one of \['first', 'start', 'last'\]"):
+        builtin_reward("integer_answer", match="final")
 
 
 # ---- registry and user functions -----------------------------------------------------------------

@@ -228,3 +228,35 @@ def test_remax_runs_a_greedy_baseline(task, estimator):
     cfg = load_config(EXAMPLE, [*_overrides(task), f"algorithm.advantage.estimator={estimator}"])
     check_config(cfg)  # ReMax is accepted now
     assert cfg.algorithm.needs_greedy_baseline is (estimator == "remax")
+
+
+# ------------------------------------------------------------------------------------- TRL options (docs/trl.md)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["algorithm.kl_loss_coef=0", "algorithm.kl_loss_bias_correction=true"],
+     r"kl_loss_bias_correction=true weights the KL loss term, but kl_loss_coef=0.0 adds none; set kl_loss_coef > 0"),
+    (["algorithm.kl_clamp=false", "algorithm.kl_estimator=kl"],
+     "kl_clamp=false unclamps the low_var_kl estimator only, found kl_estimator=kl"),
+    (["algorithm.kl_clamp=false", "algorithm.kl_loss_coef=0"], "kl_clamp=false, but the run has no KL term"),
+    (["algorithm.top_entropy_quantile=1.5"], r"top_entropy_quantile must lie in \[0, 1\].*found 1.5"),
+    (["algorithm.top_entropy_quantile=-0.1"], r"top_entropy_quantile must lie in \[0, 1\]"),
+    (["algorithm.advantage.estimator=rloo", "algorithm.advantage.scale_rewards=batch"],
+     "scale_rewards=batch scales GRPO's advantages, but the estimator is rloo"),
+    (["algorithm.advantage.scale_rewards=std"], r"'std' is not one of \['group', 'batch', 'none'\]"),
+])
+def test_bad_trl_option_is_named(task, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        check_config(load_config(EXAMPLE, [*_overrides(task), *overrides]))
+
+
+def test_trl_options_accepted(task):
+    cfg = load_config(EXAMPLE, [*_overrides(task), "algorithm.kl_loss_bias_correction=true", "algorithm.kl_clamp=false",
+                                "algorithm.top_entropy_quantile=0.2", "algorithm.advantage.scale_rewards=batch",
+                                "algorithm.advantage.eps=1e-4"])
+    check_config(cfg)
+    a = cfg.algorithm
+    assert a.kl_loss_bias_correction and not a.kl_clamp and a.top_entropy_quantile == 0.2
+    assert a.advantage.scale_rewards.value == "batch" and a.advantage.eps == 1e-4
+    default = TrainConfig().algorithm  # megarl's defaults, not TRL's (docs/trl.md says which differ)
+    assert (default.kl_clamp, default.kl_loss_bias_correction, default.top_entropy_quantile) == (True, False, 1.0)
