@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -54,6 +54,9 @@ class AdvantageConfig:
     lam: float = 1.0  # GAE lambda
     scale_rewards: RewardScale = RewardScale.GROUP  # GRPO: divide by the std of the group | batch | none (Dr. GRPO)
     eps: float = 1e-6  # GRPO: added to that std (TRL adds 1e-4)
+
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "norm_by_std": "write scale_rewards: group for norm_by_std: true, scale_rewards: none for false"}
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):

@@ -1,6 +1,7 @@
 """Strict dataclass loading from plain data (parsed YAML, dicts).
 
-Unknown keys are errors that name the nearest valid key; values are checked against the field
+Unknown keys are errors that name the nearest valid key (a dataclass's ``REPLACED_KEYS`` class attribute maps a key
+of an earlier release to what to write instead); values are checked against the field
 types (int, float, str, bool, enums, Optional, nested dataclasses, ``dict[str, X]``, ``list[X]``);
 defaults live only in the dataclass fields. Validation raises, it never rewrites. Pure module.
 """
@@ -25,7 +26,10 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(f"{path or cls.__name__}: expected a mapping for {cls.__name__}, found {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
+    replaced = getattr(cls, "REPLACED_KEYS", {})  # keys of earlier releases -> what to write instead
     for key in data:
+        if key in replaced:
+            raise ConfigError(f"config key {_join(path, key)!r} was replaced: {replaced[key]}")
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {sorted(fields)}"

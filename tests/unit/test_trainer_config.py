@@ -71,6 +71,8 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("cluster.launcher=local", ConfigError, r"the pools are {'main': 2} \(devices each\)"),  # the example has 2 devices
     ("cluster.launcher=local cluster.pools.main.devices_per_node=1 cluster.pools.main.tp=1", None, None),
     ("rollout.engine.prefix_cache_mb=-1", ConfigError, "prefix_cache_mb must be >= 0"),
+    ("algorithm.advantage.norm_by_std=false", ConfigError,
+     "'algorithm.advantage.norm_by_std' was replaced: write scale_rewards: group for norm_by_std: true"),
     ("rollout.engine.backend=vllm rollout.engine.prefix_cache_mb=64", ConfigError,
      "prefix_cache_mb=64.0 is the embedded engine's"),
 ])
