@@ -106,16 +106,19 @@ def _prefix_hashes(tokens: Sequence[int]) -> list[int]:
 class PrefixStore:
     """Finished rows' KV, kept between generation calls for prompts that continue them (a multi-turn
     conversation's next turn is its trajectory so far: the previous call's prompt and response, then the
-    observation). Least recently stored entries leave first once ``capacity_bytes`` would be passed; an entry
-    larger than the capacity is not kept. :meth:`longest` finds the longest stored proper prefix of a prompt in
-    one pass over its tokens (rolling hashes, then an exact comparison). Entries are valid only for the weights
-    that computed them: the engine clears the store on every weight update and on sleep.
+    observation). Rows with the same tokens (a group's equal answers) are kept once each: each continues its own
+    conversation. Least recently stored entries leave first once ``capacity_bytes`` would be passed; an entry
+    larger than the capacity is not kept. :meth:`take` finds the longest stored proper prefix of a prompt in one
+    pass over its tokens (rolling hashes, then an exact comparison). Entries are valid only for the weights that
+    computed them: the engine clears the store on every weight update and on sleep.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[tuple[int, int], Prefix] = OrderedDict()  # (length, hash) -> entry
+        self._entries: OrderedDict[int, tuple[tuple[int, int], Prefix]] = OrderedDict()  # oldest first
+        self._index: dict[tuple[int, int], list[int]] = {}  # (length, hash of the tokens) -> entry numbers
         self._lengths: Counter[int] = Counter()
+        self._next = 0
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -123,6 +126,7 @@ class PrefixStore:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self._lengths.clear()
         self.nbytes = 0
 
@@ -130,12 +134,13 @@ class PrefixStore:
         size = prefix.nbytes
         if size > self.capacity_bytes:
             return
-        key = (len(prefix.tokens), _prefix_hashes(prefix.tokens)[-1])
-        self._remove(key)
         while self._entries and self.nbytes + size > self.capacity_bytes:
             self._remove(next(iter(self._entries)))
-        self._entries[key] = prefix
+        key = (len(prefix.tokens), _prefix_hashes(prefix.tokens)[-1])
+        self._entries[self._next] = (key, prefix)
+        self._index.setdefault(key, []).append(self._next)
         self._lengths[key[0]] += 1
+        self._next += 1
         self.nbytes += size
 
     def take(self, prompt: Sequence[int]) -> Prefix | None:
@@ -145,15 +150,19 @@ class PrefixStore:
             return None
         hashes = _prefix_hashes(prompt)
         for length in range(len(prompt) - 1, 0, -1):
-            if self._lengths[length] and (length, hashes[length]) in self._entries:
-                key = (length, hashes[length])
-                if self._entries[key].tokens == tuple(prompt[:length]):
-                    return self._remove(key)
+            if not self._lengths[length]:
+                continue
+            for number in self._index.get((length, hashes[length]), ()):
+                if self._entries[number][1].tokens == tuple(prompt[:length]):
+                    return self._remove(number)
         return None
 
-    def _remove(self, key: tuple[int, int]) -> Prefix | None:
-        prefix = self._entries.pop(key, None)
-        if prefix is not None:
-            self._lengths[key[0]] -= 1
-            self.nbytes -= prefix.nbytes
+    def _remove(self, number: int) -> Prefix:
+        key, prefix = self._entries.pop(number)
+        numbers = self._index[key]
+        numbers.remove(number)
+        if not numbers:
+            del self._index[key]
+        self._lengths[key[0]] -= 1
+        self.nbytes -= prefix.nbytes
         return prefix

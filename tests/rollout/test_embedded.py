@@ -446,13 +446,14 @@ def test_kept_prefixes_continue_conversations(references):
             torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), ref, rtol=0, atol=1e-5)
         prompts, out = prompts[:4], _rows(out, 4)  # the fresh prompt does not go on
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-    first = kept.generate(PROMPTS, greedy)
-    nxt = _continue(PROMPTS, first, [[400]] * 4)
+    twice = PROMPTS + PROMPTS[:1]  # two equal conversations: equal kept rows, each continuing its own
+    first = kept.generate(twice, greedy)
+    nxt = _continue(twice, first, [[400]] * 5)
     second = kept.generate(nxt, greedy)
     assert second.cached_tokens.tolist() == [len(p) - 2 for p in nxt]  # all but the last token and the observation
     assert second.token_lists() == plain.generate(nxt, greedy).token_lists()
     load(kept, model)
-    assert kept.generate(nxt, greedy).cached_tokens.tolist() == [0] * 4
+    assert kept.generate(nxt, greedy).cached_tokens.tolist() == [0] * 5
 
 
 def _rows(out, count):

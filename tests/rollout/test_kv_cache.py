@@ -97,5 +97,9 @@ def test_prefix_store_takes_the_longest_proper_prefix_and_evicts_the_oldest():
     store.put(_prefix([7] * 11))  # larger than the whole store: not kept, nothing evicted for it
     assert store.take([7] * 12) is None and store.take([5] * 5) is not None
     store.put(_prefix([3, 3]))
+    store.put(_prefix([3, 3]))  # an equal row (the same answer in another conversation): kept once each
+    assert store.take([3, 3, 1]).tokens == (3, 3) and store.take([3, 3, 2]).tokens == (3, 3)
+    assert store.take([3, 3, 3]) is None
+    store.put(_prefix([3, 3]))
     store.clear()
     assert len(store) == 0 and store.nbytes == 0 and store.take([3, 3, 3]) is None
