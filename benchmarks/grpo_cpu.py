@@ -11,11 +11,13 @@ tokenizer, same HF model directory for both sides):
 
 - ``tiny``: the example's random Qwen2 model (hidden 64, 2 layers), one-token responses ending at eos;
 - ``30m``: hidden 512, 8 layers, MLP 2048 (~31.5M parameters), 64-token responses, no stop token
-  (megarl ``rollout.stop_at_eos=false``; TRL suppresses the eos token so no completion ends early).
+  (megarl ``rollout.stop_at_eos=false``: eos is sampled and generation goes on; TRL's generate is given no eos
+  and the worker empties the trainer's ``eos_token_ids``, so it neither stops nor masks after an eos).
 
-Both sides get the example's settings, read from megarl's resolved config (:func:`trl_args` maps
-them; what TRL cannot express is asserted equal to TRL's fixed behaviour): 16 prompts x n=16 per
-step, temperature 1, AdamW (lr 2e-3, no weight decay, clip 1.0, constant LR), k3 KL loss 0.001,
+Both sides do the same work: the example's settings, read from megarl's resolved config (:func:`trl_args` maps
+them; what TRL cannot express is asserted equal to TRL's fixed behaviour, ``TRL_BEHAVIOUR`` sets it on megarl's
+side): 16 prompts x n=16 per step, temperature 1, AdamW (lr 2e-3, no weight decay, clip 1.0, constant LR), k3 KL
+loss 0.001 unclamped with TRL's bias correction, 1e-4 on the group std, no rollout-mismatch weights,
 entropy bonus 0.01, clip 0.2, token-mean loss, **one optimizer step per generation batch**
 (megarl ``algorithm.mini_batches=1``; TRL ``num_iterations=1``, ``steps_per_generation`` =
 ``gradient_accumulation_steps``), the same update micro-batches of 64 rows, fp32, no recomputation.
@@ -48,6 +50,11 @@ The report also puts each case against its matmul floor: the step's weight-matmu
 at this machine's fp32 ``torch.mm`` rate on the model's own layer shapes, measured just before every run
 (:func:`matmul_rates`), i.e. the step time of an implementation doing nothing else, and the lowest
 megarl / TRL ratio any implementation of the same work could reach.
+
+What still differs is listed by :func:`remaining_differences` in every results file. Two more modes
+(:mod:`grpo_parity`, beside this file) show the equality: ``--replay N`` trains TRL on megarl's recorded
+rollouts and compares loss, grad norm and weights after each of N steps; ``--learning SEEDS,STEPS`` trains both
+on the tiny task over several seeds and compares reward, entropy and greedy accuracy.
 
 Before the first run the script waits (up to ``--max-wait`` s) for the 1-minute load average to drop
 below ``--wait-load``. Writes benchmarks/results/grpo_cpu-<date>.md.
@@ -272,21 +279,45 @@ def megarl_overrides(task: Path, case: Case, out: Path) -> list[str]:
             "rollout.engine.max_batch_size=256",  # all 16 x 16 rows at once, as TRL does
             f"trainer.output_dir={out}", f"trainer.total_steps={case.warmup + case.steps}", "trainer.save_every=0",
             "trainer.val_every=0", "trainer.tensorboard=false", "algorithm.mini_batches=1",
-            f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}"]
+            f"rollout.max_new_tokens={case.max_new_tokens}", f"rollout.stop_at_eos={str(case.stop_at_eos).lower()}",
+            *TRL_BEHAVIOUR]
+
+
+# What megarl sets to compute what TRL 1.16's GRPOTrainer computes (docs/trl.md, "Defaults that differ"):
+# TRL's bias-corrected, unclamped k3 KL, its fixed 1e-4 on the group std, and no rollout-mismatch weights
+# (TRL weights only vLLM's samples; megarl's default TIS weights are 1 to within 1e-5 on CPU, not exactly 1).
+TRL_BEHAVIOUR = ("algorithm.kl_loss_bias_correction=true", "algorithm.kl_clamp=false", "algorithm.advantage.eps=1e-4",
+                 "algorithm.rollout_correction.truncate=null")
+TRL_ADVANTAGE_EPS = 1e-4  # TRL adds this to the std (grpo_trainer.py: `std_rewards + 1e-4`); not a GRPOConfig field
 
 
 def trl_args(cfg, case: Case) -> dict:
-    """TRL GRPOConfig keyword arguments equal to megarl's resolved ``cfg`` (raises where TRL differs)."""
+    """TRL GRPOConfig keyword arguments equal to megarl's resolved ``cfg`` (raises where TRL differs).
+
+    What TRL has an option for is mapped from ``cfg``; what it computes one way only (k3 KL without clamps,
+    1e-4 on the std, no importance weights without vLLM, one optimizer step per generation, ...) must be
+    what ``cfg`` asks for. Not covered here: ``case.stop_at_eos=False`` also needs the TRL worker to count
+    tokens after a sampled eos (:func:`trl_worker`, ``ignore_eos`` in its spec)."""
+    from megarl.algos.advantages import AdvantageEstimator
     from megarl.algos.kl import KLEstimator
+    from megarl.algos.losses import PolicyLoss
     from megarl.algos.ops import LossAggregation
     from megarl.engine.config import LRDecay, OptimizerName, Precision
 
     a, o, r, mb = cfg.algorithm, cfg.policy.optim, cfg.rollout.sampling, cfg.policy.micro_batch
-    fixed = {"kl_estimator": (a.kl_estimator, KLEstimator.K3), "aggregation": (a.policy_loss.aggregation,
+    fixed = {"advantage.estimator": (a.advantage.estimator, AdvantageEstimator.GRPO),
+             "advantage.eps": (a.advantage.eps, TRL_ADVANTAGE_EPS),
+             "policy_loss.loss": (a.policy_loss.loss, PolicyLoss.PPO_CLIP),
+             "kl_estimator": (a.kl_estimator, KLEstimator.K3), "aggregation": (a.policy_loss.aggregation,
              LossAggregation.TOKEN_MEAN), "optimizer": (o.optimizer, OptimizerName.ADAM), "lr_decay": (o.lr_decay,
              LRDecay.CONSTANT), "lr_warmup_steps": (o.lr_warmup_steps, 0), "ppo_epochs": (a.ppo_epochs, 1),
              "mini_batches": (a.mini_batches, 1), "precision": (cfg.policy.precision, Precision.FP32),
-             "kl_penalty": (a.kl_penalty, None), "dual clip": (a.policy_loss.clip_ratio_c, None)}
+             "kl_penalty": (a.kl_penalty, None), "dual clip": (a.policy_loss.clip_ratio_c, None),
+             "rollout_correction active": (a.rollout_correction.active, False),
+             "dynamic_sampling": (a.dynamic_sampling, None), "min_p": (r.min_p, 0.0),
+             "repetition_penalty": (r.repetition_penalty, 1.0)}
+    if a.kl_loss_coef:
+        fixed["kl_clamp"] = (a.kl_clamp, False)
     for name, (found, want) in fixed.items():
         if found != want:
             raise SystemExit(f"megarl {name}={found} has no TRL equivalent here (TRL: {want}).")
@@ -302,15 +333,44 @@ def trl_args(cfg, case: Case) -> dict:
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=o.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
         adam_epsilon=o.adam_eps, max_grad_norm=o.clip_grad, beta=a.kl_loss_coef, epsilon=a.policy_loss.clip_low,
-        epsilon_high=a.policy_loss.clip_high, loss_type="dapo", scale_rewards="group",
+        epsilon_high=a.policy_loss.clip_high, loss_type="dapo", scale_rewards=a.advantage.scale_rewards.value,
+        use_bias_correction_kl=a.kl_loss_bias_correction, top_entropy_quantile=a.top_entropy_quantile,
+        mask_truncated_completions=a.mask_truncated,
         entropy_coef=a.entropy_coef, seed=cfg.trainer.seed, max_steps=cfg.trainer.total_steps,
         bf16=False, fp16=False, activation_checkpointing=False, use_cpu=True, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
         shuffle_dataset=cfg.data.shuffle, model_init_kwargs={"dtype": "float32"},
     )
-    if not case.stop_at_eos:  # no early end: every completion is max_completion_length long, as in megarl
-        args["generation_kwargs"] = {"suppress_tokens": [1]}
+    if not case.stop_at_eos:  # megarl samples eos and carries on: TRL's generate must not stop at it either
+        args["generation_kwargs"] = {"eos_token_id": []}
     return args
+
+
+def remaining_differences(case: Case) -> list[str]:
+    """What still differs between the two sides of ``case`` once :func:`trl_args` and ``TRL_BEHAVIOUR`` hold,
+    and why each does or does not change the work (written into every results file)."""
+    out = [
+        "Samples and prompt order: each side draws its own (megarl's sampler and seeds, TRL's RepeatSampler and "
+        "torch RNG): the same distributions, not the same draws. `--replay` removes this: TRL trains on megarl's "
+        "recorded prompts and responses.",
+        "Entropy bonus: TRL takes the token mean per micro-batch and averages the micro-batches, megarl one token "
+        "mean over the whole batch. Equal here: every response has the same length "
+        f"({case.max_new_tokens} token{'s' if case.max_new_tokens > 1 else ''}"
+        f"{', ending at eos or cut' if case.stop_at_eos else ', no stop'}), so every micro-batch counts the same "
+        "tokens (`--replay` checks it per step).",
+        "Pad embedding row: transformers' embedding has padding_idx (the pad row gets no gradient as an input), "
+        "megarl's Megatron embedding gives it one wherever <pad> is an input token before the last position. "
+        "Acts only when the policy samples <pad> inside a response (30m; never in tiny, whose one response token is "
+        "the last position).",
+        "Arithmetic order: megarl's Megatron layers (TP/DP splits, its own Adam) against transformers' model and "
+        "torch's AdamW, forward micro-batches of the reference pass (TRL: per_device_train_batch_size rows, "
+        "megarl: policy.forward_micro_batch), TRL's shuffle of rows into micro-batches: rounding only.",
+    ]
+    if not case.stop_at_eos:
+        out.append("Eos without stopping: megarl (rollout.stop_at_eos=false) samples eos and goes on, counting every "
+                   "token; TRL gets generation_kwargs eos_token_id=[] and the worker empties the trainer's "
+                   "eos_token_ids (no GRPOConfig field does it), so it neither stops nor masks after an eos.")
+    return out
 
 
 def _steps_megarl(out: Path, rows: int, warmup: int) -> tuple[list[dict], float | None]:
@@ -355,7 +415,8 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
         cmd = [sys.executable, "-m", "megarl.cli.main", "train", str(EXAMPLE), *megarl_overrides(task, case, out)]
     else:
         spec = {"model": str(task / "model"), "train": str(task / "train.jsonl"), "out": str(out / "steps.jsonl"),
-                "threads": os.cpu_count(), "args": trl_args(cfg, case) | {"output_dir": str(out / "trl")}}
+                "threads": os.cpu_count(), "args": trl_args(cfg, case) | {"output_dir": str(out / "trl")},
+                "ignore_eos": not case.stop_at_eos}
         (out / "spec.json").write_text(json.dumps(spec, indent=1))
         cmd = [trl_python, str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
         env |= trl_env or {}
@@ -403,24 +464,32 @@ def run_side(side: str, case_name: str, repeat: int, task: Path, work: Path, cfg
 # ---------------------------------------------------------------------------------- TRL side
 
 
-def trl_worker(spec_path: str) -> None:
-    """Runs under the TRL virtualenv: GRPOTrainer on the spec's model and prompts, one JSON line per step."""
+def integer_answer(completions, answer, **_):
+    """TRL reward function equal to megarl's built-in ``integer_answer`` (``match: first``): 1 when the first
+    integer of the completion equals the row's answer."""
     import re
 
+    found = [re.search(r"-?\d+", c) for c in completions]
+    return [1.0 if m is not None and int(m.group()) == int(a) else 0.0 for m, a in zip(found, answer, strict=True)]
+
+
+def trl_worker(spec_path: str) -> None:
+    """Runs under the TRL virtualenv: GRPOTrainer on the spec's model and prompts, one JSON line per step
+    (spec ``mode`` ``replay`` or ``learning``: :mod:`grpo_parity`'s worker instead)."""
     import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("mode"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import grpo_parity
+
+        return grpo_parity.trl_worker(spec)
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines() if line.strip()]
-    integer = re.compile(r"-?\d+")  # megarl's integer_answer: the first integer equals the answer
-
-    def integer_answer(completions, answer, **_):
-        return [1.0 if (m := integer.search(c)) is not None and int(m.group()) == int(a) else 0.0
-                for c, a in zip(completions, answer, strict=True)]
-
     timers = {"generate_s": 0.0, "generate_and_score_s": 0.0}
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -461,6 +530,8 @@ def trl_worker(spec_path: str) -> None:
           f"{args.activation_checkpointing}", flush=True)
     trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=integer_answer, args=args,
                                train_dataset=Dataset.from_list(rows), callbacks=[StepClock()])
+    if spec.get("ignore_eos"):  # megarl's rollout.stop_at_eos=false: no mask after a sampled eos (trl_args)
+        trainer.eos_token_ids = []
     trainer.train()
     out.close()
 
@@ -677,6 +748,9 @@ def report(results: list[RunResult], meta: dict) -> str:
         lines += [f"**{name}** model: `make_task(dir, **{CASES[name].model})` (megarl.testing.addition)", "",
                   f"megarl: `{meta['megarl_cmd']} {EXAMPLE.relative_to(ROOT)} " + overrides + "`",
                   "", f"TRL `GRPOConfig(**...)`: `{json.dumps(info['trl'], sort_keys=True)}`", ""]
+    lines += ["## What still differs", ""]
+    for name in meta["cases"]:
+        lines += [f"**{name}**", "", *(f"- {d}" for d in remaining_differences(CASES[name])), ""]
     lines += ["## Reproduce", "", "```", meta["command"], "```", ""]
     return "\n".join(lines)
 
@@ -695,10 +769,22 @@ def main() -> None:
                         help="megarl's launcher for every case (default: each case's own)")
     parser.add_argument("--trl-allocator", default="system", help="host allocator preloaded for TRL (megarl's "
                         "cluster.allocator values; default: glibc, as TRL ships); megarl uses its default, auto")
+    parser.add_argument("--replay", type=int, metavar="N", help="instead of timing: TRL replays N steps of "
+                        "megarl's rollouts; loss, grad norm and weights compared per step (grpo_parity.py)")
+    parser.add_argument("--learning", metavar="SEEDS,STEPS", help="instead of timing: both learn the tiny task over "
+                        "SEEDS seeds x STEPS steps; reward, entropy, greedy accuracy compared (grpo_parity.py)")
+    parser.add_argument("--val-every", type=int, default=25, help="--learning: steps between greedy validations")
+    parser.add_argument("--window", type=int, default=50, help="--learning: steps per window of the report")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--megarl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args.trl_worker)
+    if args.replay or args.learning or args.megarl_worker:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import grpo_parity
+
+        return grpo_parity.main(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from tqdm import tqdm
     from transformers import AutoConfig
