@@ -322,6 +322,10 @@ def _compare_replay(task: Path, out: Path, steps: int) -> dict:
     return {"steps": rows}
 
 
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
 def replay_report(results: dict, meta: dict) -> str:
     lines = [f"# GRPO replay: TRL {meta['versions'].get('TRL venv trl', '?')} trains on megarl's rollouts, "
              f"{meta['date']}", "", *_header(meta), "",
@@ -330,19 +334,25 @@ def replay_report(results: dict, meta: dict) -> str:
              "`GRPOTrainer` then trains N steps from the same HF model with its sampling replaced by the recorded "
              "prompts and responses; its rewards, advantages, reference log-probs, micro-batches, loss, backward, "
              "clipping and AdamW are its own. *rel*: |w_megarl - w_TRL| / |w_TRL|; *rel to update*: |w_megarl - "
-             "w_TRL| / |w_TRL - w_0| (norms over all shared parameters, fp64).", ""]
+             "w_TRL| / |w_TRL - w_0| (norms over all shared parameters, fp64). Adam moves an element by "
+             "lr x m / (sqrt(v) + 1e-8): where an element's gradient is near 1e-8, the rounding of either side "
+             "decides its step. The attention's k_proj bias has such elements (it shifts all of a query's "
+             "scores alike but for RoPE's rotation, so its gradient is small: in step 1 some of its elements "
+             "move by less than the learning rate, the step Adam's first update gives every element whose "
+             "gradient is well above 1e-8), so it differs most relative to its update.", ""]
     for name, r in results.items():
-        lines += [f"## {name}", "", "| step | loss megarl / TRL | grad norm megarl / TRL | entropy megarl / TRL | "
-                  "reward | TRL - megarl: reward, advantage, ref log-prob (max abs) | tokens per micro-batch | "
-                  "weights max abs | rel | rel to update | most different (rel to update) |",
+        lines += [f"## {name}", "", "| step | loss megarl / TRL (rel diff) | grad norm megarl / TRL (rel diff) | "
+                  "entropy megarl / TRL | reward | TRL - megarl: reward, advantage, ref log-prob (max abs) | tokens "
+                  "per micro-batch | weights max abs | rel | rel to update | most different (rel to update) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in r["steps"]:
             c, w = s["checks"], s["weights"]
             tokens = sorted(set(c["micro_batch_tokens"]))
             worst = ", ".join(f"{n} {v['rel_update']:.1e}" for n, v in s["worst"])
             lines.append(
-                f"| {s['step']} | {s['loss'][0]:.7f} / {s['loss'][1]:.7f} | {s['grad_norm'][0]:.6f} / "
-                f"{s['grad_norm'][1]:.6f} | {s['entropy'][0]:.6f} / {s['entropy'][1]:.6f} | {s['reward'][0]:.4f} / "
+                f"| {s['step']} | {s['loss'][0]:.7f} / {s['loss'][1]:.7f} ({_rel(*s['loss']):.1e}) | "
+                f"{s['grad_norm'][0]:.6f} / {s['grad_norm'][1]:.6f} ({_rel(*s['grad_norm']):.1e}) | "
+                f"{s['entropy'][0]:.6f} / {s['entropy'][1]:.6f} | {s['reward'][0]:.4f} / "
                 f"{s['reward'][1]:.4f} | {c['reward_max_abs']:.1e}, {c['advantage_max_abs']:.1e}, "
                 f"{c['ref_logp_max_abs']:.1e} | {len(c['micro_batch_tokens'])} x {tokens} | {w['max_abs']:.2e} | "
                 f"{w['rel']:.2e} | {w['rel_update']:.2e} | {worst} |")
