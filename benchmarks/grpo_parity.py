@@ -481,7 +481,7 @@ def main(args) -> None:
                      command=f".venv/bin/python benchmarks/grpo_cpu.py --replay {args.replay} --cases {args.cases}")
         path = Path(args.results or grpo_cpu.ROOT / "benchmarks" / "results" / f"grpo_cpu-{date}-replay.md")
         path.write_text(replay_report(results, meta))
-        (work / f"replay-{date}.json").write_text(json.dumps(results, indent=1, default=str))
+        (work / f"replay-{date}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     else:
         seeds, steps = map(int, args.learning.split(","))
         res = learning(seeds, steps, args.val_every, work, args.trl_python)
@@ -491,5 +491,5 @@ def main(args) -> None:
                     f"{args.val_every} --window {args.window}")
         path = Path(args.results or grpo_cpu.ROOT / "benchmarks" / "results" / f"grpo_cpu-{date}-learning.md")
         path.write_text(learning_report(res, meta, args.window))
-        (work / f"learning-{date}.json").write_text(json.dumps(res, indent=1, default=str))
+        (work / f"learning-{date}.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1, default=str))
     print(path.read_text())
