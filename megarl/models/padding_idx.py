@@ -39,7 +39,9 @@ def _detach_pad_positions(module: torch.nn.Module, args: tuple, kwargs: dict, ou
     pad = input_ids == padding_idx  # [b, s]
     if module.reduce_scatter_embeddings:  # sequence parallelism: this rank's part of the sequence, [s / tp, b, h]
         group = module.tp_group
-        pad = pad.t().chunk(group.size())[group.rank()]
+        # contiguous: torch.where lays its result out like a transposed mask, and a pipeline stage sends only
+        # contiguous tensors
+        pad = pad.t().contiguous().chunk(group.size())[group.rank()]
     if pad.shape != output.shape[:-1]:
         raise RuntimeError(f"the input embedding's output has shape {list(output.shape)}, which does not match the "
                            f"pad positions' {list(pad.shape)}: megatron-core's VocabParallelEmbedding changed its "
