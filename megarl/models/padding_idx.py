@@ -14,7 +14,7 @@ holds at any layout: with the vocabulary split over tensor-parallel ranks every 
 embedding of the whole sequence, ``[b, s, h]``, and every rank detaches the same positions; with sequence
 parallelism the output is reduce-scattered inside the embedding into this rank's part of the sequence,
 ``[s / tp, b, h]``, and the rank detaches the pad positions of that part (the backward all-gathers the gradient,
-zero at every pad position). Imports megatron-core only through the module it hooks.
+zero at every pad position). Imports only torch: the module it hooks is given to it.
 """
 
 from __future__ import annotations
