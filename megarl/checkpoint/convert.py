@@ -41,6 +41,7 @@ class ConversionSummary:
     bytes: int
     seconds: float
     out_dir: Path
+    notes: tuple[str, ...] = ()  # how megarl trains the checkpoint where megatron-core alone would not (also logged)
 
     def line(self) -> str:
         return (
@@ -108,7 +109,19 @@ def convert_hf_to_megatron(
             megatron_core_version=".".join(map(str, MCORE_VERSION)),
         )
         write_meta(tmp, meta)
-    return ConversionSummary("HF -> Megatron", len(maps), nbytes, time.perf_counter() - start, Path(out_dir))
+    notes = _training_notes(spec)
+    for note in notes:
+        logger.info("%s", note)
+    return ConversionSummary("HF -> Megatron", len(maps), nbytes, time.perf_counter() - start, Path(out_dir), notes)
+
+
+def _training_notes(spec: ModelSpec) -> tuple[str, ...]:
+    """How megarl trains what the checkpoint holds, where megatron-core alone would train it otherwise."""
+    pad = spec.embedding_padding_idx
+    if pad is None:
+        return ()
+    return (f"embedding row {pad} (pad_token_id) gets no gradient from the input lookup in training, as transformers "
+            f"trains it (nn.Embedding padding_idx={pad}); a tied LM head still trains it (docs/resharding.md §1.7)",)
 
 
 def convert_megatron_to_hf(

@@ -21,6 +21,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megarl.models.local_layers import SequenceParallelNorm, use_local_layers, use_sequence_parallel_norms
 from megarl.models.mapping import local_name, split_expert_name, split_layer_name, with_expert, with_layer
+from megarl.models.padding_idx import use_padding_idx
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel import cpu_compat, mcore_compat
 from megarl.parallel.layout import ParallelLayout
@@ -41,6 +42,9 @@ class BuildOptions:
     moe_aux_loss_coeff: float = 0.0  # MoE: weight of the router's load-balancing loss in training
     router_replay: bool = False  # MoE: megatron-core's RouterReplay on every router (targets set per micro-batch)
     sequence_parallel: bool = False  # megatron-core's sequence parallelism (at tp > 1; ignored at tp 1)
+    # transformers' nn.Embedding(padding_idx=pad_token_id): the pad row gets no gradient from the input lookup
+    # (megarl/models/padding_idx.py); False: megatron-core's embedding as it is, every row trained by its lookups
+    padding_idx: bool = True
 
 
 class ScalarHead(torch.nn.Module):
@@ -174,6 +178,8 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         )
+        if opts.padding_idx and spec.embedding_padding_idx is not None and model.pre_process:
+            use_padding_idx(model.embedding.word_embeddings, spec.embedding_padding_idx)
         if spec.head is Head.SCALAR and model.post_process:
             model.output_layer = ScalarHead(spec.hidden_size, opts.dtype, opts.seed, opts.init_weights,
                                             sequence_parallel=config.sequence_parallel)

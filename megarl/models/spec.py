@@ -97,6 +97,13 @@ class ModelSpec:
                            num_query_groups=self.num_query_groups,
                            num_experts=self.moe.num_experts if self.moe else None)
 
+    @property
+    def embedding_padding_idx(self) -> int | None:
+        """The input embedding's row that transformers builds as ``nn.Embedding(..., padding_idx=pad_token_id)``
+        (every supported family): looked up like any row, but the lookup adds nothing to its gradient. None when
+        the config has no pad token. A negative id counts from the end, as in ``nn.Embedding``."""
+        return None if self.pad_token_id is None else self.pad_token_id % self.vocab_size
+
     def with_head(self, head: Head) -> ModelSpec:
         """The same decoder with another head (a critic built from a causal LM)."""
         return dataclasses.replace(self, head=head, tie_word_embeddings=self.tie_word_embeddings and head is Head.LM)
@@ -184,6 +191,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     qkv_bias = True if family is Family.QWEN2 else bool(cfg.get("attention_bias", False))
     moe = _moe(cfg, arch) if family in _MOE_FAMILIES else None
     theta, factor = _rope(cfg, arch)
+    _check_pad_token(cfg, arch)
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -226,6 +234,16 @@ def _moe(cfg: dict[str, Any], arch: str) -> MoESpec:
     return MoESpec(num_experts=int(experts), top_k=top_k, ffn_hidden_size=int(cfg["moe_intermediate_size"]),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                    aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
+
+
+def _check_pad_token(cfg: dict[str, Any], arch: str) -> None:
+    """transformers uses ``pad_token_id`` as the input embedding's ``padding_idx``, which must be a row of it."""
+    pad, vocab = cfg.get("pad_token_id"), int(cfg["vocab_size"])
+    if pad is not None and not (isinstance(pad, int) and -vocab <= pad < vocab):
+        raise UnsupportedModelError(
+            f"{arch} with pad_token_id={pad!r} and vocab_size={vocab} is not supported: transformers builds the input "
+            "embedding with padding_idx=pad_token_id, which must be a row of it (nor can transformers load this "
+            "config); set pad_token_id to a token id below vocab_size, or remove it.")
 
 
 def _require(cfg: dict[str, Any], key: str, expected: Any, arch: str) -> None:

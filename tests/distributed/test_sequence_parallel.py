@@ -26,12 +26,13 @@ CLIP = 0.2
 
 
 def _batch():
-    """6 right-padded rows of 13, 10, 11, 12, 9 and 11 tokens (response: from token 3 on)."""
+    """6 right-padded rows of 13, 10, 11, 12, 9 and 11 tokens (response: from token 3 on), the pad id inside 3."""
     g = torch.Generator().manual_seed(7)
     lengths = [13, 10, 11, 12, 9, 11]
     ids = torch.zeros(6, 13, dtype=torch.long)
     attn = (torch.arange(13) < torch.tensor(lengths)[:, None]).float()
     ids[attn.bool()] = torch.randint(5, 300, (int(attn.sum()),), generator=g)
+    ids[0, 5] = ids[3, 8] = ids[4, 2] = 0  # the pad token inside rows: its embedding row trains as in transformers
     resp = attn.clone()
     resp[:, :3] = 0
     advantages = torch.randn(6, 13, generator=g) * resp

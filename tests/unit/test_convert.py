@@ -39,6 +39,9 @@ def test_roundtrip_bit_exact(tiny_hf, tmp_path, model, tp, pp):
     assert (meta.layout.tp, meta.layout.pp) == (tp, pp)
     assert meta.padded_vocab_size == 128 * tp * -(-300 // (128 * tp))  # Megatron-LM's padding rule
     assert s1.tensors == len(mcore_io.tensors_metadata(tmp_path / "mc")) or s1.tensors > 0
+    # tiny_config's pad_token_id is 0: the summary says how megarl trains that row (docs/resharding.md §1.7)
+    assert len(s1.notes) == 1 and s1.notes[0].startswith("embedding row 0 (pad_token_id) gets no gradient from the")
+    assert s2.notes == ()
 
 
 def test_qwen3_and_bf16_roundtrip(tiny_hf, tmp_path):

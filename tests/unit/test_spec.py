@@ -63,6 +63,24 @@ def test_unsupported_features_raise():
         spec_from_hf_config(dict(cfg, mlp_bias=True))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("pad", [None, 0, 7, -1])
+def test_embedding_padding_idx_is_transformers(family, pad):
+    """The row transformers' input embedding treats as padding (its own nn.Embedding, built from the config)."""
+    cfg = tiny_config(family)
+    cfg.pad_token_id = pad
+    with torch.device("meta"):
+        expected = AutoModelForCausalLM.from_config(cfg).get_input_embeddings().padding_idx
+    assert spec_from_hf_config(cfg.to_dict()).embedding_padding_idx == expected
+
+
+def test_pad_token_outside_the_vocabulary_is_rejected():
+    cfg = tiny_config("llama").to_dict()
+    for pad in (300, -301):
+        with pytest.raises(UnsupportedModelError, match=f"pad_token_id={pad} and vocab_size=300"):
+            spec_from_hf_config(dict(cfg, pad_token_id=pad))
+
+
 def test_padded_vocab_matches_megatron_lm_rule():
     spec = spec_from_hf_config(tiny_config("llama", vocab_size=128256).to_dict())
     # docs/resharding.md §1.4 worked numbers: Llama-3 V=128256, TP=8, D=128 -> 129024
