@@ -358,10 +358,6 @@ def remaining_differences(case: Case) -> list[str]:
         f"({case.max_new_tokens} token{'s' if case.max_new_tokens > 1 else ''}"
         f"{', ending at eos or cut' if case.stop_at_eos else ', no stop'}), so every micro-batch counts the same "
         "tokens (`--replay` checks it per step).",
-        "Pad embedding row: transformers' embedding has padding_idx (the pad row gets no gradient as an input), "
-        "megarl's Megatron embedding gives it one wherever <pad> is an input token before the last position. "
-        "Acts only when the policy samples <pad> inside a response (30m; never in tiny, whose one response token is "
-        "the last position).",
         "Arithmetic order: megarl's Megatron layers (TP/DP splits, its own Adam) against transformers' model and "
         "torch's AdamW, forward micro-batches of the reference pass (TRL: per_device_train_batch_size rows, "
         "megarl: policy.forward_micro_batch), TRL's shuffle of rows into micro-batches: rounding only.",
