@@ -72,9 +72,9 @@ def permutation_p(x: list[float], y: list[float], samples: int = 20000, seed: in
     return sum(diff(s) >= observed - 1e-12 for s in splits) / len(splits)
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 3) -> str:
     """``mean [min..max]`` of the per-seed values."""
-    return f"{statistics.fmean(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
+    return f"{statistics.fmean(values):.{digits}f} [{min(values):.{digits}f}..{max(values):.{digits}f}]"
 
 
 def weight_diff(ours: dict, theirs: dict, start: dict) -> dict:
@@ -442,7 +442,7 @@ def learning_report(res: dict, meta: dict, window: int) -> str:
                      f"{statistics.fmean(per['megarl']) - statistics.fmean(per['trl']):+.3f} | "
                      f"{permutation_p(per['megarl'], per['trl']):.2f} |")
     lines += ["", "Wall time per run (beside other jobs, not a speed result): " + ", ".join(
-        f"{side} {spread(v)} s" for side, v in res["wall_s"].items()), "",
+        f"{side} {spread(v, 0)} s" for side, v in res["wall_s"].items()), "",
         "megarl overrides: `" + " ".join(res["overrides"]).replace(f"{grpo_cpu.ROOT}/", "") + "`", "",
         f"TRL `GRPOConfig(**...)` (seed = SEED): `{json.dumps(res['trl'], sort_keys=True)}`", "",
         "What still differs:", "", *(f"- {d}" for d in grpo_cpu.remaining_differences(grpo_cpu.CASES["tiny"])),
