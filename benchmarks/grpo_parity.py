@@ -188,8 +188,8 @@ def trl_worker(spec: dict) -> None:
     answers = {r["prompt"]: r["answer"] for r in rows + val}
 
     class ParityTrainer(GRPOTrainer):
-        checks: dict = {}
-        _rows: list = []
+        checks: dict  # this step's comparisons with the recording (replay) or its greedy accuracy (learning)
+        _rows: list  # replay: this step's recorded (prompt ids, response ids, row) in TRL's order
 
         def _generate_and_score_completions(self, inputs):
             if not replay:
@@ -253,6 +253,7 @@ def trl_worker(spec: dict) -> None:
     trainer = ParityTrainer(model=spec["model"], reward_funcs=grpo_cpu.integer_answer,
                             args=GRPOConfig(**spec["args"]), train_dataset=Dataset.from_list(rows),
                             callbacks=[Record()])
+    trainer.checks, trainer._rows = {}, []
     if spec.get("ignore_eos"):  # megarl's rollout.stop_at_eos=false (grpo_cpu.trl_args)
         trainer.eos_token_ids = []
     trainer.train()
