@@ -94,3 +94,26 @@ def training_log_probs(role: Any, rows: Any, layout: Any) -> tuple[Any, float]:
     lp = from_collect_rank(None if lp is None else lp["log_probs"], layout)
     return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
 
+
+
+def sgd_policy(hf_dir: Any, ckpt_dir: Any, algorithm: Any, *, max_tokens: int, max_size: int) -> Any:
+    """A policy role in this process (a world of one, joined here) on ``hf_dir`` converted into ``ckpt_dir``:
+    SGD at lr 1e-12 without clipping, so an update's metrics describe the loss at the loaded weights; update
+    micro-batches of at most ``max_tokens`` tokens and ``max_size`` rows."""
+    from megarl.checkpoint.convert import convert_hf_to_megatron
+    from megarl.controller.role import WorkerContext
+    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
+    from megarl.rollout.config import RolloutConfig
+
+    convert_hf_to_megatron(hf_dir, ckpt_dir, tp=1, pp=1)
+    layout = ParallelLayout()
+    init_distributed(layout)
+    ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, "cpu")
+    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-12, clip_grad=0.0,
+                                            use_distributed_optimizer=False),
+                          micro_batch=MicroBatchConfig(max_tokens=max_tokens, max_size=max_size))
+    return PolicyRole(ctx, checkpoint_dir=str(ckpt_dir), engine=engine, algorithm=algorithm, temperature=1.0,
+                      rollout=RolloutConfig())

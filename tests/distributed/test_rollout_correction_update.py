@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from megarl.checkpoint.convert import convert_hf_to_megatron
+from megarl.testing.dist import sgd_policy
 
 pytestmark = pytest.mark.dist
 
@@ -58,23 +58,9 @@ def _hand(old, rollout, mask, adv, cfg):
 @pytest.fixture(scope="module")
 def policy(tiny_hf, tmp_path_factory):
     from megarl.algos.config import AlgorithmConfig
-    from megarl.controller.role import WorkerContext
-    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
-    from megarl.parallel.init import init_distributed
-    from megarl.parallel.layout import ParallelLayout
-    from megarl.roles.policy import PolicyRole
-    from megarl.rollout.config import RolloutConfig
 
-    ckpt = tmp_path_factory.mktemp("correction") / "mc"
-    convert_hf_to_megatron(tiny_hf("qwen2_untied"), ckpt, tp=1, pp=1)
-    layout = ParallelLayout()
-    init_distributed(layout)
-    ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, "cpu")
-    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-12, clip_grad=0.0,
-                                            use_distributed_optimizer=False),
-                          micro_batch=MicroBatchConfig(max_tokens=24, max_size=3))  # several micro-batches
-    return PolicyRole(ctx, checkpoint_dir=str(ckpt), engine=engine, algorithm=AlgorithmConfig(), temperature=1.0,
-                      rollout=RolloutConfig())
+    return sgd_policy(tiny_hf("qwen2_untied"), tmp_path_factory.mktemp("correction") / "mc", AlgorithmConfig(),
+                      max_tokens=24, max_size=3)  # several micro-batches
 
 
 def _rollout(policy, temperature: float):

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from megarl.checkpoint.convert import convert_hf_to_megatron
+from megarl.testing.dist import sgd_policy
 
 pytestmark = pytest.mark.dist
 
@@ -37,24 +37,10 @@ def _trl_keep(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Te
 def policy(tiny_hf, tmp_path_factory):
     from megarl.algos.config import AlgorithmConfig
     from megarl.algos.correction import RolloutCorrectionConfig
-    from megarl.controller.role import WorkerContext
-    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
-    from megarl.parallel.init import init_distributed
-    from megarl.parallel.layout import ParallelLayout
-    from megarl.roles.policy import PolicyRole
-    from megarl.rollout.config import RolloutConfig
 
-    ckpt = tmp_path_factory.mktemp("trl_options") / "mc"
-    convert_hf_to_megatron(tiny_hf("qwen2_untied"), ckpt, tp=1, pp=1)
-    layout = ParallelLayout()
-    init_distributed(layout)
-    ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", 0, "cpu")
-    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-12, clip_grad=0.0,
-                                            use_distributed_optimizer=False),
-                          micro_batch=MicroBatchConfig(max_tokens=100_000, max_size=64))  # one micro-batch
     algorithm = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(truncate=None))
-    return PolicyRole(ctx, checkpoint_dir=str(ckpt), engine=engine, algorithm=algorithm, temperature=1.0,
-                      rollout=RolloutConfig())
+    return sgd_policy(tiny_hf("qwen2_untied"), tmp_path_factory.mktemp("trl_options") / "mc", algorithm,
+                      max_tokens=100_000, max_size=64)  # one micro-batch
 
 
 @pytest.mark.parametrize("rho, clamp, bias_correction, shift", [
