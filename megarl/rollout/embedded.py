@@ -516,7 +516,9 @@ class EmbeddedEngine:
                                          self.pad_token_id, self.device)
         cache = self._new_cache()
         if any(starts):  # [kept prefix (right-aligned) | the rest of the prompt (left-padded)]
-            mask = torch.cat([self._seed_cache(cache, hits, max(starts)), mask], dim=1)
+            from megarl.rollout.kv_cache import seed_cache
+
+            mask = torch.cat([seed_cache(cache, hits, max(starts)), mask], dim=1)
             positions = positions + torch.tensor(starts, device=self.device)[:, None]
         logits = self._forward(ids, mask, positions, cache)
         routed = self._take_routing(tuple(ids.shape))
@@ -543,24 +545,6 @@ class EmbeddedEngine:
         row_ids = torch.arange(rows.start, rows.stop, device=self.device)
         return _Batch(rows=row_ids, mask=mask, next_pos=mask.sum(-1), logits=logits, cache=cache, seen=marks)
 
-    def _seed_cache(self, cache, hits: list[Prefix | None], width: int) -> torch.Tensor:
-        """Fill the empty ``cache`` with each row's kept prefix, right-aligned in ``width`` columns (zeros
-        before it, and for rows without one); returns the attention mask of those columns."""
-        mask = torch.zeros((len(hits), width), dtype=torch.long, device=self.device)
-        sample = next(hit for hit in hits if hit is not None)
-        for layer in range(len(sample.keys)):
-            keys = sample.keys[layer].new_zeros((len(hits), *sample.keys[layer].shape[:-2], width,
-                                                 sample.keys[layer].shape[-1]))
-            values = sample.values[layer].new_zeros((len(hits), *sample.values[layer].shape[:-2], width,
-                                                     sample.values[layer].shape[-1]))
-            for d, hit in enumerate(hits):
-                if hit is not None:
-                    keys[d, :, width - len(hit.tokens):] = hit.keys[layer]
-                    values[d, :, width - len(hit.tokens):] = hit.values[layer]
-                    mask[d, width - len(hit.tokens):] = 1
-            cache.update(keys, values, layer)
-        return mask
-
     def _keep_prefixes(self, batch: _Batch, done: torch.Tensor, prompts: Sequence[Sequence[int]],
                        row_prompt: list[int], results: _Results) -> None:
         """Store the KV of the finished rows (``done``: bool over the batch) for a later call that continues them:
@@ -569,14 +553,9 @@ class EmbeddedEngine:
 
         for b in done.nonzero().squeeze(1).tolist():
             row = int(batch.rows[b])
-            columns = batch.mask[b].nonzero().squeeze(1)
-            response = results.tokens[row, : int(results.lengths[row]) - 1].tolist()
-            tokens = (*prompts[row_prompt[row]], *response)
+            tokens = (*prompts[row_prompt[row]], *results.tokens[row, : int(results.lengths[row]) - 1].tolist())
             routing = None if results.routing is None else results.routing[row, : len(tokens)].clone()
-            self._prefixes.put(Prefix(
-                tokens=tokens, routing=routing,
-                keys=[layer.keys[b].index_select(1, columns) for layer in batch.cache.layers],
-                values=[layer.values[b].index_select(1, columns) for layer in batch.cache.layers]))
+            self._prefixes.put(Prefix.of_row(batch.cache, b, batch.mask[b].nonzero().squeeze(1), tokens, routing))
 
     def _step(
         self, batch: _Batch, params: SamplingParams, generator: torch.Generator, results: _Results,

@@ -85,10 +85,39 @@ class Prefix:
     values: list[torch.Tensor]
     routing: torch.Tensor | None  # MoE: int16 [len(tokens), layers, top_k] of those tokens, else None
 
+    @classmethod
+    def of_row(cls, cache, row: int, columns: torch.Tensor, tokens: tuple[int, ...],
+               routing: torch.Tensor | None) -> Prefix:
+        """Batch row ``row``'s ``columns`` of every layer of ``cache`` (copies), the KV of ``tokens``."""
+        return cls(tokens=tokens, routing=routing,
+                   keys=[layer.keys[row].index_select(1, columns) for layer in cache.layers],
+                   values=[layer.values[row].index_select(1, columns) for layer in cache.layers])
+
     @property
     def nbytes(self) -> int:
         tensors = [*self.keys, *self.values, *([] if self.routing is None else [self.routing])]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def seed_cache(cache, prefixes: Sequence[Prefix | None], width: int) -> torch.Tensor:
+    """Fill the empty ``cache`` with each batch row's prefix, right-aligned in ``width`` columns (zeros before it,
+    and for rows without one); returns the long attention mask [rows, width] of those columns."""
+    sample = next(p for p in prefixes if p is not None)
+    mask = torch.zeros((len(prefixes), width), dtype=torch.long, device=sample.keys[0].device)
+    for d, p in enumerate(prefixes):
+        if p is not None:
+            mask[d, width - len(p.tokens):] = 1
+    for layer in range(len(sample.keys)):
+        states = []
+        for kept in ([p and p.keys[layer] for p in prefixes], [p and p.values[layer] for p in prefixes]):
+            first = next(t for t in kept if t is not None)  # [H, n, D]
+            full = first.new_zeros((len(prefixes), first.shape[0], width, first.shape[2]))
+            for d, t in enumerate(kept):
+                if t is not None:
+                    full[d, :, width - t.shape[1]:] = t
+            states.append(full)
+        cache.update(*states, layer)
+    return mask
 
 
 _MASK = (1 << 64) - 1

@@ -3,8 +3,8 @@
 Owns a ``vllm.LLM`` built in this process with the ``external_launcher`` executor (vLLM joins the
 torch.distributed world the worker already initialised; its worker runs in this process, so
 ``collective_rpc`` passes tensors by reference), the weight sync into it, sleeping and waking, and the
-pure helpers :class:`LayerGroups` and :func:`to_rollout_output`. It does not own the
-plan, the transport or the training model. Imports torch and megarl; vLLM only inside the engine, whose
+pure helper :class:`LayerGroups`; its outputs become megarl's by :mod:`megarl.rollout.vllm_outputs`. It does not
+own the plan, the transport or the training model. Imports torch and megarl; vLLM only inside the engine, whose
 construction sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``RANK`` and ``LOCAL_RANK`` in this process.
 The same code runs on vLLM's CPU build and on its CUDA wheel.
 
@@ -73,13 +73,13 @@ from megarl.errors import ConfigError, LayoutError, MegarlError, MissingDependen
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import hf_tensors
-from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams, WeightUpdateError
-from megarl.rollout.vllm_routing import routed_experts, routing_args, routing_shape, stack_routing
+from megarl.rollout.base import RolloutOutput, SamplingParams, WeightUpdateError
+from megarl.rollout.vllm_outputs import to_rollout_output
+from megarl.rollout.vllm_routing import routing_args, routing_shape
 
 logger = logging.getLogger(__name__)
 
 _SLEEP_LEVEL = 1  # see the module docstring
-_VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 _MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: vLLM raises 0 < T < 0.01 to 0.01
 _REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "kv_cache_memory_bytes")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
@@ -454,79 +454,6 @@ class LayerGroups:
     def missing(self) -> list[str]:
         """Names not loaded yet (held ones included), in sync order."""
         return [n for n in self.shapes if n not in self._done]
-
-
-def to_rollout_output(request_outputs: Sequence[Any], n: int, pad_token_id: int, *,
-                      routing: tuple[int, int] | None = None) -> RolloutOutput:
-    """:class:`RolloutOutput` from vLLM ``RequestOutput``s (one per prompt, in prompt order).
-
-    Reads ``request.outputs[j].index``, ``.token_ids``, ``.logprobs`` (per position a mapping token id ->
-    ``Logprob`` with ``.logprob``; it must hold the sampled token) and ``.finish_reason`` ("stop"/"length").
-    A request with a single completion stands for ``n`` identical rows (greedy: vLLM samples it once).
-    Stop tokens are part of ``token_ids`` (vLLM appends a token before ``check_stop``), so they stay in the
-    response, as the contract wants.
-
-    ``routing`` (MoE layers, top-k): also reads each completion's ``routed_experts`` (vLLM's
-    ``enable_return_routed_experts``: the experts of every token the engine fed, prompt then response,
-    [tokens, layers, k]) and ``request.prompt_token_ids`` into :attr:`RolloutOutput.routed_experts`.
-    """
-    rows: list[tuple[int, list[int], list[float], str]] = []
-    routed: list[torch.Tensor] = []
-    cached: list[int | None] = []  # per row: its prompt's tokens found in the prefix cache
-    for i, request in enumerate(request_outputs):
-        completions = sorted(request.outputs, key=lambda c: c.index)
-        if len(completions) == 1 < n:
-            completions = completions * n
-        if len(completions) != n:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected {n}")
-        for c in completions:
-            ids = [int(t) for t in c.token_ids]
-            rows.append((i, ids, _sampled_log_probs(c, ids, i), _finish_reason(c, i)))
-            cached.append(getattr(request, "num_cached_tokens", None))  # None: a vLLM that does not report it
-            if routing is not None:
-                routed.append(routed_experts(c, len(request.prompt_token_ids) + len(ids), routing, i))
-    width = max((len(ids) for _, ids, _, _ in rows), default=0)
-    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    log_probs = torch.zeros((len(rows), width), dtype=torch.float32)
-    for k, (_, ids, lps, _) in enumerate(rows):
-        responses[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        log_probs[k, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-    lengths = torch.tensor([len(ids) for _, ids, _, _ in rows], dtype=torch.long)
-    return RolloutOutput(
-        prompt_index=torch.tensor([i for i, _, _, _ in rows], dtype=torch.long),
-        responses=responses,
-        response_mask=torch.arange(width)[None, :] < lengths[:, None],
-        log_probs=log_probs,
-        response_lengths=lengths,
-        finish_reasons=[reason for _, _, _, reason in rows],
-        routed_experts=None if routing is None else stack_routing(routed, routing),
-        cached_tokens=None if None in cached else torch.tensor(cached, dtype=torch.long),
-    )
-
-
-def _sampled_log_probs(completion: Any, ids: list[int], prompt: int) -> list[float]:
-    positions = completion.logprobs
-    if positions is None or len(positions) != len(ids):
-        found = "none" if positions is None else f"{len(positions)} positions"
-        raise RuntimeError(f"vLLM returned {found} of log-probs for a {len(ids)}-token response of prompt {prompt}; "
-                           "it must be asked for logprobs=0 (the sampled token's)")
-    out = []
-    for j, (entry, token) in enumerate(zip(positions, ids, strict=True)):
-        if token not in entry:
-            raise RuntimeError(f"vLLM's log-probs at position {j} of prompt {prompt} lack the sampled token {token}")
-        out.append(float(entry[token].logprob))
-    return out
-
-
-def _finish_reason(completion: Any, prompt: int) -> str:
-    reason = _VLLM_FINISH.get(completion.finish_reason)
-    if reason is None:
-        raise RuntimeError(f"vLLM finished a response of prompt {prompt} with {completion.finish_reason!r}; "
-                           f"expected one of {sorted(_VLLM_FINISH)}")
-    return reason
-
-
-# ------------------------------------------------------------------------------------------ environment
 
 
 def _read_config(model_dir: Path) -> dict:

@@ -16,7 +16,8 @@ from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import Grouping, check_vllm_groups, make_plan
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, WeightUpdateError
-from megarl.rollout.vllm_engine import LayerGroups, VLLMEngine, _import_vllm, layer_key, to_rollout_output
+from megarl.rollout.vllm_engine import LayerGroups, VLLMEngine, _import_vllm, layer_key
+from megarl.rollout.vllm_outputs import to_rollout_output
 from megarl.testing.tiny import tiny_config
 
 outputs = pytest.importorskip("vllm.outputs", reason="vLLM is not installed (make install brings its CPU build)")
