@@ -3,16 +3,27 @@
 PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu``) preloads tcmalloc (or jemalloc)
 for the same reason megarl does: glibc serves every tensor above its mmap threshold (at most 32 MiB)
 from fresh ``mmap`` pages, each page a fault to zero and map, and keeps the holes that a training
-step's varied tensor sizes leave in its heap. Measured on the 30M-parameter GRPO benchmark (CPU, one
-process, 2-step runs in the order tcmalloc, glibc, tcmalloc, jemalloc, glibc, tcmalloc, 2026-12-01):
+step's varied tensor sizes leave in its heap. Every install has a jemalloc to preload: Ray's wheel
+ships one (``ray/core/libjemalloc.so``), found without importing Ray (:func:`search_dirs`).
 
-=========  ===================  ===================================  ===========
-allocator  step s (median)      policy update: page faults, sys s    peak RSS GB
-=========  ===================  ===================================  ===========
-glibc      68.4-73.3 (71.1)     746k-875k, 5.1-6.7                   3.91-3.97
-tcmalloc   58.2-69.5 (64.5)     40k-140k, 1.2-1.6                    2.57
-jemalloc   63.0-64.9            11k, 1.2                             3.05
-=========  ===================  ===================================  ===========
+Measured on the 30M-parameter GRPO benchmark (CPU, one process, 1 warm-up + 2 steps, AMD EPYC
+2 cores, 2026-12-03; whole run: page faults and system seconds; peak: VmHWM over the steps):
+
+==============================================  ========  ===========  ======  =======
+setting                                         step s    page faults  sys s   peak GB
+==============================================  ========  ===========  ======  =======
+glibc                                           56.1      5.18 M       40.0    4.02
+glibc, torch's THP_MEM_ALLOC_ENABLE=1           53.6      0.82 M       40.4    3.82
+glibc, mmap_max=0 + trim_threshold 16 GiB       53.3      2.70 M       30.9    4.01
+glibc, mmap_threshold=2 MiB + THP               64.7      7.75 M       70.9    2.58
+Ray's jemalloc, :data:`JEMALLOC_CONF`           48.6      0.80 M       16.0    3.09
+Ray's jemalloc, jemalloc's defaults             66.4      29.2 M       79.7    2.58
+==============================================  ========  ===========  ======  =======
+
+Huge pages cut the faults but not the zeroing (the system time stays); keeping freed memory in
+glibc's heap keeps the faults of its other arenas; only retaining freed pages for reuse (jemalloc,
+never purging) removes both. An earlier series on an Intel Xeon (2026-12-01) had tcmalloc at a
+median 64.5 s and 2.57 GB against glibc's 71.1 s and 3.91 GB.
 
 The allocator must be chosen before a process starts, so ``megarl train`` re-executes itself once
 with ``LD_PRELOAD`` set (:func:`exec_with`; its Ray daemons and workers inherit the environment), and
@@ -26,6 +37,7 @@ Standard library and ``megarl.errors`` only: imported by the CLI before torch.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import logging
 import os
 import sys
@@ -57,7 +69,8 @@ _FILES = {
     Allocator.JEMALLOC: ("libjemalloc.so.2", "libjemalloc.so"),
 }
 _INSTALL = {Allocator.TCMALLOC: "libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools (conda-forge, Fedora)",
-            Allocator.JEMALLOC: "libjemalloc2 (Debian/Ubuntu) or jemalloc (conda-forge, Fedora)"}
+            Allocator.JEMALLOC: "libjemalloc2 (Debian/Ubuntu) or jemalloc (conda-forge, Fedora), or reinstall "
+                                "Ray (its wheel ships ray/core/libjemalloc.so)"}
 # Keep freed pages for reuse instead of returning them after 10 s (jemalloc's default): a GRPO step
 # frees and re-allocates the same activation sizes every phase, and each returned page costs a page
 # fault to get back. background_thread: purging off the compute threads.
@@ -66,7 +79,9 @@ MARKER = "MEGARL_ALLOCATOR"  # set in a process tree whose allocator megarl has 
 
 
 def search_dirs() -> list[Path]:
-    """Where the shared libraries are looked for: this environment's lib, then the system's."""
+    """Where the shared libraries are looked for: this environment's lib, the system's, then the directory
+    of the jemalloc that Ray's wheel ships (``ray/core/libjemalloc.so``, jemalloc 5.3.0 in Ray 2.60): Ray
+    is one of megarl's dependencies, so every install has an allocator to preload."""
     dirs = [Path(sys.prefix) / "lib", Path(sys.base_prefix) / "lib"]
     if conda := os.environ.get("CONDA_PREFIX"):
         dirs.append(Path(conda) / "lib")
@@ -74,7 +89,19 @@ def search_dirs() -> list[Path]:
     multiarch = f"{os.uname().machine}-linux-gnu"
     for root in ("/usr/local/lib", "/usr/lib", "/lib"):
         dirs += [Path(root) / multiarch, Path(root), Path(root + "64")]
+    if (ray := _package_dir("ray")) is not None:
+        dirs.append(ray / "core")
     return dirs
+
+
+def _package_dir(name: str) -> Path | None:
+    """The directory of installed package ``name``, found without importing it (None if not installed)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) if locations else None
 
 
 def find(name: Allocator) -> Path | None:

@@ -19,7 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
-from megarl.models.local_layers import SequenceParallelNorm, use_local_layers, use_sequence_parallel_norms
+from megarl.models.local_layers import LocalNorm, use_local_layers, use_local_norms
 from megarl.models.mapping import local_name, split_expert_name, split_layer_name, with_expert, with_layer
 from megarl.models.padding_idx import use_padding_idx
 from megarl.models.spec import Head, ModelSpec
@@ -38,7 +38,7 @@ class BuildOptions:
     vocab_tp: int | None = None  # pad the vocabulary as for this TP size (None: the layout's)
     dropout: float = 0.0
     seed: int = 0  # initial scalar-head weights (identical on every rank: the head is replicated)
-    local_layers: bool = True  # local spec: megarl/models/local_layers.py (fused SDPA attention, lean SwiGLU MLP)
+    local_layers: bool = True  # local spec: megarl/models/local_layers.py (SDPA attention, lean SwiGLU, RMSNorm)
     moe_aux_loss_coeff: float = 0.0  # MoE: weight of the router's load-balancing loss in training
     router_replay: bool = False  # MoE: megatron-core's RouterReplay on every router (targets set per micro-batch)
     sequence_parallel: bool = False  # megatron-core's sequence parallelism (at tp > 1; ignored at tp 1)
@@ -154,16 +154,16 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
         use_local_layers(layer_spec)
     if config.sequence_parallel:
         cpu_compat.redirect_sequence_parallel()
-    sequence_parallel_norms = config.sequence_parallel and not use_te  # TE's norms support it themselves
-    if sequence_parallel_norms:
-        use_sequence_parallel_norms(layer_spec)
+    # lean RMSNorms with the local layers; sequence parallelism needs these norms either way (TE's support it)
+    local_norms = not use_te and (opts.local_layers or config.sequence_parallel)
+    if local_norms:
+        use_local_norms(layer_spec)
     chunks = []
     for vp in range(layout.vpp_size):
         vp_stage = vp if layout.vpp else None
         block_spec = layer_spec
-        if sequence_parallel_norms:  # the decoder's final norm too
-            block_spec = mcore_compat.decoder_block_spec(config, layer_spec, vp_stage,
-                                                         layer_norm=SequenceParallelNorm)
+        if local_norms:  # the decoder's final norm too
+            block_spec = mcore_compat.decoder_block_spec(config, layer_spec, vp_stage, layer_norm=LocalNorm)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,

@@ -9,6 +9,8 @@ tests/distributed/test_policy.py.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,3 +104,37 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
     assert new_saved == hidden + fc1_out
     # ... in backward once, with silu(gate), which SwiGLU's backward then reuses: one silu, not two
     assert backward_ops.count("silu.default") == 1 and backward_ops.count("silu_backward.grad_input") == 1
+
+
+def _keep(saved: list, t: torch.Tensor) -> torch.Tensor:
+    saved.append(t)
+    return t
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_lean_rms_norm_equals_torch_and_saves_only_its_input(dtype, tol):
+    """LeanRMSNorm against torch.nn.RMSNorm (autograd through torch's composite): output bit-identical,
+    input and weight gradients within rounding; q/k-norm shape (heads on the second-to-last dimension)."""
+    from megarl.models.local_layers import LeanRMSNorm
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((5, 3, 64), (4, 2, 3, 16)):
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
+        weight = torch.randn(shape[-1], generator=g, dtype=torch.float64).to(dtype)
+        grad = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+        outs = []
+        for cls in (torch.nn.RMSNorm, LeanRMSNorm):
+            norm = cls(shape[-1], eps=1e-6, dtype=dtype)
+            norm.weight.data.copy_(weight)
+            xi = x.clone().requires_grad_()
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(_keep, saved), lambda t: t):
+                y = norm(xi)
+            y.backward(grad)
+            big = {t.untyped_storage().data_ptr() for t in saved if t.numel() == x.numel()}
+            outs.append((y.detach(), xi.grad, norm.weight.grad, len(big)))
+        (y0, gx0, gw0, big0), (y1, gx1, gw1, big1) = outs
+        assert torch.equal(y1, y0)
+        torch.testing.assert_close(gx1, gx0, rtol=tol, atol=tol)
+        torch.testing.assert_close(gw1, gw0, rtol=tol, atol=tol * shape[0])
+        assert (big0, big1) == (2, 1)  # torch keeps the input and the normalised input; lean: the input

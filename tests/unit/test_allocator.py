@@ -58,7 +58,7 @@ print(os.environ["MEGARL_ALLOCATOR"], allocator.loaded(), sys.argv[2] in maps, s
 
 
 @pytest.mark.skipif(allocator.resolve(Allocator.AUTO)[1] is None,
-                    reason="neither jemalloc nor tcmalloc is installed (e.g. apt install libjemalloc2)")
+                    reason="neither jemalloc nor tcmalloc is installed (Ray's wheel ships jemalloc: reinstall Ray)")
 def test_exec_with_re_executes_once_with_the_library_mapped():
     name, lib = allocator.resolve(Allocator.AUTO)
     env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")}
@@ -70,3 +70,18 @@ def test_exec_with_re_executes_once_with_the_library_mapped():
     # the command ran twice (before and after the exec), the second time with the library in its address space
     assert probe("auto") == ["started", "started", name, name, "True"]
     assert probe("system") == ["started", "system", "system", "False"]
+
+
+def test_rays_jemalloc_is_found_without_importing_ray():
+    """Every install has an allocator to preload: Ray's wheel ships jemalloc, and the CLI finds it before
+    anything heavy (Ray included) is imported."""
+    code = ("import sys\nfrom megarl.host import allocator\n"
+            "print(allocator.search_dirs()[-1], allocator.find(allocator.Allocator.JEMALLOC), 'ray' in sys.modules)")
+    ray_core, _, imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           timeout=60, check=True).stdout.split()
+    import ray
+
+    assert ray_core == os.path.join(os.path.dirname(ray.__file__), "core") and imported == "False"
+    assert os.path.isfile(os.path.join(ray_core, "libjemalloc.so"))
+    # a machine without a system jemalloc (this one, CI) finds Ray's
+    assert allocator.resolve(Allocator.AUTO)[1] is not None
