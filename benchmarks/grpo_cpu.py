@@ -106,7 +106,9 @@ CASES = {
                 warmup=1, steps=2),
 }
 PROMPT_TOKENS = 4  # "a+b=" with single digits, one token per character
-TARGETS = {"tiny": 1.0, "30m": 0.8}  # megarl / TRL step time (goal); memory target 1.0 on both
+# megarl / TRL step time: (target, goal) per case; peak memory (#27): at most MEMORY_TARGET x TRL's on the 30m case
+TARGETS = {"tiny": (0.9, 0.9), "30m": (1.0, 0.8)}
+MEMORY_TARGET = {"30m": 0.8}
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -679,19 +681,20 @@ def report(results: list[RunResult], meta: dict) -> str:
               "*Pairs*: each megarl run's median step over the TRL run right after it (min / median / max): how far "
               "the machine's drift moves one comparison.", "",
               "| case | step time | pairs | step-time target | peak RSS | peak private | steps RSS | steps private | "
-              "memory target (<= 1.0x) |", "|---|---|---|---|---|---|---|---|---|"]
+              "memory target |", "|---|---|---|---|---|---|---|---|---|"]
     for name in meta["cases"]:
         m, t = summary[name, "megarl"], summary[name, "trl"]
         ratio = {k: m[k] / t[k] for k in ("step", *keys[:4])}
         step = {(r.side, r.repeat): _med(r.step_s) for r in results if r.case == name}
         pairs = sorted(step["megarl", i] / step["trl", i] for side, i in step
                        if side == "megarl" and ("trl", i) in step)
-        goal = TARGETS[name]
-        verdict = "met" if ratio["step"] <= goal else ("goal missed, no worse than TRL" if ratio["step"] <= 1.0
-                                                          else "MISSED")
-        mem_ok = "met" if max(ratio[k] for k in keys[:4]) <= 1.0 else "MISSED"
+        target, goal = TARGETS[name]
+        verdict = ("met" if ratio["step"] <= goal else f"met, goal <= {goal:.1f}x missed" if ratio["step"] <= target
+                   else "MISSED")
+        mem_target, mem = MEMORY_TARGET.get(name), max(ratio[k] for k in keys[:4])
+        mem_ok = "none" if mem_target is None else f"<= {mem_target:.1f}x: {'met' if mem <= mem_target else 'MISSED'}"
         lines.append(f"| {name} | {ratio['step']:.2f}x | {pairs[0]:.2f} / {_med(pairs):.2f} / {pairs[-1]:.2f} | "
-                     f"<= {goal:.1f}x: {verdict} | " +
+                     f"<= {target:.1f}x: {verdict} | " +
                      " | ".join(f"{ratio[k]:.2f}x" for k in keys[:4]) + f" | {mem_ok} |")
     lines += ["", "## Matmul floor", "", "Weight-matmul work of one step (`step_flops`: 2 FLOPs per weight and "
               "token forward, 6 forward + backward; generation counts every row's prompt and response tokens but "
