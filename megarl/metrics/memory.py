@@ -40,7 +40,8 @@ def _status_kb(key: str) -> int:
 
 def reset_peaks(*, trim: bool = True) -> None:
     """Start a phase. ``trim``: first return the C heap's free pages to the OS (glibc ``malloc_trim``),
-    so that memory freed earlier and reused by the phase counts as growth instead of hiding in RSS."""
+    so that memory freed earlier and reused by the phase counts as growth instead of hiding in RSS. Under a
+    preloaded jemalloc or tcmalloc (``cluster.allocator``) this returns nothing: their kept pages stay in RSS."""
     if trim:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)

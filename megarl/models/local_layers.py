@@ -156,6 +156,11 @@ def _known_mlp_subclass(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Unknown MLP type")
 
 
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype torch's ``rms_norm`` computes in: float32 for half inputs, else its own."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``torch.rms_norm`` over the last dimension with a weight, saving its input and ``1/rms`` for
     backward. PyTorch's composite CPU ``rms_norm`` saves the normalised input too (a second tensor of the
@@ -167,7 +172,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        up = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        up = _opmath(x)
         r = torch.rsqrt(up.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, r, weight)
         return up.mul(r).mul(weight).type_as(x)
@@ -175,7 +180,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, r, weight = ctx.saved_tensors
-        up = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        up = _opmath(x)
         x_hat = up * r
         grad_up = grad.to(up.dtype)
         grad_weight = (grad_up * x_hat).reshape(-1, x.shape[-1]).sum(0).type_as(weight)

@@ -95,7 +95,6 @@ def training_log_probs(role: Any, rows: Any, layout: Any) -> tuple[Any, float]:
     return lp, logprob_abs_diff(lp, rows["rollout_log_probs"], rows["response_mask"])
 
 
-
 def sgd_policy(hf_dir: Any, ckpt_dir: Any, algorithm: Any, *, max_tokens: int, max_size: int) -> Any:
     """A policy role in this process (a world of one, joined here) on ``hf_dir`` converted into ``ckpt_dir``:
     SGD at lr 1e-12 without clipping, so an update's metrics describe the loss at the loaded weights; update
