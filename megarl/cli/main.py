@@ -8,14 +8,19 @@ from megarl.cli.common import run_cli
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.config.train import check_config, load_config
+    from megarl.config.loader import read_data
     from megarl.host import allocator
 
-    cfg = load_config(args.config, args.overrides)
-    check_config(cfg)  # config errors in ~2 s: before megatron-core and Ray are imported
-    # once: this command again, with tcmalloc/jemalloc preloaded
-    allocator.exec_with(cfg.cluster.allocator)
+    # once, before torch is imported (~4 s of a re-executed command): this command again, with
+    # tcmalloc/jemalloc preloaded; only the allocator is read here, the whole config is checked next
+    cluster = read_data(args.config, args.overrides).get("cluster")
+    allocator.exec_with(allocator.Allocator(cluster.get("allocator", allocator.DEFAULT)
+                                            if isinstance(cluster, dict) else allocator.DEFAULT))
 
+    from megarl.config.train import check_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_config(cfg)  # config errors in ~4 s: before megatron-core and Ray are imported
     from megarl.trainer.trainer import run
 
     run(cfg)

@@ -13,11 +13,43 @@ import difflib
 import enum
 import types
 import typing
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 from megarl.errors import ConfigError
 
 T = TypeVar("T")
+
+
+def read_data(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The plain data of YAML file ``path`` (or nothing) with ``a.b.c=value`` overrides applied (values parsed
+    as YAML scalars), not yet checked against any dataclass."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path} does not exist.") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections (model:, data:, ...), "
+                              f"found {type(data).__name__} {data!r:.80}.")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. policy.optim.lr=1e-5).")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section.")
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return data
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:

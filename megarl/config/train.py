@@ -29,7 +29,7 @@ import yaml
 from megarl.algos.advantages import AdvantageEstimator, RewardScale
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
-from megarl.config.loader import from_dict
+from megarl.config.loader import from_dict, read_data
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig
@@ -223,7 +223,7 @@ class ClusterConfig:
 
     launcher: Launcher = Launcher.RAY  # ray: Ray worker processes; local: one rank in the driver process
     ray_address: str | None = None  # join this Ray cluster (or $RAY_ADDRESS); null: start one private to the run
-    allocator: allocator.Allocator = allocator.Allocator.AUTO  # host malloc of megarl's processes
+    allocator: allocator.Allocator = allocator.DEFAULT  # host malloc of megarl's processes
     timeouts: Timeouts = Timeouts()
     worker_env: dict[str, str] = dataclasses.field(default_factory=dict)  # extra environment of the workers
     pools: dict[str, PoolSpec] = dataclasses.field(default_factory=_one_pool)
@@ -278,26 +278,7 @@ class TrainConfig:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """YAML file (or nothing) + ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file {path} does not exist.") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. policy.optim.lr=1e-5).")
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is not a section.")
-        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
-    return from_dict(TrainConfig, data)
+    return from_dict(TrainConfig, read_data(path, overrides))
 
 
 def to_plain(cfg: Any) -> Any:

@@ -30,10 +30,11 @@ never purging) removes both. An earlier series on an Intel Xeon (2026-12-01) had
 median 64.5 s and 2.57 GB against glibc's 71.1 s and 3.91 GB.
 
 The allocator must be chosen before a process starts, so ``megarl train`` re-executes itself once
-with ``LD_PRELOAD`` set (:func:`exec_with`; its Ray daemons and workers inherit the environment), and
-worker groups on an existing Ray cluster get the same variables (:func:`preload_env`). ``auto`` takes
-the first of :data:`PREFERENCE` that is installed and otherwise stays on glibc; naming one that is
-not installed is a configuration error.
+with ``LD_PRELOAD`` set (:func:`exec_with`; its Ray daemons and workers inherit the environment), before
+it imports torch (that import, ~4 s here, would otherwise be paid twice: it was, and made every small
+run slower under jemalloc than under glibc), and worker groups on an existing Ray cluster get the same
+variables (:func:`preload_env`). ``auto`` takes the first of :data:`PREFERENCE` that is installed and
+otherwise stays on glibc; naming one that is not installed is a configuration error.
 
 Standard library and ``megarl.errors`` only: imported by the CLI before torch.
 """
@@ -52,7 +53,6 @@ from megarl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-
 class Allocator(enum.StrEnum):
     """A ``cluster.allocator`` value: ``auto`` picks the first installed of :data:`PREFERENCE`, else glibc
     (``system``). An unknown name raises :class:`~megarl.errors.ConfigError` (a ValueError)."""
@@ -67,6 +67,7 @@ class Allocator(enum.StrEnum):
         raise ConfigError(f"cluster.allocator: expected one of {', '.join(cls)}, found {value!r}.")
 
 
+DEFAULT = Allocator.AUTO  # cluster.allocator when a config does not set it
 PREFERENCE = (Allocator.TCMALLOC, Allocator.JEMALLOC)  # for "auto": tcmalloc first, as torch.backends.xeon.run_cpu
 _FILES = {
     Allocator.TCMALLOC: ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),

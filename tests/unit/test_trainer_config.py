@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,8 +88,9 @@ def test_bad_config_is_named(task, override, error, match):
 
 @pytest.mark.slow
 def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
-    """Unknown key, invalid layout, missing dataset column, missing model dir: exit 2 with one
-    paragraph, no traceback, no Ray, no conversion output."""
+    """Unknown key, invalid layout, missing dataset column, missing model dir, unknown allocator: exit 2 with
+    one paragraph, no traceback, no Ray, no conversion output. The command re-executes itself with Ray's
+    jemalloc preloaded before it imports torch (Python's import log: torch once, the CLI twice)."""
     bad_rows = tmp_path / "bad.jsonl"
     bad_rows.write_text('{"question": "1+1=", "answer": "2"}\n')
     cases = [
@@ -96,14 +98,20 @@ def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
         (["cluster.pools.main.tp=3"], "not divisible by tp"),
         ([f"data.train={bad_rows}"], "prompt"),
         (["model.path=/nonexistent/model"], "is not a directory"),
+        (["cluster.allocator=mimalloc"], "expected one of auto, system, tcmalloc, jemalloc, found 'mimalloc'"),
     ]
-    env = dict(os.environ, RAY_ADDRESS="")
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")} | {"RAY_ADDRESS": ""}
     for i, (extra, match) in enumerate(cases):
         out = tmp_path / f"run{i}"
         proc = subprocess.run(
             [sys.executable, "-m", "megarl.train", str(EXAMPLE), *_overrides(task), f"trainer.output_dir={out}",
-             *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+             *extra], capture_output=True, text=True, env=env | {"PYTHONPROFILEIMPORTTIME": str(int(i == 0))},
+            cwd=ROOT, timeout=120)
         assert proc.returncode == 2, proc.stderr
+        if i == 0:
+            imported = re.findall(r"^import time:.*\|\s*([\w.]+)$", proc.stderr, re.M)
+            assert imported.count("megarl.cli.main") == 2 and imported.count("torch") == 1
+            assert imported.index("torch") > imported.index("megarl.cli.main", imported.index("megarl.cli.main") + 1)
         assert match in proc.stderr and "Traceback" not in proc.stderr
         assert "Ray" not in proc.stderr  # no cluster was started
         assert not (out / "initial_checkpoint").exists()  # (a wall-clock bound here failed under CI load)
