@@ -61,8 +61,10 @@ class Placement:
             raise ConfigError(f"role {role!r} has no placement; placed roles: {sorted(self.config.roles)}")
         return self.groups[self.config.roles[role]].add_role(role, role_cls, *args, **kwargs)
 
-    def shutdown(self) -> None:
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop every group (``kill=True``: without waiting for calls in flight, e.g. ranks blocked on a lost peer)
+        and release the pools."""
         for group in self.groups.values():
-            group.shutdown()
+            group.shutdown(kill=kill)
         for pool in self.pools.values():
             pool.release()

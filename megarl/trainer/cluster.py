@@ -82,9 +82,11 @@ class Cluster:
 
     def restart(self) -> None:
         """Replace every worker (after one was lost): kill all groups and start fresh ones with the same roles
-        and seeds, at the run's starting weights; the Ray cluster stays. Load a checkpoint next."""
+        and seeds, at the run's starting weights; the Ray cluster stays. Load a checkpoint next. The old workers
+        are killed, not asked to stop: the lost one's peers may be blocked in a collective with it, and a stop
+        request would queue behind that call until the group's 30 s shutdown timeout."""
         if self.placement is not None:
-            self.placement.shutdown()
+            self.placement.shutdown(kill=True)
         self._place()
 
     def _add_roles(self, cfg: TrainConfig) -> None:
