@@ -49,36 +49,37 @@ class Cluster:
         """``on_ray_started`` runs once Ray is up, before the workers start (starting a local Ray cluster
         replaces the driver's SIGTERM handler: the trainer installs its own again)."""
         self.cfg = cfg
-        self.source = initial_checkpoint(cfg, out)
-        rm = cfg.reward_model
-        self.reward_source = (megatron_checkpoint(Path(rm.model.path), out / "reward_model_checkpoint", cfg.cluster)
-                              if rm is not None else None)
-        self.teacher_source = (megatron_checkpoint(Path(cfg.teacher.model.path), out / "teacher_checkpoint",
-                                                   cfg.cluster) if cfg.teacher is not None else None)
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
-        self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
-        on_ray_started()
+        rm, teacher = cfg.reward_model, cfg.teacher
+        # the starting model, reward model and teacher, converted from HF while Ray and the workers start
+        conversions = Conversions(cfg.cluster, [
+            (Path(cfg.model.path), out / "initial_checkpoint"),
+            *([(Path(rm.model.path), out / "reward_model_checkpoint")] if rm is not None else []),
+            *([(Path(teacher.model.path), out / "teacher_checkpoint")] if teacher is not None else [])])
         self.placement: Placement | None = None
-        logger.info("host allocator of the driver process: %s", allocator.loaded())
+        self.owns_ray = False
         try:
-            self._place()
+            self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
+            on_ray_started()
+            logger.info("host allocator of the driver process: %s", allocator.loaded())
+            self._start_workers()
+            sources = iter(conversions.result())
+            self.source = next(sources)
+            self.reward_source = next(sources) if rm is not None else None
+            self.teacher_source = next(sources) if teacher is not None else None
+            self._add_roles(cfg)
         except BaseException:
+            conversions.close()
             self.shutdown()
             raise
 
-    def _place(self) -> None:
+    def _start_workers(self) -> None:
         c, local = self.cfg.cluster, self.cfg.cluster.launcher is Launcher.LOCAL
         env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
         options = GroupOptions(seed=self.cfg.trainer.seed, timeouts=c.timeouts, env=env)
         self.placement = None  # a Placement that fails to start shuts itself down
         self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
-        try:
-            self._add_roles(self.cfg)
-        except BaseException:
-            self.placement.shutdown()
-            self.placement = None
-            raise
 
     def restart(self) -> None:
         """Replace every worker (after one was lost): kill all groups and start fresh ones with the same roles
@@ -87,7 +88,13 @@ class Cluster:
         request would queue behind that call until the group's 30 s shutdown timeout."""
         if self.placement is not None:
             self.placement.shutdown(kill=True)
-        self._place()
+        self._start_workers()
+        try:
+            self._add_roles(self.cfg)
+        except BaseException:
+            self.placement.shutdown()
+            self.placement = None
+            raise
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         roles, a, src, c = cfg.roles(), cfg.algorithm, str(self.source), cfg.cluster
@@ -252,30 +259,47 @@ def _check_reachable(address: str) -> None:
                            "Ray cluster for the run.") from e
 
 
-def initial_checkpoint(cfg: TrainConfig, out: Path) -> Path:
-    """The Megatron checkpoint the run starts from: ``model.path`` itself if it is one, else a one-time
-    conversion of the HF directory into ``<output_dir>/initial_checkpoint`` (reused on resume)."""
-    return megatron_checkpoint(Path(cfg.model.path), out / "initial_checkpoint", cfg.cluster)
+class Conversions:
+    """The one-time HF -> Megatron conversions of a run (``(source, target)`` pairs): a source that is a megarl
+    checkpoint is used as is, a complete target is reused (resume), the rest are converted at the main pool's
+    layout. With Ray they run in one spawned child process (the driver never joins a torch.distributed world),
+    started here so that Ray and the workers start meanwhile; with the local launcher, in this process (it joins a
+    world of one anyway), before this returns."""
+
+    def __init__(self, cluster: ClusterConfig, pairs: list[tuple[Path, Path]]) -> None:
+        pool = cluster.pool()
+        self.paths = [src if is_checkpoint(src) else target for src, target in pairs]
+        todo = [(src, target) for src, target in pairs if not is_checkpoint(src) and not is_checkpoint(target)]
+        for src, target in todo:
+            logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", src, pool.tp, pool.pp, target)
+        jobs = [(str(src), str(target), pool.tp, pool.pp) for src, target in todo]
+        self._executor = self._future = None
+        if not jobs:
+            return
+        if cluster.launcher is Launcher.LOCAL:
+            _convert(jobs)
+            return
+        self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._future = self._executor.submit(_convert, jobs)
+
+    def result(self) -> list[Path]:
+        """The Megatron checkpoint of every pair, once converted (a conversion's error is raised here)."""
+        if self._future is not None:
+            try:
+                self._future.result()
+            finally:
+                self.close()
+        return self.paths
+
+    def close(self) -> None:
+        """Wait for the child process to exit (a conversion in progress finishes first)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
 
-def megatron_checkpoint(path: Path, target: Path, cluster: ClusterConfig) -> Path:
-    """``path`` itself if it is a megarl checkpoint, else a one-time conversion of the HF directory into
-    ``target`` at the pool's layout (reused when ``target`` is complete)."""
-    if is_checkpoint(path):
-        return path
-    if is_checkpoint(target):
-        return target
-    pool = cluster.pool()
-    logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", path, pool.tp, pool.pp, target)
-    if cluster.launcher is Launcher.LOCAL:  # this process joins a world of one anyway: no second torch process
-        _convert(str(path), str(target), pool.tp, pool.pp)
-        return target
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool_exec:
-        pool_exec.submit(_convert, str(path), str(target), pool.tp, pool.pp).result()
-    return target
-
-
-def _convert(src: str, dst: str, tp: int, pp: int) -> None:
+def _convert(jobs: list[tuple[str, str, int, int]]) -> None:
     from megarl.checkpoint.convert import convert_hf_to_megatron
 
-    convert_hf_to_megatron(src, dst, tp=tp, pp=pp)
+    for src, dst, tp, pp in jobs:
+        convert_hf_to_megatron(src, dst, tp=tp, pp=pp)
