@@ -101,7 +101,7 @@ class Case:
 
 CASES = {
     # tiny: TP2's 28 gloo all-reduces per forward cost more than the model (0.53 -> 0.26 s per step at TP1 x DP2)
-    "tiny": Case({}, 1, True, warmup=3, steps=20, tp=1),
+    "tiny": Case({}, 1, True, warmup=3, steps=100, tp=1),
     "30m": Case(dict(hidden_size=512, num_layers=8, intermediate_size=2048, max_position_embeddings=128), 64, False,
                 warmup=1, steps=2),
 }
