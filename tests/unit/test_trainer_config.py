@@ -86,6 +86,13 @@ def test_bad_config_is_named(task, override, error, match):
         check_config(load_config(EXAMPLE, overrides))
 
 
+def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- data\n")
+    with pytest.raises(ConfigError, match=r"list.yaml: expected a mapping of sections .*found list \['model'"):
+        load_config(path, ["trainer.total_steps=1"])
+
+
 @pytest.mark.slow
 def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
     """Unknown key, invalid layout, missing dataset column, missing model dir, unknown allocator: exit 2 with
