@@ -331,22 +331,19 @@ class MegatronEngine:
         """Sum the (globally normalised) per-micro-batch metrics over micro-batches and DP ranks on the
         last pipeline stage (``extremes``: max or min instead), then share them with every stage."""
         shared: list[dict[str, float] | None] = [None]
-        dp, pp = self.groups.dp, self.groups.pp
         if parallel_state.is_pipeline_last_stage():
             keys = sorted(k for k in reduced[0] if k not in extremes)
             values = torch.stack([sum(r[k].double() for r in reduced) for k in keys])
-            if dp.size() > 1:  # gloo takes ~0.2 ms even for a group of one
-                dist.all_reduce(values, group=dp)
+            dist.all_reduce(values, group=self.groups.dp)
             out = dict(zip(keys, values.tolist(), strict=True))
             for key, extreme in sorted(extremes.items(), key=lambda kv: kv[0]):  # same order on every rank
                 sign = 1.0 if extreme is Extreme.MAX else -1.0  # min = -max(-x)
                 value = torch.stack([r[key].double() for r in reduced]).mul(sign).max().reshape(1)
-                if dp.size() > 1:
-                    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dp)
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.groups.dp)
                 out[key] = sign * value.item()
             shared = [out]
-        if pp.size() > 1:
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+        pp = self.groups.pp
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         return dict(shared[0])
 
     def _all_finite(self, loss: float) -> bool:
@@ -365,8 +362,6 @@ class MegatronEngine:
             if buffer.grad_data.numel():
                 finite = bool(torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data))).all())
         # on the gradients' device: an NCCL group cannot all-reduce a CPU tensor
-        if dist.get_world_size() == 1:
-            return finite
         bad = torch.tensor([0.0 if finite else 1.0], device=buffers[0].grad_data.device if buffers else None)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bad.item() == 0.0

@@ -279,6 +279,5 @@ class _RolloutGap:
 def global_normalizer(response_mask: torch.Tensor, dp_group: dist.ProcessGroup) -> algos.LossNormalizer:
     """Token and sequence counts over the whole batch (every DP rank's shard, summed over ``dp_group``)."""
     counts = algos.LossNormalizer.of(response_mask.double()).as_tensor().to(comm_device())
-    if dist.get_world_size(dp_group) > 1:  # gloo takes ~0.2 ms even for a group of one
-        dist.all_reduce(counts, group=dp_group)
+    dist.all_reduce(counts, group=dp_group)
     return algos.LossNormalizer.from_tensor(counts)
