@@ -53,10 +53,10 @@ class Cluster:
         local = c.launcher is Launcher.LOCAL
         rm, teacher = cfg.reward_model, cfg.teacher
         # the starting model, reward model and teacher, converted from HF while Ray and the workers start
-        conversions = Conversions(cfg.cluster, [
-            (Path(cfg.model.path), out / "initial_checkpoint"),
-            *([(Path(rm.model.path), out / "reward_model_checkpoint")] if rm is not None else []),
-            *([(Path(teacher.model.path), out / "teacher_checkpoint")] if teacher is not None else [])])
+        conversions = Conversions(cfg.cluster, {
+            "policy": (Path(cfg.model.path), out / "initial_checkpoint"),
+            **({"reward_model": (Path(rm.model.path), out / "reward_model_checkpoint")} if rm is not None else {}),
+            **({"teacher": (Path(teacher.model.path), out / "teacher_checkpoint")} if teacher is not None else {})})
         self.placement: Placement | None = None
         self.owns_ray = False
         try:
@@ -64,10 +64,9 @@ class Cluster:
             on_ray_started()
             logger.info("host allocator of the driver process: %s", allocator.loaded())
             self._start_workers()
-            sources = iter(conversions.result())
-            self.source = next(sources)
-            self.reward_source = next(sources) if rm is not None else None
-            self.teacher_source = next(sources) if teacher is not None else None
+            sources = conversions.result()
+            self.source, self.reward_source, self.teacher_source = (
+                sources["policy"], sources.get("reward_model"), sources.get("teacher"))
             self._add_roles(cfg)
         except BaseException:
             conversions.close()
@@ -260,19 +259,22 @@ def _check_reachable(address: str) -> None:
 
 
 class Conversions:
-    """The one-time HF -> Megatron conversions of a run (``(source, target)`` pairs): a source that is a megarl
+    """The one-time HF -> Megatron conversions of a run (named ``(source, target)`` pairs): a source that is a megarl
     checkpoint is used as is, a complete target is reused (resume), the rest are converted at the main pool's
     layout. With Ray they run in one spawned child process (the driver never joins a torch.distributed world),
     started here so that Ray and the workers start meanwhile; with the local launcher, in this process (it joins a
     world of one anyway), before this returns."""
 
-    def __init__(self, cluster: ClusterConfig, pairs: list[tuple[Path, Path]]) -> None:
+    def __init__(self, cluster: ClusterConfig, pairs: dict[str, tuple[Path, Path]]) -> None:
         pool = cluster.pool()
-        self.paths = [src if is_checkpoint(src) else target for src, target in pairs]
-        todo = [(src, target) for src, target in pairs if not is_checkpoint(src) and not is_checkpoint(target)]
-        for src, target in todo:
-            logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", src, pool.tp, pool.pp, target)
-        jobs = [(str(src), str(target), pool.tp, pool.pp) for src, target in todo]
+        self.paths: dict[str, Path] = {}
+        jobs = []
+        for name, (src, target) in pairs.items():
+            self.paths[name] = src if is_checkpoint(src) else target
+            if self.paths[name] == target and not is_checkpoint(target):
+                logger.info("converting %s to a Megatron checkpoint (tp=%d, pp=%d) in %s", src, pool.tp, pool.pp,
+                            target)
+                jobs.append((str(src), str(target), pool.tp, pool.pp))
         self._executor = self._future = None
         if not jobs:
             return
@@ -282,8 +284,8 @@ class Conversions:
         self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         self._future = self._executor.submit(_convert, jobs)
 
-    def result(self) -> list[Path]:
-        """The Megatron checkpoint of every pair, once converted (a conversion's error is raised here)."""
+    def result(self) -> dict[str, Path]:
+        """The Megatron checkpoint of every pair, by name, once converted (a conversion's error is raised here)."""
         if self._future is not None:
             try:
                 self._future.result()
