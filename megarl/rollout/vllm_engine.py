@@ -216,16 +216,15 @@ class VLLMEngine:
         self._updating = False  # inside vLLM's weight-update session
         self._ready = False  # True after a complete weight sync
         self._calls = 0
-        self._tmp: tempfile.TemporaryDirectory | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, **kwargs: Any) -> VLLMEngine:
-        """An engine for the model described by ``hf_config`` (written to a private ``config.json``)."""
-        tmp = tempfile.TemporaryDirectory(prefix="megarl-vllm-")
-        (Path(tmp.name) / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        engine = cls(tmp.name, **kwargs)
-        engine._tmp = tmp  # lives as long as the engine
-        return engine
+        """An engine for the model described by ``hf_config``, written to a private ``config.json`` that lives
+        only while vLLM is built (it reads the model directory then, never after: no tokenizer, dummy weights;
+        a directory kept for the engine's life outlived every worker killed without finalizers)."""
+        with tempfile.TemporaryDirectory(prefix="megarl-vllm-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+            return cls(tmp, **kwargs)
 
     def _rpc(self, method: str, *args: Any) -> Any:
         return self._llm.collective_rpc(method, args=args)[0]  # one in-process worker per engine
