@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megarl.checkpoint.atomic import check_output_dir
 from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
-from megarl.parallel import mcore_compat
+from megarl.parallel import cpu_compat, mcore_compat
 
 if TYPE_CHECKING:
     from megarl.engine.engine import MegatronEngine
@@ -41,6 +41,7 @@ def _sharded_state(engine: MegatronEngine, *, is_loading: bool) -> dict:
     }
 
 
+@cpu_compat.redirected  # megatron-core's distributed checkpointing and optimizer
 def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, step: int, source_dir: str | Path) -> Path:
     """Collective. Writes ``out_dir`` atomically; ``source_dir`` is the checkpoint the run started
     from (its metadata and hf/ files are carried over)."""
@@ -79,6 +80,7 @@ def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, ste
     return out_dir
 
 
+@cpu_compat.redirected
 def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> int:
     """Collective. Restore model, optimizer, schedule and (same world size) RNG; returns the step."""
     ckpt_dir = Path(ckpt_dir)

@@ -20,16 +20,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from megarl.controller import dispatch
-from megarl.controller.role import Role
 from megarl.controller.spec import GroupOptions
 from megarl.data.batch import Batch
 from megarl.errors import MegarlError
 from megarl.parallel.layout import ParallelLayout
 
-R = TypeVar("R", bound=Role)
+if TYPE_CHECKING:  # the worker side (its methods run megarl.parallel.cpu_compat's suspension): typing only here
+    from megarl.controller.role import Role
+
+R = TypeVar("R", bound="Role")
 T = TypeVar("T")
 P = ParamSpec("P")
 

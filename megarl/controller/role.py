@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.metrics import trace
+from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout, RankCoords
 
 
@@ -51,6 +52,10 @@ def close_roles(roles: dict[str, Role]) -> None:
 
 
 def call_role(roles: dict[str, Role], role: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Apply ``method`` (a function of the role's class) to the hosted instance, as a traced span."""
-    with trace.span(f"{role}.{method.__name__}", cat="call"):
+    """Apply ``method`` (a function of the role's class) to the hosted instance, as a traced span.
+
+    A role's methods are megarl's code: on a machine without CUDA they run without megatron-core's per-op
+    CUDA -> CPU redirection, which the engine re-enters where it calls megatron-core
+    (:mod:`megarl.parallel.cpu_compat`)."""
+    with cpu_compat.suspended(), trace.span(f"{role}.{method.__name__}", cat="call"):
         return method(roles[role], *args, **kwargs)

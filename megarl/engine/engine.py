@@ -182,7 +182,8 @@ class MegatronEngine:
             # advance the schedule first: with W warm-up steps the k-th step (from 1) uses lr * k / W,
             # so no step is wasted at lr 0
             self.scheduler.step(increment=1)
-            _, grad_norm, _ = self.optimizer.step()
+            with cpu_compat.redirection():  # megatron-core's grad clipping allocates on and asserts CUDA
+                _, grad_norm, _ = self.optimizer.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             self.stats.consecutive_skipped = 0
         else:
@@ -295,6 +296,7 @@ class MegatronEngine:
             mbs.append(mb)
         return plan, mbs
 
+    @cpu_compat.redirected  # megatron-core's schedule allocates on CUDA (its layers and our loss need not)
     def _run(self, mbs: list[dict[str, torch.Tensor]], loss_func, *, forward_only: bool) -> list[Any]:
         loss_func = cpu_compat.unredirected(loss_func)  # ours (the roles' loss/output functions): no CUDA calls
 

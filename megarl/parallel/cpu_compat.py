@@ -19,6 +19,14 @@ workers, the local launcher's driver, conversion), never on import: the driver o
 the role classes (and so megatron-core) but never runs megatron-core, and its own tensor math must
 not run under the redirection. Every patched call is looked up at call time, so enabling after
 megatron-core is imported works. Must not import megatron-core.
+
+The mode stays entered for the process (model construction, conversion, anything that calls megatron-core),
+but only megatron-core needs it, and each torch op through it costs ~3 us: a role's methods run
+:func:`suspended` (:func:`megarl.controller.role.call_role`) and the engine re-enters it, :func:`redirected`,
+around what calls megatron-core (its pipeline schedule, optimizer step, checkpoints); inside those, the
+transformer layers, the loss functions and the backward run suspended again (:func:`run_unredirected`,
+:func:`unredirected`, :func:`unredirect_backward`). Of ~1,700 torch calls per step of a small run, ~20 need
+the mode.
 """
 
 from __future__ import annotations
@@ -224,19 +232,33 @@ def is_enabled() -> bool:
     return _mode is not None
 
 
+def _redirecting() -> bool:
+    """True when a redirection mode is the innermost torch-function mode."""
+    depth = torch._C._len_torch_function_stack()
+    return bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), _CudaToCpuMode)
+
+
 @contextlib.contextmanager
 def suspended():
-    """Run code that never calls megatron-core (the embedded rollout model's decode loop) without the
-    redirection mode: a Python ``TorchFunctionMode`` costs a call per torch op, ~20% of a small
-    model's decode step. A no-op when the mode is not installed or not on top of the mode stack."""
-    if _mode is None or torch._C._len_torch_function_stack() == 0:
-        yield
-        return
-    top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
-    if top is not _mode:
+    """Run megarl's own code (a role's methods, loss functions, the rollout engines) without the redirection
+    mode: a Python ``TorchFunctionMode`` costs a call per torch op (~3 us; ~20% of a small model's decode
+    step). A no-op when the mode is not installed or not the innermost mode (a profiler's is left alone)."""
+    if _mode is None or not _redirecting():
         yield
         return
     with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+@contextlib.contextmanager
+def redirection():
+    """Run megatron-core under the redirection inside a block that :func:`suspended` it (the engine's passes,
+    optimizer step and checkpoints, called from a role's method). A no-op when it is already on or the
+    mode is not installed (checked on entry: modules apply it at import, before :func:`enable`)."""
+    if _mode is None or _redirecting():
+        yield
+        return
+    with _CudaToCpuMode():
         yield
 
 
@@ -261,15 +283,12 @@ def run_unredirected(module) -> None:
 
 
 def redirected(fn):
-    """``fn`` run under the redirection even inside a block that :func:`suspended` it (when the mode is installed):
-    for megatron-core code that allocates on ``torch.cuda.current_device()`` called from an unredirected layer."""
-    if _mode is None:
-        return fn
+    """``fn`` run under :func:`redirection` (a decorator usable at import time): megatron-core code that
+    allocates on ``torch.cuda.current_device()``, called from code that runs :func:`suspended`."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        depth = torch._C._len_torch_function_stack()
-        if depth and isinstance(torch._C._get_function_stack_at(depth - 1), _CudaToCpuMode):
+        if _mode is None or _redirecting():
             return fn(*args, **kwargs)
         with _CudaToCpuMode():
             return fn(*args, **kwargs)

@@ -31,7 +31,6 @@ from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
-from megarl.parallel import cpu_compat
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
@@ -108,7 +107,7 @@ class HybridRollout:
         mine = None
         if hi > lo:  # every rank of a rollout TP group takes part (vLLM); rank 0's output stands for the group
             seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
-            with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
+            with trace.span("generate", cat="rollout", prompts=hi - lo, n=params.n):
                 out = self.rollout.generate(prompts[lo:hi], dataclasses.replace(params, seed=seed))
             if self.place.tp_rank == 0:
                 out.prompt_index += lo

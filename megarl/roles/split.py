@@ -29,7 +29,6 @@ from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec, spec_from_hf_config
-from megarl.parallel import cpu_compat
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding import link as weight_link
 from megarl.resharding.plan import ReshardPlan, make_plan
@@ -154,7 +153,7 @@ class RolloutRole(Role):
             raise RuntimeError("generate before the first weight sync: the engine holds no weights")
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
         start = time.perf_counter()
-        with cpu_compat.suspended(), trace.span("generate", cat="rollout", prompts=len(prompts), n=params.n):
+        with trace.span("generate", cat="rollout", prompts=len(prompts), n=params.n):
             ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
                                                             strict=True)]
             out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
@@ -173,7 +172,7 @@ class RolloutRole(Role):
         if self.version is None:
             raise RuntimeError("extend before the first weight sync: the engine holds no weights")
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
-        with cpu_compat.suspended(), trace.span("extend", cat="rollout", prompts=len(prompts), n=params.n):
+        with trace.span("extend", cat="rollout", prompts=len(prompts), n=params.n):
             ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
                                                             strict=True)]
             out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
