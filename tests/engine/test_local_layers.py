@@ -15,7 +15,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.models.local_layers import SDPAttention, SwiGLUMLP
+from megarl.models.local_layers import (
+    NativeColumnParallelLinear,
+    NativeRowParallelLinear,
+    SDPAttention,
+    SwiGLUMLP,
+)
 
 
 def _model(tiny_hf, name, local_layers, dtype=torch.float64):
@@ -45,8 +50,9 @@ def test_local_layers_equal_megatron_core_modules(tiny_hf, name):
     ref = _model(tiny_hf, name, local_layers=False)
     model = _model(tiny_hf, name, local_layers=True)
     model.load_state_dict(ref.state_dict())
-    for cls in (SDPAttention, SwiGLUMLP):
-        assert sum(isinstance(m, cls) for m in model.modules()) == len(model.decoder.layers)
+    for cls, per_layer in ((SDPAttention, 1), (SwiGLUMLP, 1), (NativeColumnParallelLinear, 2),
+                           (NativeRowParallelLinear, 2)):
+        assert sum(isinstance(m, cls) for m in model.modules()) == per_layer * len(model.decoder.layers)
         assert not any(isinstance(m, cls) for m in ref.modules())
     ref_logits, ref_grads = _logits_and_grads(ref, ids)
     logits, grads = _logits_and_grads(model, ids)
@@ -84,8 +90,9 @@ def test_swiglu_mlp_is_bit_identical_and_keeps_only_the_fc1_output(tiny_hf, dtyp
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             out, bias = module(inp)
         assert bias is None
+        weights = {p.untyped_storage().data_ptr() for p in module.parameters()}  # a weight's views too
         saved_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in saved}.values()
-                          if not isinstance(t, torch.nn.Parameter))
+                          if t.untyped_storage().data_ptr() not in weights)
         backward_ops.clear()
         with OpLog():
             out.backward(grad)
