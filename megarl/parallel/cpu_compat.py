@@ -22,11 +22,11 @@ megatron-core is imported works. Must not import megatron-core.
 
 The mode stays entered for the process (model construction, conversion, anything that calls megatron-core),
 but only megatron-core needs it, and each torch op through it costs ~3 us: a role's methods run
-:func:`suspended` (:func:`megarl.controller.role.call_role`) and the engine re-enters it, :func:`redirected`,
-around what calls megatron-core (its pipeline schedule, optimizer step, checkpoints); inside those, the
-transformer layers, the loss functions and the backward run suspended again (:func:`run_unredirected`,
-:func:`unredirected`, :func:`unredirect_backward`). Of ~1,700 torch calls per step of a small run, ~20 need
-the mode.
+:func:`suspended` (:func:`megarl.controller.role.call_role`; the local launcher's driver its steps too) and
+the engine re-enters it, :func:`redirected`, around what calls megatron-core (its pipeline schedule,
+optimizer step, checkpoints); inside those, the transformer layers, the loss functions and the backward run
+suspended again (:func:`run_unredirected`, :func:`unredirected`, :func:`unredirect_backward`). Of ~1,700
+torch calls per step of a small run, ~20 need the mode.
 """
 
 from __future__ import annotations

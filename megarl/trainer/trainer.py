@@ -51,6 +51,7 @@ from megarl.engine.results import mean_metrics
 from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
+from megarl.parallel import cpu_compat
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.asynchronous import RolloutProducer
@@ -188,7 +189,9 @@ class Trainer:
         t = self.cfg.trainer
         self.step += 1
         start = time.perf_counter()
-        with trace.span(f"step {self.step}", cat="step"):
+        # the driver's own code (rewards included) runs without the CUDA -> CPU redirection the local launcher's
+        # world of one installed in this process, as a role's methods do (megarl/parallel/cpu_compat.py)
+        with cpu_compat.suspended(), trace.span(f"step {self.step}", cat="step"):
             metrics = self.train_step()
             if t.val_every and self.step % t.val_every == 0:
                 timer = StageTimer()

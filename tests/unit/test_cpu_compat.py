@@ -86,6 +86,37 @@ def test_unredirected_functions_and_megatron_backward_run_without_the_mode():
     assert _mode_on_top()
 
 
+def _redirecting() -> bool:
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and isinstance(torch._C._get_function_stack_at(n - 1), cpu_compat._CudaToCpuMode)
+
+
+def test_role_methods_run_unredirected_and_the_engine_redirects_again():
+    """A role's method (call_role) runs without the mode: a CUDA allocation fails there, as in any CPU-only
+    torch; a function decorated :func:`redirected` (at import time, before enable: the check is at call
+    time) gets it back inside, once, and the mode is on top again after the call."""
+    from megarl.controller.role import Role, call_role
+
+    @cpu_compat.redirected
+    def allocate():
+        return torch.zeros(2, device="cuda"), _redirecting(), torch._C._len_torch_function_stack()
+
+    cpu_compat.enable()
+    depth = torch._C._len_torch_function_stack()
+
+    class Probe(Role):
+        def method(self):
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.zeros(1, device="cuda")
+            return _redirecting(), allocate()
+
+    redirecting, (tensor, inside, inside_depth) = call_role({"probe": Probe(None)}, "probe", Probe.method)
+    assert redirecting is False and inside is True and tensor.device.type == "cpu"
+    assert inside_depth == depth  # one mode popped by the role call, one pushed by the engine
+    assert allocate()[2] == depth  # already redirecting: nothing pushed
+    assert _redirecting() and torch._C._len_torch_function_stack() == depth
+
+
 _GATHER_WORLD = r"""
 import json, os, sys
 import torch
