@@ -61,6 +61,7 @@ else
 fi
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"  # see megarl.sbatch
+export RAY_prestart_worker_first_driver="${RAY_prestart_worker_first_driver:-0}"  # see megarl.sbatch
 
 # Teardown. Not `ray stop`: it kills every Ray process on the machine, other users' clusters
 # included. SIGTERM to our `ray start --block` stops exactly the processes it started.

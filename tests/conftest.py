@@ -57,6 +57,7 @@ def tiny_hf(tmp_path_factory):
 # (in-process) or pass its address to a `megarl train` subprocess through RAY_ADDRESS.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 token auth: not for a local test cluster
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # 8 idle workers no actor uses (launch/local.sh)
 
 HEAD_CPUS = 6  # logical CPUs: worker slots are fractional, the machine has 2 cores
 WORKER_CPUS = 2

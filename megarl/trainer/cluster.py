@@ -234,8 +234,11 @@ def _start_ray(address: str | None) -> bool:
     else:
         address = "local"
         logger.info("starting a private Ray cluster for this run (cluster.ray_address or RAY_ADDRESS joins one)")
+    # a private cluster starts no idle workers for the driver (one per CPU otherwise): megarl's actors carry a
+    # runtime env (their thread counts), so Ray never hands them one
+    system = {"prestart_worker_first_driver": False} if address == "local" else None
     try:
-        ray.init(address=address, log_to_driver=True, include_dashboard=False)
+        ray.init(address=address, log_to_driver=True, include_dashboard=False, _system_config=system)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         what = f"join the Ray cluster at {address}" if address != "local" else "start a private Ray cluster"
         raise ClusterError(f"could not {what}: {type(e).__name__}: {e}. Check that the address is right and the "
