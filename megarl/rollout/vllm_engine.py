@@ -302,7 +302,8 @@ class VLLMEngine:
     def close(self) -> None:
         """Tear vLLM down: the engine, then its process groups (vLLM keeps them in module globals), whose
         shared-memory message queues vLLM unlinks only on this teardown. A worker killed without it leaves
-        ~25 MB per TP group in /dev/shm. The torch.distributed world itself stays (it is the worker's)."""
+        ~25 MB per TP group in /dev/shm. vLLM's teardown destroys the torch.distributed world too (the worker's):
+        close an engine when its worker is done with the world, at shutdown."""
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         self._llm = None

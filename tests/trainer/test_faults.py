@@ -54,9 +54,11 @@ def task(tmp_path_factory):
     return make_task(tmp_path_factory.mktemp("addition"), train_rows=64, val_rows=8)
 
 
-def _cmd(task: Path, out: Path, **extra) -> list[str]:
-    base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
-            "trainer.output_dir": out}
+def _cmd(task: Path, out: Path, model: Path | None = None, **extra) -> list[str]:
+    """``model``: a megarl checkpoint to start from (another run's converted ``initial_checkpoint``: the same
+    weights, no conversion), or the task's HF model."""
+    base = {"model.path": model or task / "model", "data.train": task / "train.jsonl",
+            "data.val": task / "val.jsonl", "trainer.output_dir": out}
     return [sys.executable, "-m", "megarl.train", str(EXAMPLE),
             *[f"{k}={v}" for k, v in (base | SMALL | extra).items()]]
 
@@ -164,10 +166,11 @@ def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
     reference = _run(_cmd(task, tmp_path / "full", **steps), _env(_short_tmp()))
     assert reference.returncode == 0, reference.stderr[-3000:]
     full = read_metrics(tmp_path / "full")
+    model = tmp_path / "full" / "initial_checkpoint"  # converted once, by the reference run
 
     # SIGTERM during a step: the step finishes, its checkpoint is written, the run's Ray stops, exit 75
     out, ray_tmp = tmp_path / "term", _short_tmp()
-    cmd = _cmd(task, out, **steps | {"trainer.save_every": 0})
+    cmd = _cmd(task, out, model, **steps | {"trainer.save_every": 0})
     proc = _launch(cmd, _env(ray_tmp), tmp_path / "term.log")
     _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "term.log")
     proc.send_signal(signal.SIGTERM)
@@ -189,7 +192,7 @@ def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
 
     # SIGKILL of the policy worker mid-run: fresh workers resume from the newest checkpoint, one incident
     out, ray_tmp = tmp_path / "kill", _short_tmp()
-    proc = _launch(_cmd(task, out, **steps | {"trainer.max_restarts": 1}), _env(ray_tmp), tmp_path / "kill.log")
+    proc = _launch(_cmd(task, out, model, **steps | {"trainer.max_restarts": 1}), _env(ray_tmp), tmp_path / "kill.log")
     _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "kill.log")
     workers = [p for p in processes_with_env("RAY_TMPDIR", str(ray_tmp)) if "ray::WorkerProcess" in p]
     assert len(workers) == 1, workers  # one rank: policy and reference colocated
@@ -208,7 +211,7 @@ def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
 
     # without restarts left: exit 3 (a requeue may help), the newest checkpoint intact for the next run
     out, ray_tmp = tmp_path / "lost", _short_tmp()
-    proc = _launch(_cmd(task, out, **steps | {"trainer.max_restarts": 0}), _env(ray_tmp), tmp_path / "lost.log")
+    proc = _launch(_cmd(task, out, model, **steps | {"trainer.max_restarts": 0}), _env(ray_tmp), tmp_path / "lost.log")
     _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "lost.log")
     workers = [p for p in processes_with_env("RAY_TMPDIR", str(ray_tmp)) if "ray::WorkerProcess" in p]
     os.kill(int(workers[0].split(":")[0]), signal.SIGKILL)
