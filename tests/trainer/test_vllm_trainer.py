@@ -46,14 +46,15 @@ def _shared_memory() -> set[str]:
 
 def test_grpo_on_vllm_learns_addition(ray_cluster, task, tmp_path):
     before = _shared_memory()
-    history = _run(task, tmp_path / "grpo")
+    # 70 of the example's 100 steps: the reward per 10 steps was 0.12 0.16 0.21 0.30 0.34 0.38 0.54 (2026-12-03)
+    history = _run(task, tmp_path / "grpo", **{"trainer.total_steps": 70})
     # vLLM's TP-group message queue and CPU communicator segments are released when the workers shut down
     assert not {n for n in _shared_memory() - before if n.startswith("psm_") or "cpushm" in n}
     rewards = [m["reward/mean"] for m in history]
     start, end = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
     print("GRPO on vLLM, mean reward per 10 steps:",
           " ".join(f"{statistics.mean(rewards[i:i + 10]):.2f}" for i in range(0, len(rewards), 10)))
-    assert len(history) == 100 and end >= start + 0.2, (start, end)
+    assert len(history) == 70 and end >= start + 0.2, (start, end)
     assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in history)
     assert all(m["rollout/sleep_frees_memory"] == 0.0 for m in history)  # vLLM cannot sleep on CPU
     assert "val/reward/mean" in history[24]  # greedy validation through vLLM
