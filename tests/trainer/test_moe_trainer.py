@@ -30,12 +30,14 @@ def test_grpo_learns_addition_with_an_moe_policy_at_ep2(ray_cluster, tmp_path):
     task = make_task(tmp_path / "task", num_experts=4, top_k=2)
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
                  "trainer.output_dir": tmp_path / "run", "trainer.tensorboard": "false", "trainer.save_every": 0,
-                 "trainer.val_every": 0}
+                 "trainer.val_every": 0,
+                 # 60 of the example's 100 steps: reward per 10 steps 0.09 0.14 0.20 0.33 0.44 0.46 (2026-12-03)
+                 "trainer.total_steps": 60}
     history = run(load_config(EXAMPLE, [f"{k}={v}" for k, v in overrides.items()]))
     rewards = [m["reward/mean"] for m in history]
     start, end = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
     print(f"MoE GRPO reward: first 10 steps {start:.3f}, last 20 steps {end:.3f}")
-    assert len(history) == 100 and end > start + 0.2
+    assert len(history) == 60 and end > start + 0.2
     assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in history)  # every engine holds the trained experts
     for m in history:
         assert 1.0 <= m["actor/moe_load_max"] <= 4.0 and 0.0 <= m["actor/moe_load_min"] <= 1.0
