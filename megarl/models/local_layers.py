@@ -149,18 +149,21 @@ def _native(kwargs: dict) -> bool:
                 or kwargs.get("gradient_accumulation_fusion") or kwargs.get("grad_output_buffer") is not None)
 
 
-class NativeColumnParallelLinear(ColumnParallelLinear):
+class _NativeLinear:
+    """Mixin before megatron-core's Column/RowParallelLinear: ``F.linear`` where :func:`_native` holds."""
+
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not args and _native(kwargs):
             return F.linear(input, weight, kwargs.get("bias"))
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-class NativeRowParallelLinear(RowParallelLinear):
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if not args and _native(kwargs):
-            return F.linear(input, weight, kwargs.get("bias"))
-        return super()._forward_impl(input, weight, *args, **kwargs)
+class NativeColumnParallelLinear(_NativeLinear, ColumnParallelLinear):
+    pass
+
+
+class NativeRowParallelLinear(_NativeLinear, RowParallelLinear):
+    pass
 
 
 _NATIVE = {ColumnParallelLinear: NativeColumnParallelLinear, RowParallelLinear: NativeRowParallelLinear}

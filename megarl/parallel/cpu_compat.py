@@ -288,9 +288,7 @@ def redirected(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if _mode is None or _redirecting():
-            return fn(*args, **kwargs)
-        with _CudaToCpuMode():
+        with redirection():
             return fn(*args, **kwargs)
 
     run._megarl_redirected = True
