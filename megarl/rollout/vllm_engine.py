@@ -135,6 +135,11 @@ class WeightReceiver:
                 names.append(name)
         return names
 
+    def megarl_clear_kv_cache(self) -> None:
+        """Zero every KV cache block (see :meth:`VLLMEngine.generate`)."""
+        for cache in self.model_runner.kv_caches:
+            cache.zero_()
+
     def megarl_loaded(self) -> set[str]:
         """vLLM parameter names loaded since the current weight update began."""
         return set(self.weight_transfer_engine.loaded)
@@ -215,6 +220,7 @@ class VLLMEngine:
         self._weights_awake = self._kv_awake = True  # a fresh engine holds dummy weights and its KV cache
         self._updating = False  # inside vLLM's weight-update session
         self._ready = False  # True after a complete weight sync
+        self._kv_stale = False  # the KV cache holds values computed with earlier weights
         self._calls = 0
 
     @classmethod
@@ -291,7 +297,7 @@ class VLLMEngine:
         if self._llm.reset_prefix_cache() is False:  # cached KV blocks were computed with the old weights
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         logger.debug("weight sync complete: %d tensors", len(self._shapes))
-        self._ready = True
+        self._ready = self._kv_stale = True
 
     def _end_update(self) -> None:
         self._groups = LayerGroups(self._shapes)
@@ -346,6 +352,14 @@ class VLLMEngine:
             if self.sleep_frees_memory:
                 self._llm.wake_up(tags=["kv_cache"])
             self._kv_awake = True
+        if self._kv_stale:
+            # vLLM's CPU attention reads every slot of a block and masks the unused ones by weight 0, and
+            # 0 * NaN is NaN: non-finite keys/values an earlier model wrote (a diverged policy, a bad sync) would
+            # poison rows long after a good sync (measured: all-zero greedy rows in ~1 of 12 tries). The prefix
+            # cache was dropped with the sync, so nothing in the cache is valid any more: zero it (0.14 s per GB
+            # on this CPU, milliseconds on a GPU).
+            self._rpc("megarl_clear_kv_cache")
+            self._kv_stale = False
         inputs = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         per_prompt = [self._sampling_params(params, i) for i in range(len(prompts))]
         with self._generation_rng(params):
