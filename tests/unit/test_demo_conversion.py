@@ -1,7 +1,7 @@
 """`examples/demo_conversion.py` end to end: HF -> Megatron TP2xPP2 -> 4 gloo processes forward -> HF.
 
 Runs the demo as a user would and holds it to what examples/README.md states for it: logits within
-8e-6 of `transformers` and a bit-exact round trip. References: the numbers the demo prints (parsed),
+2e-5 of `transformers` and a bit-exact round trip. References: the numbers the demo prints (parsed),
 and the two safetensors files it leaves on disk, compared here tensor by tensor.
 """
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo_conversion.py"
-LOGITS_TOL = 8e-6  # examples/README.md: "logits within 8e-6 of transformers"
+LOGITS_TOL = 2e-5  # examples/README.md: "logits within 2e-5 of transformers" (~20 fp32 ulps of the largest logit, ~15)
 
 
 @pytest.fixture(scope="module")
