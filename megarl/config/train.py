@@ -121,9 +121,14 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardFunctionConfig:
-    """One reward function: what scores a response, its weight, its options, what its failures do."""
+    """One reward function: what scores a response, its weight, its options, what its failures do. A function
+    given by path is called as its signature says (``megarl.rewards.conventions``): ``(prompt, response, row)``,
+    the row's other columns as one mapping; keyword style ``(prompt, response, **columns)``, each column a
+    keyword (``completion`` also names the response; a parameter without a default is a column the rows must
+    have); or TRL's batch style ``(prompts, completions, **columns) -> list[float]``, called once per batch
+    with each column a list. One whose scores are all equal over its first 3 scored batches gets a warning."""
 
-    function: str | None = "integer_answer"  # a built-in key or "path/to/file.py:function"; null: none
+    function: str | None = "integer_answer"  # a built-in key or "path/to/file.py:function" (any convention); null: none
     function_weight: float = 1.0  # its score's weight in the reward
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword options of a built-in
     on_error: OnError = OnError.RAISE  # failures of the function (not of the reward model)
@@ -140,7 +145,9 @@ class RewardConfig(RewardFunctionConfig):
     over the sources that are set (at least one). Several reward functions (TRL's ``reward_funcs`` with
     ``reward_weights``): ``function: null`` and one ``functions.NAME`` entry each (``function``,
     ``function_weight``, ``options``, ``on_error``, ``error_score``), their weighted scores summed; each is
-    logged as ``reward/NAME_mean`` and ``reward/NAME_std``."""
+    logged as ``reward/NAME_mean`` and ``reward/NAME_std``. A function given by path is called as its
+    signature says: ``(prompt, response, row)``, keyword style ``(prompt, response, **columns)`` or TRL's
+    batch style ``(prompts, completions, **columns) -> list[float]`` (see ``reward.functions.<name>``)."""
 
     functions: dict[str, RewardFunctionConfig] = dataclasses.field(default_factory=dict)  # NAME -> function
 

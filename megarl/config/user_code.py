@@ -3,7 +3,8 @@
 Reward functions and dataset-row adapters are given this way in configs. The file is imported under
 a module name unique to its resolved path (two files with the same base name never clash). Every
 problem (no ``:``, no such file, the import fails, no such function, not callable, a signature that
-cannot take the documented arguments) is a :class:`ConfigError` saying what was expected and found.
+cannot take the documented arguments) is a :class:`ConfigError` saying what was expected and found. A
+reward function's signature is read by :mod:`megarl.rewards.conventions` instead, which accepts several.
 Ship the spec string, not the function, to another process: the module lives only in the
 ``sys.modules`` of the process that loaded it. Pure module: standard library only.
 """
@@ -30,7 +31,7 @@ SPEC_FORM = "'path/to/file.py:function_name'"
 def load_function(spec: str, what: str, call_args: tuple[Any, ...] | None, signature_text: str) -> Callable[..., Any]:
     """Import ``path/to/file.py`` and return its attribute ``function`` (after the last ``:``), checking
     that it can be called with ``call_args`` (``signature_text`` describes them in errors; None: any signature,
-    e.g. a tool the model calls with its own arguments)."""
+    e.g. a tool the model calls with its own arguments, or a reward function: its signature picks how it is called)."""
     file_part, sep, name = spec.rpartition(":")
     if not sep or not file_part or not name:
         raise ConfigError(f"{what} spec {spec!r}: expected {SPEC_FORM}")

@@ -1,8 +1,9 @@
 """The reward-function contract, weighted combinations and the per-sample error policy.
 
-Owns :class:`RewardFunction` (the one signature every scorer has), :class:`WeightedReward`, and
-:func:`score_samples`, which runs a scorer over a batch of (prompt, response, row) and turns it into
-a float32 tensor. Every failure is reported together with the sample that caused it: a raising
+Owns :class:`RewardFunction` (the one signature every scorer has), :class:`BatchRewardFunction` (a
+scorer that also scores a whole batch in one call: TRL's batch style, see :mod:`megarl.rewards.conventions`),
+:class:`WeightedReward`, and :func:`score_samples`, which runs a scorer over a batch of (prompt, response,
+row) and turns it into a float32 tensor. Every failure is reported together with the sample that caused it: a raising
 scorer, a non-numeric return value (``None``, a string, a bool) and a non-finite one (NaN, inf) are
 all errors, never silently turned into a number. :class:`OnError` chooses between aborting
 (``RAISE``) and scoring the sample with a fallback value that is counted and logged (``SCORE``).
@@ -41,6 +42,16 @@ class RewardFunction(Protocol):
     def __call__(self, prompt: str, response: str, row: Mapping[str, Any]) -> float: ...
 
 
+@runtime_checkable
+class BatchRewardFunction(Protocol):
+    """A scorer whose :meth:`score_batch` returns one value per sample for a whole batch (a failure is the batch's)."""
+
+    def __call__(self, prompt: str, response: str, row: Mapping[str, Any]) -> float: ...
+
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str],
+                    rows: Sequence[Mapping[str, Any]]) -> Sequence[Any]: ...
+
+
 class OnError(enum.Enum):
     RAISE = "raise"  # abort the step with a RewardError naming the sample
     SCORE = "score"  # give the sample ``error_score``, count it and log the first failure
@@ -52,10 +63,13 @@ class ScoreInfo:
 
     num_errors: int = 0
     first_error: str | None = None  # the first failure's message (sample, exception), if any
+    failed: tuple[int, ...] = ()  # the samples that got error_score
 
 
 def describe(fn: object) -> str:
-    """A short human name for a scorer: a function's qualified name or an object's class name."""
+    """A short human name for a scorer: a function's qualified name (an adapter's: its function's) or an
+    object's class name."""
+    fn = getattr(fn, "__wrapped__", fn)
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
@@ -77,7 +91,8 @@ def as_score(value: object) -> float:
 
 
 class WeightedReward:
-    """``sum(weight * fn(prompt, response, row))`` over the terms; each term's value is checked."""
+    """``sum(weight * fn(prompt, response, row))`` over the terms; each term's value is checked. Terms are called
+    per sample (a batch-style :class:`BatchRewardFunction` term with a batch of one)."""
 
     def __init__(self, terms: Sequence[tuple[RewardFunction, float]]) -> None:
         if not terms:
@@ -118,33 +133,57 @@ def score_samples(
     A sample whose scorer raises or returns a non-finite / non-numeric value is an error: with
     ``OnError.RAISE`` a :class:`RewardError` naming the sample (index, prompt, response, exception)
     is raised from the original exception; with ``OnError.SCORE`` it scores ``error_score``, is
-    counted in ``info.num_errors`` and the first one is logged as a warning."""
+    counted in ``info.num_errors`` and the first one is logged as a warning. A :class:`BatchRewardFunction`
+    is called once for the batch; if that call fails, every sample has failed."""
     if not len(prompts) == len(responses) == len(rows):
         raise ValueError(f"need one prompt, response and row per sample, found {len(prompts)}, "
                          f"{len(responses)} and {len(rows)}")
     if not isinstance(on_error, OnError):
         raise ConfigError(f"on_error must be an OnError ({[m.value for m in OnError]}), found {on_error!r}")
     error_score = as_score(error_score)
+    values: Sequence[Any] | None = None
+    if isinstance(fn, BatchRewardFunction) and len(prompts):
+        try:
+            values = fn.score_batch(prompts, responses, rows)
+        except Exception as e:
+            where = f"the batch of {len(prompts)} samples, the first"
+            message = _failure_message(fn, where, prompts[0], responses[0], e)
+            if on_error is OnError.RAISE:
+                raise RewardError(message + _HINT) from e
+            return _all_failed(len(prompts), error_score, message)
     scores: list[float] = []
-    num_errors, first_error = 0, None
+    failed: list[int] = []
+    first_error = None
     for i, (prompt, response, row) in enumerate(zip(prompts, responses, rows, strict=True)):
         try:
-            scores.append(as_score(fn(prompt, response, row)))
+            scores.append(as_score(fn(prompt, response, row) if values is None else values[i]))
         except Exception as e:
-            message = _failure_message(fn, i, prompt, response, e)
+            message = _failure_message(fn, f"sample {i}", prompt, response, e)
             if on_error is OnError.RAISE:
-                raise RewardError(message + "; set on_error to 'score' to give such samples error_score") from e
+                raise RewardError(message + _HINT) from e
             scores.append(error_score)
-            num_errors += 1
+            failed.append(i)
             first_error = first_error or message
-    if num_errors:
-        logger.warning("%d of %d samples could not be scored and got %g; first: %s",
-                       num_errors, len(scores), error_score, first_error)
-    return torch.tensor(scores, dtype=torch.float32), ScoreInfo(num_errors, first_error)
+    if failed:
+        _warn_failed(len(failed), len(scores), error_score, first_error)
+    return torch.tensor(scores, dtype=torch.float32), ScoreInfo(len(failed), first_error, tuple(failed))
 
 
-def _failure_message(fn: object, index: int, prompt: str, response: str, error: BaseException) -> str:
-    return (f"reward function {describe(fn)} failed on sample {index} "
+_HINT = "; set on_error to 'score' to give such samples error_score"
+
+
+def _all_failed(n: int, error_score: float, message: str) -> tuple[torch.Tensor, ScoreInfo]:
+    _warn_failed(n, n, error_score, message)
+    return torch.full((n,), error_score, dtype=torch.float32), ScoreInfo(n, message, tuple(range(n)))
+
+
+def _warn_failed(num_failed: int, n: int, error_score: float, first_error: str | None) -> None:
+    logger.warning("%d of %d samples could not be scored and got %g; first: %s", num_failed, n, error_score,
+                   first_error)
+
+
+def _failure_message(fn: object, where: str, prompt: str, response: str, error: BaseException) -> str:
+    return (f"reward function {describe(fn)} failed on {where} "
             f"(prompt={_clip(prompt)}, response={_clip(response)}): {type(error).__name__}: {error}")
 
 

@@ -46,6 +46,7 @@ from megarl.multiturn.environment import environment_factory
 from megarl.multiturn.rollout import conversations_batch, model_turns, run_conversations
 from megarl.multiturn.trajectory import ChatRenderer
 from megarl.rewards.base import RewardFunction, score_samples
+from megarl.rewards.monitor import RewardMonitor
 from megarl.rollout.base import SamplingConfig
 from megarl.trainer.asynchronous import RolloutProducer, groups_batch
 
@@ -74,6 +75,7 @@ class Experience:
         """``reward_fns``: the callables of ``cfg.reward.named_functions()``, by the same names."""
         self.cfg, self.cluster, self.tokenizer, self.reward_fns = cfg, cluster, tokenizer, reward_fns
         self.stop_token_ids, self.stage = stop_token_ids, stage
+        self.reward_monitor = RewardMonitor()  # the columns the reward functions need; constant scores warned about
         self.ahead: _Generation | None = None  # one_step_off: the next step's responses, being generated
         self.producer: RolloutProducer | None = None  # async: the generating thread and its buffer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -311,9 +313,12 @@ class Experience:
                     [[t for t, m in zip(ids, row_mask, strict=True) if m]
                      for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
                     skip_special_tokens=True)
+            texts, row_columns = [rec.text for rec in rows], [rec.row for rec in rows]
             for name, spec in r.named_functions().items():  # each with its own error policy
-                parts[name], info = score_samples(self.reward_fns[name], [rec.text for rec in rows], responses,
-                                                  [rec.row for rec in rows], spec.on_error, spec.error_score)
+                fn = self.reward_fns[name]
+                self.reward_monitor.check_columns(name, fn, row_columns)  # needs a column no row has: ConfigError
+                parts[name], info = score_samples(fn, texts, responses, row_columns, spec.on_error, spec.error_score)
+                self.reward_monitor.observe(name, spec.function, fn, parts[name], info)  # constant scores: warned
                 total, num_errors = total + spec.function_weight * parts[name], num_errors + info.num_errors
         if self.cfg.reward_model is not None:
             parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]

@@ -177,7 +177,7 @@ def test_user_function_by_path_receives_extra_columns(tmp_path):
     scores, info = score_samples(fn, ["p0", "p1"], ["a", "x"], rows)
     assert scores.dtype == torch.float32 and scores.tolist() == [0.5, -1.0]
     assert info.num_errors == 0
-    calls = fn.__globals__["CALLS"]
+    calls = fn.fn.__globals__["CALLS"]  # fn: the user's function (row style) in its adapter
     assert calls == [("p0", "a", rows[0]), ("p1", "x", rows[1])]
     # the same file through the resolver; files with the same base name elsewhere do not clash
     other = tmp_path / "sub"
@@ -188,7 +188,7 @@ def test_user_function_by_path_receives_extra_columns(tmp_path):
 
 
 def test_user_function_errors(tmp_path):
-    path = _write(tmp_path, "r.py", "THRESHOLD = 3\ndef two_args(prompt, response):\n    return 1.0\n"
+    path = _write(tmp_path, "r.py", "THRESHOLD = 3\ndef two_args(prompt, answer):\n    return 1.0\n"
                   "def good(prompt, response, row):\n    return 1.0\n")
     with pytest.raises(ConfigError, match="expected 'path/to/file.py:function_name'"):
         load_reward_function(str(path))
@@ -198,7 +198,7 @@ def test_user_function_errors(tmp_path):
         load_reward_function(f"{path}:bad")
     with pytest.raises(ConfigError, match="'THRESHOLD' in r.py is a int, expected a function"):
         load_reward_function(f"{path}:THRESHOLD")
-    with pytest.raises(ConfigError, match=r"signature \(prompt, response\).*\(prompt, response, row\)"):
+    with pytest.raises(ConfigError, match=r"signature \(prompt, answer\), which fits no calling convention"):
         load_reward_function(f"{path}:two_args")
     broken = _write(tmp_path, "broken.py", "import not_a_real_module_xyz\n")
     with pytest.raises(ConfigError, match="importing reward function file .*broken.py.* ModuleNotFoundError"):
