@@ -1,7 +1,8 @@
 """Strict dataclass loading from plain data (parsed YAML, dicts).
 
 Unknown keys are errors that name the nearest valid key (a dataclass's ``REPLACED_KEYS`` class attribute maps a key
-of an earlier release to what to write instead); values are checked against the field
+of an earlier release to what to write instead, its ``REFUSED_KEYS`` a key that a similar class takes but that does
+nothing here to why, e.g. a frozen role's ``engine.optim``); values are checked against the field
 types (int, float, str, bool, enums, Optional, nested dataclasses, ``dict[str, X]``, ``list[X]``);
 defaults live only in the dataclass fields. Validation raises, it never rewrites. Pure module.
 """
@@ -59,9 +60,14 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     replaced = getattr(cls, "REPLACED_KEYS", {})  # keys of earlier releases -> what to write instead
+    refused = getattr(cls, "REFUSED_KEYS", {})  # keys that would do nothing here -> why
     for key in data:
         if key in replaced:
             raise ConfigError(f"config key {_join(path, key)!r} was replaced: {replaced[key]}")
+        if key in refused:
+            given = _leaf_keys(data[key], _join(path, key))
+            raise ConfigError(f"config key{'s' if len(given) > 1 else ''} {', '.join(map(repr, given))}: "
+                              f"{refused[key]}.")
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {sorted(fields)}"
@@ -113,6 +119,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is Any or (isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{path}: expected {getattr(tp, '__name__', tp)}, found {value!r} ({type(value).__name__})")
+
+
+def _leaf_keys(value: Any, path: str) -> list[str]:
+    """The dotted keys a user set under ``path`` (``path`` itself for a value or an empty mapping)."""
+    if not isinstance(value, dict) or not value:
+        return [path]
+    return [leaf for key, sub in value.items() for leaf in _leaf_keys(sub, _join(path, key))]
 
 
 def _join(path: str, key: Any) -> str:

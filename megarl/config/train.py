@@ -3,9 +3,9 @@
 The tree nests the components' own configs rather than copying their fields: ``rollout.sampling`` is
 the rollout engine's :class:`~megarl.rollout.base.SamplingConfig`, ``rollout.engine`` its
 :class:`~megarl.rollout.config.RolloutConfig`, ``policy`` / ``critic`` the training engine's
-:class:`~megarl.engine.config.EngineConfig`, ``algorithm`` the algorithms' own
-:class:`~megarl.algos.config.AlgorithmConfig`, ``cluster.pools`` the controller's
-:class:`~megarl.controller.spec.PoolSpec`. So every default is defined once, in its field (a test walks
+:class:`~megarl.engine.config.EngineConfig` (the frozen roles' ``engine`` the same less ``optim``),
+``algorithm`` the algorithms' own :class:`~megarl.algos.config.AlgorithmConfig`, ``cluster.pools`` the
+controller's :class:`~megarl.controller.spec.PoolSpec`. So every default is defined once, in its field (a test walks
 the tree and fails on a repeated one), and every choice is an enum.
 
 ``null`` means "decided by megarl" where a field says so; :func:`megarl.config.resolve.resolve` makes
@@ -22,7 +22,7 @@ import enum
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -32,7 +32,7 @@ from megarl.algos.kl import KLEstimator
 from megarl.config.loader import from_dict, read_data
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
-from megarl.engine.config import EngineConfig
+from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.errors import ConfigError
 from megarl.host import allocator
 from megarl.multiturn.config import MultiTurnConfig
@@ -161,6 +161,20 @@ class RewardConfig(RewardFunctionConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class FrozenEngineConfig(EngineConfig):
+    """The engine of a frozen role (reward model, teacher): forward passes only. Its keys are the training
+    engine's (``policy``) less ``optim``: nothing trains a frozen role, so a config setting ``optim`` is told
+    that it does nothing."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "optim": "frozen roles are not trained: optim settings do nothing; remove them"}
+
+    # no config key (init=False): kept at its default so that the role's MegatronEngine takes this as the
+    # EngineConfig it is; a frozen engine (trainable=False) builds no optimizer and never reads it
+    optim: OptimConfig = dataclasses.field(default=OptimConfig(), init=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardModelSection:
     """A reward model worker (HF ``*ForSequenceClassification``, one label, or its megarl checkpoint)
     scoring each sequence at its last token. It runs frozen on the policy's pool and layout and reads
@@ -168,19 +182,19 @@ class RewardModelSection:
 
     model: ModelConfig = ModelConfig()  # HF directory (converted once to <output_dir>/reward_model_checkpoint)
     weight: float = 1.0  # its score's weight in the reward
-    engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
+    engine: FrozenEngineConfig = FrozenEngineConfig()  # forward only: forward_micro_batch and precision matter
 
 
 @dataclasses.dataclass(frozen=True)
 class TeacherSection:
     """On-policy distillation: a frozen teacher (any causal LM that reads the policy's token ids; converted
-    once to <output_dir>/teacher_checkpoint, placed on the policy's pool) scores every sampled token; the
+    once to ``<output_dir>/teacher_checkpoint``, placed on the policy's pool) scores every sampled token; the
     token's reward gains ``kl_coef * (log pi_teacher - log pi_policy)``, the negative per-token reverse KL,
     alone (reward.function_weight: 0) or beside the outcome reward, under any advantage estimator."""
 
     model: ModelConfig = ModelConfig()  # HF directory or megarl checkpoint (a run's checkpoints/step_N/policy too)
     kl_coef: float = 1.0  # weight of the per-token reward -(log pi_policy - log pi_teacher)
-    engine: EngineConfig = EngineConfig()  # forward only: forward_micro_batch and precision matter
+    engine: FrozenEngineConfig = FrozenEngineConfig()  # forward only: forward_micro_batch and precision matter
 
 
 class CorruptCheckpoint(enum.Enum):
@@ -289,9 +303,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
 
 
 def to_plain(cfg: Any) -> Any:
-    """The config as plain YAML-able data (enums by value)."""
+    """The config as plain YAML-able data (enums by value; fields that are no config keys, ``init=False``, left out)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
     if isinstance(cfg, enum.Enum):
         return cfg.value
     if isinstance(cfg, dict):

@@ -19,8 +19,9 @@ import yaml
 
 from megarl.config.reference import render
 from megarl.config.resolve import resolve
-from megarl.config.train import TrainConfig, check_config, load_config, to_plain
+from megarl.config.train import RewardModelSection, TeacherSection, TrainConfig, check_config, load_config, to_plain
 from megarl.controller.spec import GroupOptions
+from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError
 from megarl.rollout.base import SamplingParams
 
@@ -94,6 +95,21 @@ def test_the_check_sees_a_mirrored_default():
         top_p: float = 1.0
 
     assert "top_p" in _own_defaults(Mirror) and "top_p" in _own_defaults(SamplingParams.__mro__[1])
+
+
+def test_frozen_roles_take_every_engine_key_but_optim():
+    """reward_model.engine and teacher.engine: the training engine's keys less its optimizer's (nothing trains
+    them), with the same defaults; the reference lists no optim section for them."""
+    def keys(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+
+    hints = {cls: typing.get_type_hints(cls)["engine"] for cls in (RewardModelSection, TeacherSection)}
+    for engine in hints.values():
+        assert keys(engine) == keys(EngineConfig) - {"optim"}
+        assert {k: getattr(engine(), k) for k in keys(engine)} == {k: getattr(EngineConfig(), k) for k in keys(engine)}
+    text = (ROOT / "docs" / "config.md").read_text()
+    assert "## `policy.optim`" in text and "## `critic.optim`" in text
+    assert "## `reward_model.engine.optim`" not in text and "## `teacher.engine.optim`" not in text
 
 
 def test_config_reference_is_current():

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from megarl.config.train import TrainConfig, check_config, dump_config, load_config
+from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError, LayoutError
 from megarl.trainer.callbacks import STAGES, Callback
 
@@ -199,6 +200,31 @@ def test_reward_model_alone_is_a_reward_source(task, tmp_path):
     assert cfg.reward.function is None and cfg.reward_model.weight == 0.5
     assert cfg.reward_model.engine.forward_batching.max_tokens == 256  # a reward model only runs forward
     assert TrainConfig().reward_model is None and TrainConfig().reward.function_weight == 1.0
+
+
+@pytest.mark.parametrize("role", ["reward_model", "teacher"])
+def test_frozen_roles_take_no_optim_settings(tmp_path, role):
+    """A reward model and a teacher are never trained: their engine has no optim keys (the policy's 14 would
+    be 28 keys doing nothing); a config setting any is told so, naming each key it set, in a file as on the
+    command line, and the resolved config written beside a run has none."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{role}.engine.optim.lr=1e-5", f"{role}.engine.optim.clip_grad=0"])
+    assert str(e.value) == (f"config keys '{role}.engine.optim.lr', '{role}.engine.optim.clip_grad': frozen roles "
+                            "are not trained: optim settings do nothing; remove them.")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({role: {"engine": {"optim": {"optimizer": "sgd"}}}}))
+    with pytest.raises(ConfigError, match=rf"config key '{role}.engine.optim.optimizer': frozen roles are not "
+                                          "trained: optim settings do nothing; remove them"):
+        load_config(tmp_path / "run.yaml")
+    cfg = load_config(None, [f"{role}.engine.precision=bfloat16", f"{role}.engine.forward_micro_batch.max_size=8"])
+    engine = getattr(cfg, role).engine
+    assert engine.precision.value == "bfloat16" and engine.forward_batching.max_size == 8
+    # trainable roles keep theirs; the frozen engine is still an EngineConfig, as the roles take it
+    assert load_config(None, ["policy.optim.lr=1e-5", "critic.optim.lr=1e-5"]).critic.optim.lr == 1e-5
+    assert isinstance(engine, EngineConfig)
+    dump_config(cfg, tmp_path / "config.yaml")
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "optim" not in written[role]["engine"] and "optim" in written["policy"]
+    assert load_config(tmp_path / "config.yaml") == cfg
 
 
 @pytest.mark.parametrize("kind, match", [
