@@ -1,10 +1,12 @@
-"""On-policy distillation through the trainer (issue #22, item 4), CPU, local launcher.
+"""The demo's GRPO run, then on-policy distillation from it (issue #22, item 4), CPU, local launcher.
 
-The teacher is a policy trained by the demo's config (GRPO on the addition task) and read from its run
-checkpoint (``checkpoints/step_N/policy``); the student is the demo's fresh random model, trained on the
+The teacher is the demo itself (``make demo``'s config: GRPO with a KL loss to the reference on the addition
+task, its 100 steps and validation every 25), so its run is also the proof that the demo learns; the student
+reads it from its run checkpoint (``checkpoints/step_N/policy``): the demo's fresh random model, trained on the
 teacher's per-token reward alone (``reward.function_weight: 0``; the task's reward is still measured).
-References: the task (the student's answer accuracy must rise), the teacher (the per-token reverse KL must
-fall) and a float64 hand computation of GRPO's advantages from the logged token log-probs.
+References: the task (a random policy answers ~7% of prompts correctly; the teacher's and the student's answer
+accuracy must rise clearly), the teacher (the per-token reverse KL must fall) and a float64 hand computation of
+GRPO's advantages from the logged token log-probs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_addition_tiny" / "config.yaml"
-TEACHER_STEPS, STUDENT_STEPS, KL_COEF = 60, 40, 0.5
+TEACHER_STEPS, STUDENT_STEPS, KL_COEF = 100, 40, 0.5  # the teacher: the demo's 100 steps
 
 
 class Recorder:
@@ -44,7 +46,9 @@ def student(tmp_path_factory):
     base = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
             "trainer.tensorboard": "false", "trainer.save_every": 0, "trainer.val_every": 0,
             "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
-    teacher = base | {"trainer.total_steps": TEACHER_STEPS, "trainer.output_dir": root / "teacher"}
+    # the demo as configured: its steps, its validation every 25 steps
+    teacher = base | {"trainer.total_steps": TEACHER_STEPS, "trainer.output_dir": root / "teacher",
+                      "trainer.val_every": 25}
     teacher_history = train(load_config(EXAMPLE, [f"{k}={v}" for k, v in teacher.items()]))
     checkpoint = root / "teacher" / "checkpoints" / f"step_{TEACHER_STEPS:06d}" / "policy"
     overrides = base | {"trainer.total_steps": STUDENT_STEPS, "trainer.output_dir": root / "student",
@@ -54,6 +58,19 @@ def student(tmp_path_factory):
     recorder = Recorder()
     history = train(cfg, callbacks=(recorder,))
     return {"teacher": teacher_history, "history": history, "recorder": recorder, "cfg": cfg}
+
+
+def test_the_demo_grpo_run_learns_addition(student):
+    """The teacher's run is ``make demo``'s: the reward rises clearly, the rollout engine's log-probs are the
+    training model's, validation ran every 25 steps and the KL loss to the reference is live."""
+    history = student["teacher"]
+    rewards = [m["reward/mean"] for m in history]
+    start, end = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
+    print(f"demo GRPO reward: first 10 steps {start:.3f}, last 20 steps {end:.3f}")
+    assert len(history) == TEACHER_STEPS and end > start + 0.15 and end > 2 * start
+    assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in history)  # rollout engines = training model
+    assert [step for step, m in enumerate(history, start=1) if "val/reward/mean" in m] == [25, 50, 75, 100]
+    assert history[-1]["actor/kl"] > 0
 
 
 def test_the_student_learns_the_task_and_approaches_the_teacher(student):
