@@ -174,13 +174,15 @@ def trl_worker(spec: dict) -> None:
     """TRL venv: the ``replay`` or ``learning`` run the spec describes (no megarl import)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(spec["threads"])
     rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines() if line.strip()]
     val = [json.loads(line) for line in Path(spec["val"]).read_text().splitlines() if line.strip()]
-    tok = AutoTokenizer.from_pretrained(spec["model"])
+    # as saved (megarl.data.tokenizer.load_tokenizer): AutoTokenizer would rebuild the character vocabulary as the
+    # Qwen2Tokenizer its config.json's model type names, which drops spaces (transformers 5)
+    tok = PreTrainedTokenizerFast.from_pretrained(spec["model"])
     out = Path(spec["out"])
     log = (out / "trl_steps.jsonl").open("w")  # noqa: SIM115 (closed after train())
     replay = spec["mode"] == "replay"

@@ -72,8 +72,9 @@ def _build(root: Path) -> Path:
 def _variant(rank, world_size, model_dir, variant, args, rounds):
     """One engine in a world of one, several rounds of the same rollout; per round: seconds, tokens, env share."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    from megarl.data.tokenizer import load_tokenizer
     from megarl.multiturn import ChatRenderer, MultiTurnConfig
     from megarl.multiturn.rollout import run_conversations
     from megarl.parallel.init import init_distributed
@@ -81,7 +82,7 @@ def _variant(rank, world_size, model_dir, variant, args, rounds):
     from megarl.rollout.base import SamplingParams
 
     init_distributed(ParallelLayout())
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     weights = load_file(f"{model_dir}/model.safetensors")
     if variant.startswith("embedded"):
         from megarl.rollout.embedded import EmbeddedEngine

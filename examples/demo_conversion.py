@@ -46,9 +46,10 @@ def main() -> int:
     args = p.parse_args()
 
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from megarl.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megarl.data.tokenizer import load_tokenizer
     from megarl.testing.dist import run_world
     from megarl.testing.tiny import make_tiny_model
 
@@ -57,7 +58,7 @@ def main() -> int:
     hf = make_tiny_model(out / "hf", "llama", num_layers=4, num_heads=4, num_kv_heads=2)
     print(convert_hf_to_megatron(hf, out / "megatron_tp2pp2", tp=2, pp=2, progress=True).line())
 
-    tok = AutoTokenizer.from_pretrained(hf)
+    tok = load_tokenizer(hf)
     ids = tok(["The quick brown fox", "Megatron splits the"], padding="max_length", max_length=8)["input_ids"]
     per_rank = run_world(_forward_world, 4, str(out / "megatron_tp2pp2"), ids)
     mcore_logits = torch.tensor(next(r for r in per_rank if r is not None))

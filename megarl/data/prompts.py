@@ -7,11 +7,14 @@ or a list of chat messages (``{"role", "content"}``). With ``apply_chat_template
 that has a template) a text prompt becomes one user message and is tokenized by the chat template
 with the generation prompt appended; otherwise text is encoded plainly. Prompts longer than
 ``max_prompt_length`` tokens are dropped and counted (``PromptDataset.num_filtered``), never
-truncated. Prompts whose tokens include the tokenizer's pad or unknown id (text the tokenizer cannot
-represent, e.g. letters for a digits-only character vocabulary) are counted
-(``PromptDataset.num_unknown``) and warned about; above ``max_unknown_token_share`` of the loaded
-prompts, loading fails. A malformed file or row raises :class:`DataError` naming the file, the row
-and what was expected; a bad setting raises :class:`ConfigError`.
+truncated. Prompts the tokenizer cannot represent are counted and warned about, and above
+``max_unknown_token_share`` of the prompts loading fails: those whose tokens include the tokenizer's pad or
+unknown id (e.g. letters for a digits-only character vocabulary; all prompts, ``PromptDataset.num_unknown``)
+and those whose text does not survive a round trip through the tokenizer (``decode(encode(text))``, on an
+evenly spread sample of up to :data:`ROUND_TRIP_SAMPLE` prompts, every message of a chat prompt: a tokenizer
+that silently drops characters produces no unknown id). Given the model's vocabulary size, a prompt holding
+a token id the model cannot embed fails loading. A malformed file or row raises :class:`DataError` naming
+the file, the row and what was expected; a bad setting raises :class:`ConfigError`.
 
 Pure module: torch for the sampler's permutations; the tokenizer is passed in; pyarrow is imported
 only to read parquet. Must not import Ray, vLLM, torch.distributed or megarl layers above ``data``.
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from megarl.data.tokenizer import RoundTrip, describe_characters, round_trips
 from megarl.errors import ConfigError, MegarlError, MissingDependencyError
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, Any]]  # [{"role": ..., "content": ...}, ...]
+ROUND_TRIP_SAMPLE = 1024  # prompts whose text is round-tripped through the tokenizer at load, evenly spread
 
 
 class DataError(MegarlError, ValueError):
@@ -104,9 +109,10 @@ def load_row_adapter(spec: str) -> RowAdapter:
 
 
 def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBase,
-                 adapter: RowAdapter | None = None) -> PromptDataset:
+                 adapter: RowAdapter | None = None, vocab_size: int | None = None) -> PromptDataset:
     """Read the file ``path`` (each row through ``adapter`` first, when given), validate and tokenize every
-    row, drop (and count) over-long prompts, count (and check the share of) prompts with pad/unknown ids."""
+    row, drop (and count) over-long prompts, check that the tokenizer represents the prompts (pad/unknown ids,
+    round trips: see the module docstring) and, given the model's ``vocab_size``, that it embeds every id."""
     rows = read_rows(path)
     if adapter is not None:
         rows = [(where, _adapt(adapter, row, where)) for where, row in rows]
@@ -114,9 +120,10 @@ def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBas
     if cfg.apply_chat_template and not use_template:
         logger.info("tokenizer has no chat template: text prompts from %s are encoded plainly", path)
     records: list[PromptRecord] = []
+    wheres: list[str] = []  # each record's row location
     num_filtered = 0
     suspect = unknown_token_ids(tokenizer)
-    unknown: list[tuple[str, PromptRecord]] = []  # (row location, record) of kept prompts holding suspect ids
+    unknown: list[int] = []  # records holding suspect ids
     for where, row in rows:
         prompt = _parse_prompt(row, cfg.prompt_key, where)
         if not isinstance(prompt, str) and not use_template:
@@ -129,15 +136,18 @@ def load_prompts(path: str, cfg: PromptConfig, tokenizer: PreTrainedTokenizerBas
             continue
         extra = {k: v for k, v in row.items() if k != cfg.prompt_key}
         records.append(PromptRecord(len(records), prompt, _reward_text(prompt), input_ids, extra))
+        wheres.append(where)
         if not suspect.keys().isdisjoint(input_ids):
-            unknown.append((where, records[-1]))
+            unknown.append(len(records) - 1)
     if num_filtered:
         logger.warning("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
                        path, num_filtered, len(rows), cfg.max_prompt_length)
     if not records:
         raise DataError(f"{path}: no prompts left: all {len(rows)} rows are longer than "
                         f"max_prompt_length={cfg.max_prompt_length} tokens; raise it or shorten the prompts")
-    _check_unknown(path, cfg, len(records), unknown, suspect)
+    if vocab_size is not None:
+        _check_id_range(path, records, wheres, tokenizer, vocab_size)
+    _check_representable(path, cfg, records, wheres, unknown, suspect, tokenizer)
     logger.info("loaded %d prompts from %s", len(records), path)
     return PromptDataset(records, num_filtered, path, num_unknown=len(unknown))
 
@@ -160,24 +170,77 @@ def unknown_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
     return out
 
 
-def _check_unknown(path: str, cfg: PromptConfig, num_loaded: int, unknown: Sequence[tuple[str, PromptRecord]],
-                   suspect: Mapping[int, str]) -> None:
-    """Warn about the prompts in ``unknown``; raise when their share of the loaded prompts is above the limit."""
-    if not unknown:
+def _check_id_range(path: str, records: Sequence[PromptRecord], wheres: Sequence[str],
+                    tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Every prompt token id must be one the model embeds: an id at or above its ``vocab_size`` is not an
+    unknown word but a tokenizer that is not the model's."""
+    bad = [r.index for r in records if max(r.input_ids, default=0) >= vocab_size]
+    if not bad:
         return
-    share = len(unknown) / num_loaded
-    where, record = unknown[0]
-    ids = ", ".join(f"{name} (id {i})" for i, name in suspect.items())
-    num_bad = sum(i in suspect for i in record.input_ids)
-    found = (f"{path}: {len(unknown)} of {num_loaded} prompts ({share:.1%}) hold pad/unknown token ids ({ids}), "
-             f"i.e. text the tokenizer cannot represent; the first, {where}, has {num_bad} such ids among its "
-             f"{len(record.input_ids)} tokens: {_short(record.text)}")
-    if share > cfg.max_unknown_token_share:
-        raise DataError(f"{found}. That is above data.max_unknown_token_share={cfg.max_unknown_token_share} "
-                        f"({cfg.max_unknown_token_share:.1%}): use a tokenizer that covers the text, fix the data, "
-                        "or raise data.max_unknown_token_share")
-    logger.warning("%s; they train on those ids (allowed up to max_unknown_token_share=%s)",
-                   found, cfg.max_unknown_token_share)
+    first = records[bad[0]]
+    ids = sorted({i for i in first.input_ids if i >= vocab_size})
+    named = ", ".join(f"{i} ({tokenizer.convert_ids_to_tokens(i)!r})" for i in ids[:10])
+    raise DataError(f"{path}: {len(bad)} of {len(records)} prompts hold token ids the model cannot embed (its "
+                    f"config.json has vocab_size={vocab_size}); the first, {wheres[first.index]}, holds {named}: "
+                    f"{_short(first.text)}. The tokenizer ({_tokenizer_name(tokenizer)}, {len(tokenizer)} tokens) is "
+                    "not the one the model was built with: set model.tokenizer to a directory holding only the "
+                    "model's own tokenizer files")
+
+
+def _check_representable(path: str, cfg: PromptConfig, records: Sequence[PromptRecord], wheres: Sequence[str],
+                         unknown: Sequence[int], suspect: Mapping[int, str],
+                         tokenizer: PreTrainedTokenizerBase) -> None:
+    """Warn about prompts holding ``suspect`` ids (all prompts) and prompts whose text a round trip through the
+    tokenizer changes (a sample); raise when either share is above ``max_unknown_token_share``."""
+    sample = _spread(len(records), ROUND_TRIP_SAMPLE)
+    owners = [i for i in sample for _ in _texts(records[i].prompt)]
+    texts = [t for i in sample for t in _texts(records[i].prompt)]
+    changed: dict[int, RoundTrip] = {}  # record -> its first changed text
+    for i, trip in zip(owners, round_trips(tokenizer, texts), strict=True):
+        if not trip.exact:
+            changed.setdefault(i, trip)
+    if not unknown and not changed:
+        return
+    limit = cfg.max_unknown_token_share
+    found = []
+    if unknown:
+        record = records[unknown[0]]
+        ids = ", ".join(f"{name} (id {i})" for i, name in suspect.items())
+        num_bad = sum(i in suspect for i in record.input_ids)
+        found.append(f"{len(unknown)} of {len(records)} prompts ({len(unknown) / len(records):.1%}) hold pad/unknown "
+                     f"token ids ({ids}), i.e. text the tokenizer cannot represent; the first, {wheres[record.index]}, "
+                     f"has {num_bad} such ids among its {len(record.input_ids)} tokens: {_short(record.text)}")
+    if changed:
+        i, trip = next(iter(changed.items()))
+        first = "the same prompt" if unknown and unknown[0] == i else f"the first, {wheres[i]}, {_short(trip.text)}"
+        lost = list(dict.fromkeys(c for t in changed.values() for c in t.lost))
+        found.append(f"{len(changed)} of {len(sample)} prompts checked ({len(changed) / len(sample):.1%}) change in a "
+                     f"round trip through the tokenizer, decode(encode(text)) != text ({first} comes back as "
+                     f"{_short(trip.decoded)})" + (f"; characters lost: {describe_characters(lost)}" if lost else ""))
+    message = f"{path}: " + "; ".join(found) + f" (tokenizer {_tokenizer_name(tokenizer)})"
+    if max(len(unknown) / len(records), len(changed) / len(sample)) > limit:
+        raise DataError(f"{message}. That is above data.max_unknown_token_share={limit} ({limit:.1%}): use a "
+                        "tokenizer that covers the text, fix the data, or raise data.max_unknown_token_share. A "
+                        "tokenizer that is not the model's own shows as this too: set model.tokenizer to a directory "
+                        "holding only the model's tokenizer files; a tokenizer built for the task (a character "
+                        "vocabulary) must be rebuilt to cover these characters")
+    logger.warning("%s; they train as the tokenizer encodes them (allowed up to max_unknown_token_share=%s)",
+                   message, limit)
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices of ``range(n)``, evenly spread (all of them when ``n <= k``)."""
+    return list(range(n)) if n <= k else [i * n // k for i in range(k)]
+
+
+def _texts(prompt: str | Messages) -> list[str]:
+    """The text a prompt's writer wrote: the prompt, or every message's content (not the chat template's)."""
+    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+
+
+def _tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
+    source = getattr(tokenizer, "name_or_path", "")
+    return f"{type(tokenizer).__name__} from {source}" if source else type(tokenizer).__name__
 
 
 def _adapt(adapter: RowAdapter, row: dict[str, Any], where: str) -> dict[str, Any]:

@@ -1,19 +1,24 @@
-"""Checks of the frozen models a run scores with, before any worker starts (the driver loads only
-tokenizers and config.json files): the reward model and the distillation teacher read the policy's
+"""Checks of the tokens and the frozen models a run scores with, before any worker starts (the driver loads
+only tokenizers and config.json files). The policy's tokenizer must fit its model: the pad and eos ids it pads
+and stops with are ids the model embeds (a prompt's ids are checked as the data loads,
+:func:`megarl.data.prompts.load_prompts`). The reward model and the distillation teacher read the policy's
 token ids as they are, so each must embed every id the policy can emit and map every string to the same
 id as the policy's tokenizer (re-tokenizing responses for another vocabulary is not supported), and each
-must have the right head (a scalar for a reward model, vocabulary logits for a teacher).
+must have the right head (a scalar for a reward model, vocabulary logits for a teacher). Every tokenizer is
+loaded as saved (:func:`megarl.data.tokenizer.load_tokenizer`).
 """
 
 from __future__ import annotations
 
 from megarl.config.resolve import hf_files
 from megarl.config.train import ModelConfig, TrainConfig
+from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
 from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 
 
 def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
+    _check_policy_tokenizer(cfg, tokenizer)
     _check_moe(cfg)
     if cfg.reward_model is not None:
         _check("reward_model", cfg.reward_model.model, Head.SCALAR, cfg, tokenizer,
@@ -21,6 +26,24 @@ def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
     if cfg.teacher is not None:
         _check("teacher", cfg.teacher.model, Head.LM, cfg, tokenizer,
                "an HF *ForCausalLM checkpoint or a megarl checkpoint of one")
+
+
+def policy_vocab_size(cfg: TrainConfig) -> int:
+    """The number of token ids the policy embeds (its config.json's ``vocab_size``)."""
+    return int(load_hf_config(hf_files(cfg.model.path))["vocab_size"])
+
+
+def _check_policy_tokenizer(cfg: TrainConfig, tokenizer) -> None:
+    """The pad id (padding) and the eos id (the stop of a response) must be ids the policy embeds."""
+    vocab = policy_vocab_size(cfg)
+    for kind in ("pad", "eos"):
+        token_id = getattr(tokenizer, f"{kind}_token_id", None)
+        if token_id is not None and not 0 <= token_id < vocab:
+            raise ConfigError(
+                f"the tokenizer {cfg.model.tokenizer} ({type(tokenizer).__name__}, {len(tokenizer)} tokens) has its "
+                f"{kind} token {getattr(tokenizer, f'{kind}_token')!r} at id {token_id}, but the policy "
+                f"{cfg.model.path} embeds ids 0-{vocab - 1} (config.json vocab_size={vocab}): it is not the "
+                "model's tokenizer. Set model.tokenizer to a directory holding only the model's own tokenizer files.")
 
 
 def _check_moe(cfg: TrainConfig) -> None:
@@ -32,20 +55,18 @@ def _check_moe(cfg: TrainConfig) -> None:
 
 
 def _check(section: str, model: ModelConfig, head: Head, cfg: TrainConfig, tokenizer, wanted: str) -> None:
-    from transformers import AutoTokenizer
-
     config = load_hf_config(hf_files(model.path))
     if spec_from_hf_config(config).head is not head:
         raise ConfigError(f"{section}.model.path {model.path} holds a {config.get('architectures')} model; the "
                           f"{section} needs {wanted}.")
-    policy_ids, ids = int(load_hf_config(hf_files(cfg.model.path))["vocab_size"]), int(config["vocab_size"])
+    policy_ids, ids = policy_vocab_size(cfg), int(config["vocab_size"])
     if ids < policy_ids:
         raise ConfigError(f"the {section} embeds {ids} token ids, the policy ({cfg.model.path}) emits up to "
                           f"{policy_ids}: it must share the policy's tokenizer (re-tokenizing responses for another "
                           "vocabulary is not supported).")
     source = model.tokenizer  # resolved: its directory, or the model's (hf/ of a megarl checkpoint)
     try:
-        vocab = AutoTokenizer.from_pretrained(str(source)).get_vocab()
+        vocab = load_tokenizer(source).get_vocab()
     except (OSError, ValueError) as e:
         raise ConfigError(f"no tokenizer could be loaded from {source} ({e}), so it cannot be checked that the "
                           f"{section} shares the policy's; set {section}.model.tokenizer to its tokenizer "

@@ -56,7 +56,7 @@ from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.asynchronous import RolloutProducer
 from megarl.trainer.callbacks import Callback
-from megarl.trainer.checks import check_frozen_models
+from megarl.trainer.checks import check_frozen_models, policy_vocab_size
 from megarl.trainer.experience import Experience
 from megarl.trainer.lock import RunLock
 from megarl.trainer.signals import Abandoned, StopRequest
@@ -154,7 +154,8 @@ class Trainer:
     def _load_data(self, path: str):
         d = self.cfg.data
         adapter = load_row_adapter(d.row_adapter) if d.row_adapter else None
-        return load_prompts(path, d, self.tokenizer, adapter)  # it warns of dropped and pad/unknown-token prompts
+        # it warns of dropped prompts and refuses ones the tokenizer cannot represent or the model cannot embed
+        return load_prompts(path, d, self.tokenizer, adapter, vocab_size=policy_vocab_size(self.cfg))
 
     # --------------------------------------------------------------------------------------- loop
 
@@ -485,9 +486,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The tokenizer as saved (not what a config.json beside it makes ``AutoTokenizer`` choose)."""
+    from megarl.data.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:

@@ -358,3 +358,102 @@ def test_max_unknown_token_share_is_validated():
             PromptConfig(max_unknown_token_share=bad)
     assert PromptConfig(max_unknown_token_share=0.0).max_unknown_token_share == 0.0
     assert PromptConfig(max_unknown_token_share=1.0).max_unknown_token_share == 1.0
+
+
+# ---- prompts the tokenizer rewrites without an unknown id; ids the model cannot embed -------------------------
+
+
+def _char_tokenizer(chars, *, normalizer=None):
+    """A character tokenizer as the demo's (pad 0 standing for unknown characters, eos 1), optionally with a
+    normalizer that rewrites text before it is split (``Replace(" ", "")`` drops spaces: no unknown id)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(["<pad>", "</s>", *chars])}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def test_prompts_a_tokenizer_silently_rewrites_are_refused(tmp_path, caplog):
+    """Spaces dropped by the tokenizer make no unknown id; the round trip finds them and names them."""
+    from tokenizers import normalizers
+
+    drops_spaces = _char_tokenizer("0123456789+= ", normalizer=normalizers.Replace(" ", ""))
+    assert drops_spaces.encode("1 + 2 =") == drops_spaces.encode("1+2=")  # the ids hide it
+    path = _rows(tmp_path, ["1+2=", "1 + 2 =", "3+4=", "5+1="])
+    with pytest.raises(DataError) as e:
+        load_prompts(path, PromptConfig(apply_chat_template=False), drops_spaces)
+    assert str(e.value).startswith(f"{path}: 1 of 4 prompts checked (25.0%) change in a round trip through the "
+                                   f"tokenizer, decode(encode(text)) != text (the first, {path}:2, '1 + 2 =' comes "
+                                   f"back as '1+2='); characters lost: ' ' (space) (tokenizer "
+                                   f"{type(drops_spaces).__name__})")
+    assert "above data.max_unknown_token_share=0.05 (5.0%)" in str(e.value)
+    assert "set model.tokenizer to a directory holding only the model's tokenizer files" in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):  # within the share: warned, loaded
+        data = load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.25), drops_spaces)
+    assert len(data) == 4 and data.num_unknown == 0
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "1 of 4 prompts checked (25.0%)" in warning and "allowed up to max_unknown_token_share=0.25" in warning
+    keeps_spaces = _char_tokenizer("0123456789+= ")  # the same vocabulary, no normalizer: loads silently
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+        load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.0), keeps_spaces)
+    assert caplog.records == []
+
+
+def test_unknown_characters_are_named(tmp_path):
+    """Characters outside a character vocabulary become pad ids (counted) and are named as lost (the pad token's
+    own letters do not hide an 'a' or a 'd')."""
+    tok = _char_tokenizer("0123456789+= ")
+    path = _rows(tmp_path, ["after 5 comes", "1+2="])
+    with pytest.raises(DataError) as e:
+        load_prompts(path, PromptConfig(apply_chat_template=False), tok)
+    message = str(e.value)
+    assert f"{path}: 1 of 2 prompts (50.0%) hold pad/unknown token ids (pad '<pad>' (id 0))" in message
+    assert ("1 of 2 prompts checked (50.0%) change in a round trip through the tokenizer, decode(encode(text)) != "
+            "text (the same prompt comes back as '<pad><pad><pad><pad><pad> 5 <pad><pad><pad><pad><pad>'); "
+            "characters lost: 'a', 'f', 't', 'e', 'r', 'c', 'o', 'm', 's'") in message
+
+
+def test_chat_messages_are_round_tripped_each(tmp_path):
+    """Every message's own text is checked, not the chat template's: a system message the vocabulary cannot
+    spell fails, though the user's message is clean."""
+    tok = _char_tokenizer("0123456789+= ?")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = _write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2=?"}]},
+        {"prompt": [{"role": "user", "content": "3 + 4 = ?"}]}])
+    with pytest.raises(DataError, match=r"the first, .*chat\.jsonl:1, .* \(the same prompt comes back as '<pad><pad> "
+                                        r"<pad><pad><pad><pad><pad>'\); characters lost: 'b', 'e', 'r', 'i', 'f'"):
+        load_prompts(str(path), PromptConfig(max_unknown_token_share=0.4), tok)
+
+
+def test_round_trip_checks_an_even_sample(tmp_path, monkeypatch, caplog):
+    import megarl.data.prompts as prompts
+
+    monkeypatch.setattr(prompts, "ROUND_TRIP_SAMPLE", 2)
+    from tokenizers import normalizers
+
+    drops_spaces = _char_tokenizer("0123456789+= ", normalizer=normalizers.Replace(" ", ""))
+    path = _rows(tmp_path, ["1+2=", "1 + 2 =", "3 + 4 =", "5+1=", "6+1="])  # rows 0 and 2 of 5 are checked
+    with caplog.at_level(logging.WARNING, logger="megarl.data.prompts"):
+        load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=0.5), drops_spaces)
+    assert f"1 of 2 prompts checked (50.0%) change in a round trip through the tokenizer, decode(encode(text)) != " \
+           f"text (the first, {path}:3, '3 + 4 ='" in caplog.text
+
+
+def test_ids_the_model_cannot_embed_are_refused(tmp_path, demo_like):
+    """``vocab_size`` (the model's config.json): an id at or above it is an error however few prompts hold one."""
+    path = _rows(tmp_path, ["one two", "one plus two", "two"])  # plus is id 5
+    assert demo_like.encode("one plus two") == [2, 5, 3]
+    with pytest.raises(DataError) as e:
+        load_prompts(path, PromptConfig(apply_chat_template=False, max_unknown_token_share=1.0), demo_like,
+                     vocab_size=5)
+    assert str(e.value) == (
+        f"{path}: 1 of 3 prompts hold token ids the model cannot embed (its config.json has vocab_size=5); the first, "
+        f"{path}:2, holds 5 ('plus'): 'one plus two'. The tokenizer ({type(demo_like).__name__}, 7 tokens) is not the "
+        "one the model was built with: set model.tokenizer to a directory holding only the model's own tokenizer files")
+    assert len(load_prompts(path, PromptConfig(apply_chat_template=False), demo_like, vocab_size=6)) == 3
