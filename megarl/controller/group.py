@@ -11,12 +11,13 @@ call that exceeds its timeout does the same.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.controller.handles import RoleHandle, WorkerError
@@ -116,18 +117,19 @@ class WorkerGroup:
             ref = done[0]
             try:
                 results[rank_of[ref]] = ray.get(ref)
-            except (RayTaskError, RayActorError, GetTimeoutError) as e:
+            except (RayTaskError, RayActorError, GetTimeoutError, OutOfMemoryError) as e:
                 rank = rank_of[ref]
                 self.shutdown(kill=True)
                 cause = getattr(e, "cause", None) or e
                 # a MegarlError already says what to change: its message is the paragraph, no traceback
                 trace = "" if isinstance(cause, MegarlError) else (
                     f"\nworker traceback:\n{getattr(e, 'traceback_str', None) or e}\n")
+                detail = _memory_monitor_kill(e) or f"{type(cause).__name__}: {cause}{trace}"
                 raise WorkerError(
                     f"{role} failed on rank {rank} of worker group {self.name!r} ({self.layout}, coords "
-                    f"{self.layout.coords(rank)._asdict()}): {type(cause).__name__}: {cause}{trace} The group was "
-                    "torn down.",
-                    role=role, rank=rank, lost=isinstance(e, RayActorError) and not isinstance(e, RayTaskError),
+                    f"{self.layout.coords(rank)._asdict()}): {detail} The group was torn down.",
+                    role=role, rank=rank,
+                    lost=isinstance(e, (RayActorError, OutOfMemoryError)) and not isinstance(e, RayTaskError),
                 ) from e
         return results
 
@@ -161,3 +163,19 @@ class WorkerGroup:
             ray.kill(a, no_restart=True)
 
 
+_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+),.*? was ([\d.]+GB)(?: used)? / ([\d.]+GB)")
+_THRESHOLD = re.compile(r"threshold of (?:\d+B \()?(\d+(?:\.\d+)?%?)")
+
+
+def _memory_monitor_kill(e: Exception) -> str | None:
+    """One line for a worker that Ray's memory monitor killed (Ray's report, ~40 lines, goes to the DEBUG log);
+    None for any other failure."""
+    text = str(e)
+    if not isinstance(e, OutOfMemoryError) and "running low on memory" not in text:
+        return None
+    logger.debug("Ray's report of the worker it killed:\n%s", text)
+    memory, threshold = _MEMORY.search(text), _THRESHOLD.search(text)
+    node = f": memory on node {memory[1]} was {memory[2]} used of {memory[3]}" if memory else ""
+    over = f" (over Ray's threshold of {threshold[1]})" if memory and threshold else ""
+    return (f"killed by Ray's memory monitor{node}{over}; give the run more memory or raise "
+            "RAY_memory_usage_threshold (Ray's report: MEGARL_LOG_LEVEL=DEBUG).")

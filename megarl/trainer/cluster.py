@@ -16,8 +16,11 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import shutil
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +31,7 @@ from megarl.controller.placement import Placement
 from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
 from megarl.data.batch import Batch
 from megarl.engine.results import StepResult
-from megarl.errors import ClusterError
+from megarl.errors import ClusterError, RunStopped
 from megarl.host import allocator
 from megarl.roles.critic import CriticRole, RewardModelRole
 from megarl.roles.policy import PolicyRole, ReferenceRole
@@ -58,9 +61,10 @@ class Cluster:
             **({"reward_model": (Path(rm.model.path), out / "reward_model_checkpoint")} if rm is not None else {}),
             **({"teacher": (Path(teacher.model.path), out / "teacher_checkpoint")} if teacher is not None else {})})
         self.placement: Placement | None = None
-        self.owns_ray = False
+        self.owns_ray, self.ray_session = False, None  # ray_session: the private cluster's session directory
         try:
-            self.owns_ray = not local and _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
+            if not local:
+                self.owns_ray, self.ray_session = _start_ray(c.ray_address or os.environ.get("RAY_ADDRESS"))
             on_ray_started()
             logger.info("host allocator of the driver process: %s", allocator.loaded())
             self._start_workers()
@@ -211,41 +215,90 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Kill the workers and the run's private Ray cluster (its raylet, GCS and agents), so that no process
-        of the run outlives it."""
+        of the run outlives it. At a clean exit (no exception on its way out, or a stop signal's
+        :class:`RunStopped`) the private cluster's session directory goes too; a failed run keeps it (Ray's logs)."""
+        failure = sys.exc_info()[1]  # called from a `finally`: the exception the run is failing with, if any
         if self.placement is not None:
             self.placement.shutdown()
         if self.owns_ray:
             import ray
 
-            ray.shutdown()
+            ray.shutdown(wait_for_processes=self.ray_session is not None)  # no process left writing into it
+            if self.ray_session is not None and (failure is None or isinstance(failure, RunStopped)):
+                _remove_session(self.ray_session)
 
 
-def _start_ray(address: str | None) -> bool:
+def _start_ray(address: str | None) -> tuple[bool, Path | None]:
     """Join the Ray cluster at ``address``, or start one private to this run: never an unrelated cluster
     that happens to run on the machine (``ray.init()`` without an address would join the newest one).
-    Whether this call connected (False: the caller had connected already, e.g. tests, notebooks)."""
+    Whether this call connected (False: the caller had connected already, e.g. tests, notebooks), and the
+    session directory of the cluster it started (None when it joined one)."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return False, None
     if address and address != "local":
         _check_reachable(address)
         logger.info("joining the Ray cluster at %s", address)
     else:
         address = "local"
         logger.info("starting a private Ray cluster for this run (cluster.ray_address or RAY_ADDRESS joins one)")
+        _quiet_ray_start()
     # a private cluster starts no idle workers for the driver (one per CPU otherwise): megarl's actors carry a
     # runtime env (their thread counts), so Ray never hands them one
     system = {"prestart_worker_first_driver": False} if address == "local" else None
+    start = time.monotonic()
     try:
-        ray.init(address=address, log_to_driver=True, include_dashboard=False, _system_config=system)
+        context = ray.init(address=address, log_to_driver=True, include_dashboard=False, _system_config=system)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         what = f"join the Ray cluster at {address}" if address != "local" else "start a private Ray cluster"
         raise ClusterError(f"could not {what}: {type(e).__name__}: {e}. Check that the address is right and the "
                            "cluster is up (`ray status --address ...`), or that the machine has free memory, ports "
                            "and /tmp space for a local one; unset cluster.ray_address and RAY_ADDRESS to start a "
                            "private cluster.") from e
-    return True
+    if address != "local":
+        return True, None
+    session = Path(context.address_info["session_dir"])
+    logger.info("private Ray cluster up in %.0f s; its logs: %s (removed at a clean exit)", time.monotonic() - start,
+                session / "logs")
+    return True, session
+
+
+# Ray's start-up notices on the driver: a new private cluster turns token authentication on and says so, and says
+# it started, on every run; the line above replaces both. Filters of these two loggers only: warnings of
+# auth failures, a disabled authentication or anything else Ray logs still show.
+_RAY_NOTICES = {"ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this",
+                "ray._private.worker": "Started a local Ray instance"}
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _quiet_ray_start() -> None:
+    for name, prefix in _RAY_NOTICES.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in log.filters):
+            log.addFilter(_DropNotice(prefix))
+
+
+def _remove_session(session: Path) -> None:
+    """Remove a private cluster's session directory (Ray leaves one per ``ray.init`` under its temp dir,
+    ``/tmp/ray``), and the ``session_latest`` link there if it points to it, once the cluster's processes exited."""
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and os.path.realpath(latest) == os.path.realpath(session):
+        latest.unlink(missing_ok=True)
+    for _ in range(3):  # a worker process still exiting may create a file meanwhile
+        shutil.rmtree(session, ignore_errors=True)
+        if not session.exists():
+            return
+        time.sleep(0.5)
+    logger.warning("could not remove the Ray session directory %s", session)
 
 
 def _check_reachable(address: str) -> None:

@@ -5,11 +5,16 @@ to join the newest running one, whose workers ran in another directory and faile
 relative paths. Here another cluster runs while the tiny example trains from its own working directory
 with relative paths; the other cluster's session logs show whether any driver or worker joined it
 (Ray writes ``python-core-driver-*`` / ``python-core-worker-*`` / ``worker-*`` files for each).
+
+The same run's captured output (not a terminal, as in CI or ``| tee``) is the console of issue #40: one plain
+line per step and no bar, no carriage return, none of Ray's start-up notices, and the private cluster's session
+directory gone after the clean exit.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,7 +83,8 @@ def test_a_running_ray_cluster_does_not_capture_the_run(other_ray, tmp_path):
                  "trainer.output_dir": "run", "trainer.total_steps": 2, "trainer.save_every": 0,
                  "trainer.val_every": 0, "trainer.tensorboard": "false", "data.batch_size": 4,
                  "rollout.sampling.n": 4}  # relative paths, from the run's own working directory
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # without RAY_AUTH_MODE (tests/conftest.py sets it) Ray turns token authentication on and says so, as for a user
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     proc = subprocess.run([sys.executable, "-m", "megarl.train", str(EXAMPLE), *(f"{k}={v}" for k, v in
                                                                                   overrides.items())],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -87,3 +93,14 @@ def test_a_running_ray_cluster_does_not_capture_the_run(other_ray, tmp_path):
     assert "starting a private Ray cluster for this run" in log
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
     assert _joined(other_ray["logs"]) == before, "a driver or worker of the run joined the other Ray cluster"
+    # the console
+    lines = log.splitlines()
+    assert "\r" not in log and not [line for line in lines if "%|" in line], "a progress bar outside a terminal"
+    steps = [line for line in lines if line.startswith("INFO megarl.metrics.tracking: step ")]
+    assert [line.split()[3] for line in steps] == ["1/2", "2/2"], steps  # one line per progress update
+    assert "Token authentication" not in log and "Started a local Ray instance" not in log
+    session = Path(re.search(r"private Ray cluster up in \d+ s; its logs: (\S+)/logs \(removed at a clean exit\)",
+                             log)[1])
+    assert session.name.startswith("session_") and not session.exists()
+    latest = session.parent / "session_latest"
+    assert not (latest.is_symlink() and os.readlink(latest) == str(session))
