@@ -138,7 +138,7 @@ def test_local_launcher_matches_a_ray_worker(ray_cluster, task, tmp_path):
                            *_overrides(task, tmp_path / "local", **one_rank, **{"cluster.launcher": "local"})],
                           env=env, cwd=ROOT, timeout=900, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "in the driver process" in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    assert "in the driver process" in proc.stderr and "private Ray cluster" not in proc.stderr
     imported = re.findall(r"^import time:.*\|\s*([\w.]+)$", proc.stderr, re.M)
     assert "megatron.core" in imported and not [m for m in imported if m.split(".")[0] == "ray"]
     local_history = read_metrics(tmp_path / "local")
