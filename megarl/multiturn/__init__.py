@@ -8,6 +8,8 @@
   rendered by the chat template, the loss mask and the rollout log-probs
 - :mod:`megarl.multiturn.rollout`  the loop: conversations to their end, one generation call per turn,
   environment steps in a thread pool; the training rows
+- :mod:`megarl.multiturn.errors`  :class:`EnvError` and :class:`EnvErrorLog`: environment and tool errors' texts in
+  the run directory (``env_errors.jsonl``), the first of each kind in the log
 
 Pure package: no Ray, no torch.distributed, no engine.
 """
@@ -24,10 +26,13 @@ from megarl.multiturn.environment import (
     parse_tool_calls,
     tool_schema,
 )
+from megarl.multiturn.errors import EnvError, EnvErrorLog
 from megarl.multiturn.trajectory import ChatRenderer, Segment, TemplateError, Trajectory
 
 __all__ = [
     "ChatRenderer",
+    "EnvError",
+    "EnvErrorLog",
     "Environment",
     "EnvironmentFailure",
     "MultiTurnConfig",

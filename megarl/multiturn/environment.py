@@ -11,7 +11,8 @@ rewards, plus the reward function's score of the model's last turn when one is c
 in the chat template's format -- Hermes/Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` --
 each call's result comes back as a ``tool`` message, a malformed call (not JSON, an unknown tool, arguments
 the function does not take, a function that raises) as a ``tool`` message saying what was wrong, counted in
-:attr:`Step.errors`; a turn without a call is the answer: it ends the episode.
+:attr:`Step.errors` and described in :attr:`Step.error_details` (kept in the run's ``env_errors.jsonl``); a turn
+without a call is the answer: it ends the episode.
 
 Pure module: the standard library, megarl.errors and megarl.config.user_code.
 """
@@ -28,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from megarl.config.user_code import load_function
 from megarl.errors import ConfigError, MegarlError
 from megarl.multiturn.config import MultiTurnConfig
+from megarl.multiturn.errors import EnvError, traceback_tail
 
 Message = dict[str, Any]
 
@@ -42,6 +44,8 @@ class Step:
     reward: float = 0.0  # this turn's reward
     done: bool = False  # the episode is over: no further model turn
     errors: int = 0  # malformed tool calls (or other recoverable mistakes) in the turn, counted in the metrics
+    # what those were (kind, text, traceback): kept in the run's env_errors.jsonl, the first of each kind logged
+    error_details: list[EnvError] = dataclasses.field(default_factory=list)
 
 
 @runtime_checkable
@@ -120,31 +124,32 @@ class ToolEnvironment:
         return [{"role": "user", "content": opening}] if isinstance(opening, str) else [dict(m) for m in opening]
 
     def step(self, text: str) -> Step:
-        calls, errors = parse_tool_calls(text)
-        if not calls and not errors:
+        calls, malformed = parse_tool_calls(text)
+        if not calls and not malformed:
             return Step([], done=True)
-        messages = [{"role": "tool", "content": f"error: {e}"} for e in errors]
+        messages = [{"role": "tool", "content": f"error: {e}"} for e in malformed]
+        errors = [EnvError("malformed tool call", e) for e in malformed]
         for call in calls:
             result, error = self._run(call)
-            messages.append({"role": "tool", "content": result})
+            messages.append({"role": "tool", "content": result if error is None else f"error: {error.message}"})
             errors += [error] if error else []
-        return Step(messages, errors=len(errors))
+        return Step(messages, errors=len(errors), error_details=errors)
 
-    def _run(self, call: ToolCall) -> tuple[str, str | None]:
+    def _run(self, call: ToolCall) -> tuple[str, EnvError | None]:
+        """The call's result text, or what was wrong with it."""
         fn = self.tools.get(call.name)
         if fn is None:
-            error = f"unknown tool {call.name!r}; tools: {sorted(self.tools)}"
-            return f"error: {error}", error
+            return "", EnvError("unknown tool", f"unknown tool {call.name!r}; tools: {sorted(self.tools)}")
         try:
             inspect.signature(fn).bind(**call.arguments)
         except TypeError as e:
-            error = f"tool {call.name!r} cannot take the arguments {call.arguments}: {e}"
-            return f"error: {error}", error
+            return "", EnvError(f"bad arguments to tool {call.name}",
+                                f"tool {call.name!r} cannot take the arguments {call.arguments}: {e}")
         try:
             result = fn(**call.arguments)
         except Exception as e:  # noqa: BLE001 - the model's call failed: it is told, and the error counted
-            error = f"tool {call.name!r} raised {type(e).__name__}: {e}"
-            return f"error: {error}", error
+            return "", EnvError(f"{type(e).__name__} in tool {call.name}",
+                                f"tool {call.name!r} raised {type(e).__name__}: {e}", traceback_tail(e))
         return (result if isinstance(result, str) else json.dumps(result)), None
 
 
@@ -194,4 +199,7 @@ def checked_step(step: Any, where: str) -> Step:
     if not step.done and not step.messages:
         raise EnvironmentFailure(f"{where} returned no messages for a turn that does not end the episode; return "
                                  "the reply, or done=True")
+    if not isinstance(step.error_details, list) or not all(isinstance(e, EnvError) for e in step.error_details):
+        raise EnvironmentFailure(f"{where} returned error_details {str(step.error_details)[:200]!r}; expected a list "
+                                 "of megarl.multiturn.EnvError(kind, message)")
     return step

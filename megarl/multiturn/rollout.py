@@ -13,6 +13,8 @@ An environment that raises, exceeds ``env_timeout_s`` or returns something that 
 step with :class:`~megarl.multiturn.environment.EnvironmentFailure` naming the row and the turn; ``score`` ends
 that conversation with ``env_error_score`` and counts it (``multiturn/env_errors``). A timed-out call cannot be
 stopped (Python threads cannot be killed): its thread finishes in the background and its result is dropped.
+What went wrong -- each scored failure and each tool error, its kind, text and traceback tail -- comes back in
+:meth:`MultiTurnResult.errors`, for the run's ``env_errors.jsonl`` (:mod:`megarl.multiturn.errors`).
 
 Pure module: a Hugging Face tokenizer, torch tensors and the rollout contract (no Ray, no torch.distributed).
 """
@@ -30,6 +32,7 @@ import torch
 from megarl.data.batch import Batch
 from megarl.multiturn.config import MultiTurnConfig
 from megarl.multiturn.environment import Environment, EnvironmentFailure, Step, checked_step
+from megarl.multiturn.errors import EnvError, traceback_tail
 from megarl.multiturn.trajectory import ChatRenderer, Trajectory
 from megarl.rewards.base import OnError
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
@@ -53,13 +56,24 @@ class Conversation:
     turns: int = 0
     tool_errors: int = 0
     finish: str | None = None  # one of the FINISH_* values once over
-    error: str | None = None  # the environment failure that ended it (on_env_error: score)
+    error: EnvError | None = None  # the environment failure that ended it (on_env_error: score)
+    problems: list[tuple[int, EnvError]] = dataclasses.field(default_factory=list)  # (model turn, tool error or
+    # the failure that ended it), in order
 
 
 @dataclasses.dataclass
 class MultiTurnResult:
     conversations: list[Conversation]
     metrics: dict[str, float]
+
+    def errors(self) -> list[dict[str, Any]]:
+        """Every problem of every conversation, for :class:`megarl.multiturn.errors.EnvErrorLog`: ``conversation``
+        (its index), ``row``, ``turn`` (the model turn the environment was answering, from 1), ``kind``, ``ended``
+        (whether it ended the conversation: an environment failure; else a tool error the model was told of),
+        ``message``, ``traceback``."""
+        return [{"conversation": k, "row": c.row, "turn": turn, "kind": e.kind, "ended": e is c.error,
+                 "message": e.message, "traceback": e.traceback}
+                for k, c in enumerate(self.conversations) for turn, e in c.problems]
 
 
 def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Callable[[], Environment],
@@ -140,18 +154,21 @@ def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dic
     for k, ((conv, fn, _), future) in enumerate(zip(jobs, futures, strict=True)):
         row = conv.row if conv is not None else rows[k]
         where = f"{_name(fn)} (row {row}" + (f", turn {turn + 1})" if turn is not None else ", opening)")
+        name = _name(fn)
         try:
             value = _result(future, started, k, config.env_timeout_s)
             if conv is not None:
                 value = checked_step(value, where)
             results.append(value)
         except concurrent.futures.TimeoutError:
-            results.append(_failure(conv, f"{where} did not return within env_timeout_s={config.env_timeout_s}",
-                                    config))
+            timeout = f"{where} did not return within env_timeout_s={config.env_timeout_s}"
+            results.append(_failure(conv, EnvError(f"timeout in {name}", timeout), config, turn))
         except EnvironmentFailure as e:
-            results.append(_failure(conv, str(e), config))
+            results.append(_failure(conv, EnvError(f"invalid result from {name}", str(e)), config, turn))
         except Exception as e:  # noqa: BLE001 - the user's environment raised: the policy decides
-            results.append(_failure(conv, f"{where} raised {type(e).__name__}: {e}", config, cause=e))
+            results.append(_failure(conv, EnvError(f"{type(e).__name__} in {name}",
+                                                   f"{where} raised {type(e).__name__}: {e}", traceback_tail(e)),
+                                    config, turn, cause=e))
     waited["env_s"] += time.perf_counter() - start
     return results
 
@@ -173,17 +190,20 @@ def _result(future: concurrent.futures.Future, started: list[float | None], k: i
                 raise
 
 
-def _failure(conv: Conversation | None, message: str, config: MultiTurnConfig, cause: Exception | None = None):
+def _failure(conv: Conversation | None, error: EnvError, config: MultiTurnConfig, turn: int | None,
+             cause: Exception | None = None):
     if config.on_env_error is OnError.RAISE or conv is None:
-        raise EnvironmentFailure(f"{message} (multi-turn on_env_error: raise; set it to score to end the "
+        raise EnvironmentFailure(f"{error.message} (multi-turn on_env_error: raise; set it to score to end the "
                                  f"conversation with env_error_score={config.env_error_score} and count it)") from cause
-    conv.error, conv.reward, conv.finish = message, config.env_error_score, FINISH_ERROR
+    conv.error, conv.reward, conv.finish = error, config.env_error_score, FINISH_ERROR
+    conv.problems.append((turn + 1, error))
     return None
 
 
 def _apply(c: Conversation, step: Step, turn: int, config: MultiTurnConfig) -> None:
     c.reward += float(step.reward)
     c.tool_errors += step.errors
+    c.problems += [(turn + 1, e) for e in step.error_details]
     if step.done:
         c.finish = FINISH_DONE
         return
@@ -218,15 +238,18 @@ def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Bat
     """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
     model's tokens only: observations are context, not trained), ``rollout_log_probs`` (token-aligned: entry i is
     the log-prob of token i), ``prompt_uid`` (the row, for group baselines), ``environment_scores`` (each
-    conversation's reward from its environment) and ``response_lengths`` (tokens after the prompt); non-tensor
-    ``finish_reasons`` ("stop" when the environment ended the episode, else "length") and ``final_texts`` (the
-    model's last turn, what a reward function scores)."""
+    conversation's reward from its environment), ``response_lengths`` (the model's tokens: what
+    ``response/length_*`` counts, as of a single-turn response) and ``observation_lengths`` (the environment's
+    tokens between the model's turns: ``response/env_tokens_*``; the two add up to the tokens after the prompt);
+    non-tensor ``finish_reasons`` ("stop" when the environment ended the episode, else "length") and
+    ``final_texts`` (the model's last turn, what a reward function scores)."""
     width = max(len(c.trajectory.ids) for c in convs)
 
     def padded(values: list[list], value, dtype) -> torch.Tensor:
         return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
 
     ids = [c.trajectory.ids for c in convs]
+    model = [sum(len(s.ids) for s in c.trajectory.segments if s.kind == "model") for c in convs]
     return Batch.from_dict({
         "input_ids": padded(ids, pad_token_id, torch.long),
         "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
@@ -234,8 +257,9 @@ def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Bat
         "rollout_log_probs": padded([c.trajectory.rollout_log_probs() for c in convs], 0.0, torch.float32),
         "prompt_uid": torch.tensor([c.row for c in convs], dtype=torch.long),
         "environment_scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
-        "response_lengths": torch.tensor([len(v) - c.trajectory.prompt_length for c, v in zip(convs, ids, strict=True)],
-                                         dtype=torch.long),
+        "response_lengths": torch.tensor(model, dtype=torch.long),
+        "observation_lengths": torch.tensor([len(v) - c.trajectory.prompt_length - m
+                                             for c, v, m in zip(convs, ids, model, strict=True)], dtype=torch.long),
     }, non_tensors={"finish_reasons": [FINISH_STOP if c.finish == FINISH_DONE else FINISH_LENGTH for c in convs],
                     "final_texts": [c.trajectory.final_text for c in convs]})
 

@@ -13,7 +13,9 @@ scored in the same round. Validation samples and scores with the same methods.
 Multi-turn rollouts (``rollout.multi_turn``, :mod:`megarl.multiturn`): each prompt opens ``n`` conversations with
 an environment (or tools); every turn is one generation call across the policy's rollout engines and the
 environment steps run on this process's threads. A conversation's reward is its environment's, plus the reward
-function's score of the model's last turn.
+function's score of the model's last turn. Environment failures (``on_env_error: score``) and tool errors are kept
+with their texts in ``<output_dir>/env_errors.jsonl``, the first of each kind logged. ``response/length_*`` counts
+the model's tokens, ``response/env_tokens_*`` the environment's between them.
 
 Schedules (``rollout.schedule``): ``sync`` syncs the weights, generates and scores in turn (:meth:`collect`);
 ``one_step_off`` (:meth:`collect_ahead`, rollout engines on a pool of their own) waits for the responses
@@ -31,6 +33,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.errors import MegarlError
 from megarl.multiturn.environment import environment_factory
+from megarl.multiturn.errors import EnvErrorLog
 from megarl.multiturn.rollout import conversations_batch, model_turns, run_conversations
 from megarl.multiturn.trajectory import ChatRenderer
 from megarl.rewards.base import RewardFunction, score_samples
@@ -83,6 +87,7 @@ class Experience:
         if cfg.rollout.multi_turn.enabled:
             make_env, schemas = environment_factory(cfg.rollout.multi_turn)
             self.conversations = (make_env, ChatRenderer(tokenizer, tools=schemas))
+            self.env_errors = EnvErrorLog(Path(cfg.trainer.output_dir) / "env_errors.jsonl")  # texts; firsts logged
 
     # ------------------------------------------------------------------------------------ a step
 
@@ -229,6 +234,9 @@ class Experience:
                                    stop_ids=self.stop_token_ids)
         batch = conversations_batch(result.conversations, self.pad_token_id)
         batch.tensors["policy_version"] = torch.full((len(batch),), min(versions), dtype=torch.long)
+        validation = sampling is self.cfg.rollout.validation  # a step trains on version step - 1, validates on step
+        self.env_errors.record(min(versions) + (not validation), result.errors(),
+                               phase="validation" if validation else "train")
         if reuse[1]:
             call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
         batch.meta["metrics"] = call_metrics | result.metrics | {"timing/to_train_s": self.cluster.to_train()}
@@ -331,11 +339,14 @@ class Experience:
 
     @staticmethod
     def _rollout_metrics(batch: Batch) -> dict[str, float]:
-        lengths = batch["response_lengths"].float()
+        lengths = batch["response_lengths"].float()  # multi-turn: the model's tokens, observations apart
+        env = batch["observation_lengths"].float() if "observation_lengths" in batch else None
         return batch.meta.pop("metrics") | {
             "rollout/num_tokens": lengths.sum().item(), "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
-            "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)}
+            "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)} | (
+            {} if env is None else {"response/env_tokens_mean": env.mean().item(),
+                                    "response/env_tokens_max": env.max().item()})
 
 
 def _concat(batches: list[Batch]) -> Batch:

@@ -2,11 +2,12 @@
 every conversation's tokens spell the chat template's rendering of its messages, the rollout log-probs of every
 model segment equal a transformers forward over the whole trajectory, budgets and turn limits end conversations
 where they should, environment steps run concurrently, and an environment that raises, hangs or returns garbage
-fails the step or is scored and counted, as configured.
+fails the step or is scored and counted, as configured, its kind, text and traceback kept.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -113,6 +114,10 @@ def test_conversations_spell_the_templates_rendering_and_log_probs_match_transfo
         assert batch["input_ids"][i].tolist() == c.trajectory.ids + [tok.pad_token_id] * pad
         assert batch["response_mask"][i].tolist() == c.trajectory.loss_mask() + [0] * pad
         assert batch["attention_mask"][i].tolist() == [1] * len(c.trajectory.ids) + [0] * pad
+        model = sum(len(s.ids) for s in c.trajectory.segments if s.kind == "model")  # the model's tokens, apart
+        assert batch["response_lengths"][i] == model == batch["response_mask"][i].sum()
+        assert batch["observation_lengths"][i] == len(c.trajectory.ids) - c.trajectory.prompt_length - model > 0 or (
+            c.turns == 1)
     assert result.metrics["multiturn/finished_done"] == 6 and result.metrics["multiturn/turns_max"] == 3
     assert batch.non_tensors["finish_reasons"] == ["stop"] * 6
     assert batch.non_tensors["final_texts"] == [c.trajectory.messages[-1]["content"] for c in result.conversations]
@@ -158,10 +163,11 @@ class Failing(Scripted):
         return super().step(text)
 
 
-@pytest.mark.parametrize("mode, match", [("raise", r"Failing.step \(row 0, turn 1\) raised KeyError"),
-                                         ("hang", r"did not return within env_timeout_s=0.3"),
-                                         ("garbage", "returned dict")])
-def test_environment_failures_raise_or_are_scored(setup, mode, match):
+@pytest.mark.parametrize("mode, match, kind", [
+    ("raise", r"Failing.step \(row 0, turn 1\) raised KeyError", "KeyError in Failing.step"),
+    ("hang", r"did not return within env_timeout_s=0.3", "timeout in Failing.step"),
+    ("garbage", "returned dict", "invalid result from Failing.step")])
+def test_environment_failures_raise_or_are_scored(setup, mode, match, kind):
     Failing.mode = mode
     with pytest.raises(EnvironmentFailure, match=match):
         _run(setup, MultiTurnConfig(max_turns=3, max_turn_tokens=2, env_timeout_s=0.3), make_env=Failing)
@@ -171,3 +177,14 @@ def test_environment_failures_raise_or_are_scored(setup, mode, match):
     assert [c.row for c in failed] == [0, 0] and all(c.reward == -1.0 and c.turns == 1 for c in failed)
     assert all(c.finish == FINISH_DONE for c in scored.conversations if c.row != 0)
     assert scored.metrics["multiturn/env_errors"] == 2
+    # the texts, for the run's env_errors.jsonl: conversations 0 and 1 (row 0), its first turn
+    errors = scored.errors()
+    assert [(e["conversation"], e["row"], e["turn"], e["kind"], e["ended"]) for e in errors] == [
+        (0, 0, 1, kind, True), (1, 0, 1, kind, True)]
+    assert all(re.search(match, e["message"]) for e in errors)
+    if mode == "raise":  # where it raised: Failing.step's raise, without the loop's and its thread pool's frames
+        tb = errors[0]["traceback"]
+        assert tb.startswith("Traceback (most recent call last):\n") and tb.count("  File ") == 1
+        assert tb.endswith('in step\n    raise KeyError("lookup failed")\nKeyError: \'lookup failed\'\n')
+    else:
+        assert errors[0]["traceback"] == ""

@@ -1,11 +1,15 @@
 """Multi-turn trajectories and environments (issue #25), without an engine: a ChatML tokenizer with tools
 (megarl.testing.tiny), conversations built turn by turn against the chat template's own rendering of the same
-messages, the loss mask and log-probs checked by hand; tool calls (well-formed and malformed); environment
-contract violations; GAE and GRPO on responses with masked observation gaps against float64 by hand.
+messages, the loss mask and log-probs checked by hand; the model's and the environment's tokens counted apart in
+the training rows and the response metrics (by hand); tool calls (well-formed and malformed, each error's kind
+and text); environment contract violations; the run's record of environment errors (every text in the file, the
+first of each kind in the log); GAE and GRPO on responses with masked observation gaps against float64 by hand.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 
 import pytest
@@ -13,6 +17,8 @@ import torch
 
 from megarl.multiturn import (
     ChatRenderer,
+    EnvError,
+    EnvErrorLog,
     EnvironmentFailure,
     Step,
     TemplateError,
@@ -78,6 +84,37 @@ def test_loss_mask_and_log_probs_cover_exactly_the_models_tokens(tok):
     assert traj.loss_mask() == [0] * p + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
     assert traj.rollout_log_probs() == [0.0] * p + [-0.5] * len(turn1) + [0.0] * len(obs) + [-0.25] * len(turn2)
     assert [s.kind for s in traj.segments] == ["prompt", "model", "observation", "model"]
+
+
+def test_model_and_environment_tokens_are_counted_apart(tok):
+    """Two conversations: model turns of 3 and 2 tokens around one observation, and a single model turn of 4 tokens.
+    ``response/length_*`` counts the model's tokens (5 and 4), ``response/env_tokens_*`` the observation's (its text
+    written out by hand below, encoded on its own)."""
+    from megarl.multiturn.rollout import Conversation, conversations_batch
+    from megarl.trainer.experience import Experience
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    a, b, c = _encode(tok, "a")[0], _encode(tok, "b")[0], _encode(tok, "c")[0]
+    renderer = ChatRenderer(tok)
+    two = Trajectory(renderer, [{"role": "user", "content": "hi"}], stop_ids=[end])
+    two.add_model_turn([a, b, end], [-1.0] * 3)
+    two.add_observation([{"role": "user", "content": "ok"}])
+    two.add_model_turn([c, end], [-1.0] * 2)
+    one = Trajectory(renderer, [{"role": "user", "content": "hey"}], stop_ids=[end])
+    one.add_model_turn([a, a, b, end], [-1.0] * 4)
+    env_tokens = len(_encode(tok, "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"))
+    # the tiny BPE: "\n" <|im_start|> u s er "\n" o k <|im_end|> "\n" <|im_start|> a s s is t a n t "\n"
+    assert env_tokens == 20
+    convs = [Conversation(0, None, two, finish="done"), Conversation(1, None, one, finish="done")]
+    batch = conversations_batch(convs, tok.pad_token_id)
+    assert batch["response_lengths"].tolist() == [5, 4]
+    assert batch["observation_lengths"].tolist() == [env_tokens, 0]
+    assert batch["response_mask"].sum(-1).tolist() == [5.0, 4.0]  # what trains: the same tokens
+    batch.meta["metrics"] = {}
+    metrics = Experience._rollout_metrics(batch)
+    assert metrics["response/length_mean"] == 4.5 and metrics["response/length_max"] == 5.0
+    assert metrics["rollout/num_tokens"] == 9.0  # what the engines generated
+    assert metrics["response/env_tokens_mean"] == env_tokens / 2 and metrics["response/env_tokens_max"] == env_tokens
 
 
 def test_sampled_tokens_are_kept_as_sampled(tok):
@@ -148,21 +185,32 @@ def test_tool_calls_parse_and_run(tok):
                        "required": ["a", "b"]}}}
 
 
-@pytest.mark.parametrize("call, error", [
-    ("<tool_call>{not json}</tool_call>", r"error: the tool call is not valid JSON \(Expecting property name"),
-    ('<tool_call>["add"]</tool_call>', 'error: a tool call must be an object'),
-    ('<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>', r"error: unknown tool 'mul'; tools: \['add'\]"),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', r"error: tool 'add' cannot take the arguments"),
-    ('<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', "error: the arguments of tool 'add' are not"),
-    ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": []}}</tool_call>', r"error: tool 'add' raised TypeError"),
+@pytest.mark.parametrize("call, error, kind", [
+    ("<tool_call>{not json}</tool_call>", r"error: the tool call is not valid JSON \(Expecting property name",
+     "malformed tool call"),
+    ('<tool_call>["add"]</tool_call>', 'error: a tool call must be an object', "malformed tool call"),
+    ('<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>', r"error: unknown tool 'mul'; tools: \['add'\]",
+     "unknown tool"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', r"error: tool 'add' cannot take the arguments",
+     "bad arguments to tool add"),
+    ('<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', "error: the arguments of tool 'add' are not",
+     "malformed tool call"),
+    ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": []}}</tool_call>', r"error: tool 'add' raised TypeError",
+     "TypeError in tool add"),
 ])
-def test_a_malformed_call_gets_an_error_observation_and_is_counted(call, error):
+def test_a_malformed_call_gets_an_error_observation_and_is_counted(call, error, kind):
     env = ToolEnvironment({"add": add})
     env.reset({"prompt": "q"})
     step = env.step(f"{call} and {CALL}")
     assert step.errors == 1 and not step.done and len(step.messages) == 2
     assert any(m["role"] == "tool" and re.match(error, m["content"]) for m in step.messages), step
     assert {"role": "tool", "content": "5"} in step.messages  # the well-formed call still runs
+    (detail,) = step.error_details  # what the run's env_errors.jsonl keeps: the kind, the text the model saw
+    assert detail.kind == kind and re.match(error, f"error: {detail.message}")
+    # a tool that raised: where, in its traceback (this file's add alone, not the environment calling it)
+    assert (detail.traceback.count("  File ") == 1 and "in add\n" in detail.traceback and detail.traceback.endswith(
+        'TypeError: can only concatenate str (not "list") to str\n')) == (kind[0] == "T")
+
 
 
 def test_string_arguments_are_accepted():
@@ -180,6 +228,39 @@ def test_environment_contract_violations_are_named(step, match):
     with pytest.raises(EnvironmentFailure, match=match):
         checked_step(step, "env.py:MyEnv.step")
     assert checked_step(Step([], reward=1.0, done=True), "x").reward == 1.0
+
+
+def test_the_error_log_keeps_every_text_and_logs_the_first_of_each_kind(tmp_path, caplog):
+    """Step 1: three failures of one kind (two lines kept: per_kind 2) and a tool error; step 2: the first kind
+    again. Four lines in the file; one warning per kind for the whole run, naming the file."""
+    log = EnvErrorLog(tmp_path / "env_errors.jsonl")
+    log.per_kind = 2
+
+    def error(conversation, kind, message, ended=True, traceback=""):
+        return {"conversation": conversation, "row": conversation // 2, "turn": 1, "kind": kind, "ended": ended,
+                "message": message, "traceback": traceback}
+
+    step1 = [error(0, "KeyError in Env.step", "Env.step (row 0, turn 1) raised KeyError: 'a'", traceback="tb 0"),
+             error(3, "KeyError in Env.step", "Env.step (row 1, turn 1) raised KeyError: 'b'"),
+             error(5, "unknown tool", "unknown tool 'mul'; tools: ['add']", ended=False),
+             error(6, "KeyError in Env.step", "Env.step (row 3, turn 1) raised KeyError: 'c'")]
+    with caplog.at_level(logging.WARNING, logger="megarl.multiturn.errors"):
+        log.record(1, step1)
+        log.record(2, [error(1, "KeyError in Env.step", "Env.step (row 0, turn 1) raised KeyError: 'd'")])
+        log.record(3, [])
+    lines = [json.loads(line) for line in (tmp_path / "env_errors.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["conversation"], r["kind"], r["kind_count"]) for r in lines] == [
+        (1, 0, "KeyError in Env.step", 3), (1, 3, "KeyError in Env.step", 3), (1, 5, "unknown tool", 1),
+        (2, 1, "KeyError in Env.step", 1)]
+    assert lines[0] == {"step": 1, "phase": "train", **step1[0], "kind_count": 3}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("multi-turn: first KeyError in Env.step (train step 1, conversation 0, row 0, "
+                                  "turn 1; 3 of this kind in the step, ended its conversation; every one's text "
+                                  f"goes to {tmp_path / 'env_errors.jsonl'}")
+    assert warnings[0].endswith("raised KeyError: 'a'\ntb 0")
+    assert "first unknown tool" in warnings[1] and "answered to the model" in warnings[1]
+    assert EnvError("k", "m").traceback == ""
 
 
 # ---------------------------------------------------------------------------------------- estimators
