@@ -5,7 +5,12 @@ name, through a :class:`~megarl.controller.handles.RoleHandle` (dispatch modes a
 shards are put once in the object store. A worker that raises makes the call raise
 :class:`WorkerError` naming role, rank and the worker's traceback, after the whole group is killed:
 its peers may be blocked in a collective with the failed rank and would otherwise hang forever. A
-call that exceeds its timeout does the same.
+call that exceeds its timeout does the same. The error also names what the failed process hosted (every
+role of the group: colocated roles share its processes), its host name, node IP and pid.
+
+Each rank's process is titled after the run, its roles and its coordinates (``ps``:
+``ray::WorkerProcess megarl[run] policy+reference rank 1 (tp 1 pp 0 dp 0)``; during a call
+``ray::WorkerProcess.call <the same>: policy.generate``), see :mod:`megarl.controller.process`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.controller.handles import RoleHandle, WorkerError
 from megarl.controller.pools import ResourcePool
-from megarl.controller.process import WorkerProcess
+from megarl.controller.process import WorkerProcess, process_title
 from megarl.controller.role import Role, WorkerContext
 from megarl.controller.spec import GroupOptions
 from megarl.errors import LayoutError, MegarlError
@@ -38,14 +43,15 @@ class WorkerGroup:
     """The actors of one pool. Roles are attached with :meth:`add_role`."""
 
     def __init__(self, name: str, pool: ResourcePool, layout: ParallelLayout, options: GroupOptions | None = None,
-                 *, connect: bool = True) -> None:
+                 *, connect: bool = True, run: str = "") -> None:
+        """``run``: the run's name in the workers' process titles (its output directory's)."""
         options = options or GroupOptions()
         if pool.world_size != layout.world_size:
             raise LayoutError(
                 f"worker group {name!r}: layout {layout} needs {layout.world_size} ranks but pool {pool.name!r} has "
                 f"{pool.world_size} device slots; make tp*pp*dp equal nodes*devices_per_node."
             )
-        self.name, self.pool, self.layout, self.options = name, pool, layout, options
+        self.name, self.pool, self.layout, self.options, self.run = name, pool, layout, options, run
         self.alive = True
         env = {"MEGARL_WORKER_GROUP": name} | dict(options.env)
         self.actors = [
@@ -57,6 +63,7 @@ class WorkerGroup:
             for rank, (pg, idx) in enumerate(pool.bundles())
         ]
         self.contexts: list[WorkerContext] = []
+        self.hosts: dict[int, tuple[str, int, str, str]] = {}  # rank -> (node IP, pid, node id, host name)
         self.roles: dict[str, type[Role]] = {}
         if connect:
             self.connect()
@@ -64,10 +71,10 @@ class WorkerGroup:
     def connect(self) -> None:
         """Wait for the actors, rendezvous and initialise torch.distributed + megatron-core on every rank."""
         t = self.options.timeouts.init_s
-        hosts = self.gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
+        self.hosts = self.gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
         port = self.gather("init", {0: self.actors[0].open_store.remote(t)}, t)[0]
         futures = {
-            r: a.init_world.remote(hosts[0][0], port, self.layout, self.options.seed, t)
+            r: a.init_world.remote(self.hosts[0][0], port, self.layout, self.options.seed, t)
             for r, a in enumerate(self.actors)
         }
         self.contexts = [ctx for _, ctx in sorted(self.gather("init", futures, t).items())]
@@ -79,8 +86,13 @@ class WorkerGroup:
         """Construct ``role_cls(ctx, *args, **kwargs)`` on every rank; return its typed handle."""
         if name in self.roles:
             raise ValueError(f"role {name!r} is already hosted by worker group {self.name!r}")
-        self.gather(name, {r: a.add_role.remote(name, role_cls, args, kwargs) for r, a in enumerate(self.actors)},
-                    self.options.timeouts.init_s)
+        futures = {}
+        for r, a in enumerate(self.actors):  # retitled first: the add_role call after it ends with the new title
+            title = process_title(self.run, [*self.roles, name], r, self.layout.coords(r))
+            a.retitle.remote(title)  # its failure shows in the add_role call after it
+            futures[r] = a.add_role.options(name=f"WorkerProcess.add_role {title}").remote(name, role_cls, args,
+                                                                                           kwargs)
+        self.gather(name, futures, self.options.timeouts.init_s)
         self.roles[name] = role_cls
         return RoleHandle(self, name, role_cls)
 
@@ -96,8 +108,10 @@ class WorkerGroup:
     def submit(self, role: str, rank: int, method: Callable, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         if not self.alive:
             raise WorkerError(f"worker group {self.name!r} was torn down after an earlier failure",
-                              role=role, rank=None)
-        return self.actors[rank].call.remote(role, method, *args, **kwargs)
+                              role=role, rank=None, roles=tuple(self.roles))
+        title = process_title(self.run, list(self.roles), rank, self.layout.coords(rank))
+        return self.actors[rank].call.options(name=f"WorkerProcess.call {title}: {role}.{method.__name__}").remote(
+            role, method, *args, **kwargs)
 
     def gather(self, role: str, futures: dict[int, ray.ObjectRef], timeout_s: float | None) -> dict[int, Any]:
         """Results by rank; on the first failure or at the deadline, kill the group and raise."""
@@ -109,10 +123,11 @@ class WorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 self.shutdown(kill=True)
+                running = sorted(rank_of[r] for r in pending)
                 raise WorkerError(
                     f"{role} call on worker group {self.name!r} did not finish within {timeout_s:.0f} s "
-                    f"(ranks still running: {sorted(rank_of[r] for r in pending)}); the group was torn down.",
-                    role=role, rank=None, lost=True,
+                    f"(ranks still running: {running}; {self._hosted(running)}); the group was torn down.",
+                    role=role, rank=None, lost=True, roles=tuple(self.roles),
                 )
             ref = done[0]
             try:
@@ -125,13 +140,24 @@ class WorkerGroup:
                 trace = "" if isinstance(cause, MegarlError) else (
                     f"\nworker traceback:\n{getattr(e, 'traceback_str', None) or e}\n")
                 detail = _memory_monitor_kill(e) or f"{type(cause).__name__}: {cause}{trace}"
+                ip, pid, _, hostname = self.hosts.get(rank, (None, None, None, None))
                 raise WorkerError(
                     f"{role} failed on rank {rank} of worker group {self.name!r} ({self.layout}, coords "
-                    f"{self.layout.coords(rank)._asdict()}): {detail} The group was torn down.",
+                    f"{self.layout.coords(rank)._asdict()}; {self._hosted([rank])}): {detail} The group was torn "
+                    "down.",
                     role=role, rank=rank,
                     lost=isinstance(e, (RayActorError, OutOfMemoryError)) and not isinstance(e, RayTaskError),
+                    roles=tuple(self.roles), host=hostname, node_ip=ip, pid=pid,
                 ) from e
         return results
+
+    def _hosted(self, ranks: list[int]) -> str:
+        """What the processes of ``ranks`` hosted and where: ``"the process hosted policy+reference: pid 4242 on
+        node-3 (10.0.0.3)"``."""
+        where = [f"pid {self.hosts[r][1]} on {self.hosts[r][3]} ({self.hosts[r][0]})" for r in ranks
+                 if r in self.hosts]
+        return (f"the process{'es' if len(ranks) > 1 else ''} hosted {'+'.join(self.roles) or 'no role yet'}"
+                + (f": {', '.join(where)}" if where else ""))
 
     def finished(self, futures: dict[int, ray.ObjectRef]) -> list[int]:
         done, _ = ray.wait(list(futures.values()), num_returns=len(futures), timeout=0)

@@ -38,13 +38,21 @@ P = ParamSpec("P")
 
 class WorkerError(MegarlError, RuntimeError):
     """A worker raised (or died, or timed out); the group has been torn down. ``lost``: the worker process
-    died or hung (its node may be gone), so fresh workers may succeed where it failed; otherwise it raised."""
+    died or hung (its node may be gone), so fresh workers may succeed where it failed; otherwise it raised.
 
-    def __init__(self, message: str, *, role: str, rank: int | None, lost: bool = False) -> None:
+    ``role``: the role whose call failed; ``roles``: every role the failed process hosted (colocated roles share
+    processes: a dead policy worker takes the reference with it); ``host``, ``node_ip``, ``pid``: where it ran,
+    when one rank failed and its group knew (``None`` for a timeout of several ranks)."""
+
+    def __init__(self, message: str, *, role: str, rank: int | None, lost: bool = False,
+                 roles: tuple[str, ...] = (), host: str | None = None, node_ip: str | None = None,
+                 pid: int | None = None) -> None:
         super().__init__(message)
         self.role = role
         self.rank = rank
         self.lost = lost
+        self.roles = roles or (role,)
+        self.host, self.node_ip, self.pid = host, node_ip, pid
 
 
 @runtime_checkable

@@ -30,7 +30,10 @@ P = ParamSpec("P")
 class Placement:
     """The running pools and worker groups of a placement config."""
 
-    def __init__(self, config: PlacementConfig, options: GroupOptions | None = None, *, local: bool = False) -> None:
+    def __init__(self, config: PlacementConfig, options: GroupOptions | None = None, *, local: bool = False,
+                 run: str = "") -> None:
+        """``run``: the run's name in its worker processes' titles (``ps``: ``megarl[run] policy+reference rank 0
+        ...``), e.g. its output directory's name."""
         self.config = config
         options = options or GroupOptions()
         self.pools: dict[str, ResourcePool] = {}
@@ -48,7 +51,8 @@ class Placement:
             for name, spec in config.pools.items():
                 self.pools[name] = ResourcePool(name, spec)
             for name, spec in config.pools.items():  # launch every group's actors, then connect them
-                self.groups[name] = WorkerGroup(name, self.pools[name], spec.layout(), options, connect=False)
+                self.groups[name] = WorkerGroup(name, self.pools[name], spec.layout(), options, connect=False,
+                                                run=run)
             for group in self.groups.values():
                 group.connect()
         except BaseException:

@@ -4,12 +4,21 @@ It owns the process-level state: the torch.distributed world (rendezvous through
 rank 0 opens on a free port, so no port is ever hard-coded or raced for), megatron-core parallel
 state, and the roles hosted here. The driver never calls roles by name: it sends the role's own
 method (a function object) and this actor applies it to the hosted instance.
+
+Process titles: Ray titles a worker ``ray::<class name>`` while idle and ``ray::<task name>`` during a call,
+and sets both again around every task (``_raylet.execute_task``: the idle title is read from the actor's class
+name as each task starts), so a title set with ``setproctitle`` lasts only until the current call ends. The
+driver names each call after its rank (:func:`process_title`, the task name) and :meth:`WorkerProcess.retitle`
+swaps this actor's class for a subclass named after the rank, which Ray then uses as the idle title: ``ps`` shows
+``ray::WorkerProcess megarl[run] policy+reference rank 1 (tp 1 pp 0 dp 0)``, from the end of the call after
+the retitle on (the prefix ``ray::WorkerProcess`` stays: tools and tests look for it).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +26,14 @@ import ray
 
 from megarl.controller.role import Role, WorkerContext, call_role, close_roles
 from megarl.metrics import trace
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import ParallelLayout, RankCoords
+
+
+def process_title(run: str, roles: list[str], rank: int, coords: RankCoords) -> str:
+    """What ``ps`` shows of a rank (after Ray's ``ray::WorkerProcess``): ``megarl[run] policy+reference rank 1
+    (tp 1 pp 0 dp 0)``; ``run`` names the run (its output directory), ``roles`` the roles the process hosts."""
+    hosted = "+".join(roles) or "no role yet"
+    return f"megarl{f'[{run}]' if run else ''} {hosted} rank {rank} (tp {coords.tp} pp {coords.pp} dp {coords.dp})"
 
 
 @ray.remote
@@ -28,10 +44,18 @@ class WorkerProcess:
         self.roles: dict[str, Role] = {}
         self.ctx: WorkerContext | None = None
         self._store = None
+        self._actor_class = type(self)  # Ray's class of this actor: retitle's subclasses derive from it
 
-    def host(self) -> tuple[str, int, str]:
-        """(node IP, pid, Ray node id) of this rank."""
-        return ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id()
+    def host(self) -> tuple[str, int, str, str]:
+        """(node IP, pid, Ray node id, host name) of this rank."""
+        return (ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id(),
+                socket.gethostname())
+
+    def retitle(self, title: str) -> None:
+        """Make Ray title this process ``ray::WorkerProcess <title>`` between calls, from the end of the next
+        call on (module docstring): Ray reads the idle title from the class name, so the class is swapped for an
+        empty subclass of that name (methods, state and Ray's own attributes unchanged)."""
+        self.__class__ = type(f"WorkerProcess {title}", (self._actor_class,), {})
 
     def open_store(self, timeout_s: float) -> int:
         """Rank 0: open the rendezvous TCPStore on a free port (the OS picks it) and return the port."""

@@ -217,8 +217,10 @@ class Trainer:
                 "its newest intact checkpoint when run again.") from error
         self._restart_times.append(now)
         self.restarts += 1
-        logger.warning("worker lost (%s, rank %s) in step %d: restarting the workers (restart %d of at most %d within "
-                       "%.0f s)", error.role, error.rank, failed_step, len(self._restart_times), t.max_restarts,
+        where = f"pid {error.pid} on {error.host} ({error.node_ip})" if error.host is not None else "host unknown"
+        logger.warning("worker lost in step %d (rank %s, hosting %s, %s; noticed by a %s call): restarting the "
+                       "workers (restart %d of at most %d within %.0f s)", failed_step, error.rank,
+                       "+".join(error.roles), where, error.role, len(self._restart_times), t.max_restarts,
                        t.restart_window_s)
         ckpt = self._newest_intact()
         self.experience.drop_ahead()  # stops the asynchronous producer before its workers go
@@ -232,7 +234,8 @@ class Trainer:
         if ckpt is not None:
             self._restore(ckpt)
         tracker.rewind(self.step)
-        tracker.incident({"kind": "worker_lost", "role": error.role, "rank": error.rank, "failed_step": failed_step,
+        tracker.incident({"kind": "worker_lost", "roles": list(error.roles), "rank": error.rank, "host": error.host,
+                          "node_ip": error.node_ip, "pid": error.pid, "role": error.role, "failed_step": failed_step,
                           "resumed_from_step": self.step, "steps_lost": failed_step - 1 - self.step,
                           "restart": self.restarts, "error": str(error).splitlines()[0][:500]})
 

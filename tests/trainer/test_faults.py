@@ -15,7 +15,10 @@ The fault table (docs/faults.md lists each row with its test):
 - SIGTERM during a step -> exit 75 after a checkpoint of the last finished step, no Ray process of the run
   left; the next run resumes bit-exactly
 - SIGKILL of a policy worker with trainer.max_restarts >= 1 -> the run replaces its workers, finishes, logs one
-  incident, and its steps equal the uninterrupted run's; with no restarts left -> exit 3, checkpoints intact
+  incident naming every role the dead process hosted, its rank, host and pid, and its steps equal the uninterrupted
+  run's; with no restarts left -> exit 3 naming the same, checkpoints intact
+
+The worker is found as ``ps`` shows it: its process title names the run's roles, rank and coordinates.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -162,10 +166,20 @@ def test_lock_complete_run_and_corrupt_checkpoint(task, tmp_path):
     _assert_same_steps(full, history, range(3, 5))
 
 
-def _kill_the_worker(ray_tmp: Path) -> None:
+# what ps shows of the one rank (policy and reference colocated), between calls or during one
+# (megarl.controller.process; the run's name in brackets where the cluster passes it)
+TITLE = (r"ray::WorkerProcess(\.call)? megarl(\[\w+\])? policy\+reference rank 0 \(tp 0 pp 0 dp 0\)"
+         r"(: (policy|reference)\.\w+)?")
+
+
+def _kill_the_worker(ray_tmp: Path) -> int:
+    """SIGKILL the run's worker, found by its process title (``/proc/<pid>/cmdline``); its pid."""
     workers = [p for p in processes_with_env("RAY_TMPDIR", str(ray_tmp)) if "ray::WorkerProcess" in p]
     assert len(workers) == 1, workers  # one rank: policy and reference colocated
-    os.kill(int(workers[0].split(":")[0]), signal.SIGKILL)
+    pid, title = workers[0].split(": ", 1)
+    assert re.fullmatch(TITLE, title.strip()), title
+    os.kill(int(pid), signal.SIGKILL)
+    return int(pid)
 
 
 def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
@@ -196,11 +210,12 @@ def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
     # may help), the newest checkpoint intact for the run after it
     proc = _launch(cmd + ["trainer.max_restarts=0"], _env(ray_tmp), tmp_path / "lost.log")
     _wait_for(f"{done + 2} steps", lambda: _logged_steps(out) >= done + 2, proc, tmp_path / "lost.log")
-    _kill_the_worker(ray_tmp)
+    pid = _kill_the_worker(ray_tmp)
     assert proc.wait(timeout=300) == 3, (tmp_path / "lost.log").read_text()[-3000:]
     log = (tmp_path / "lost.log").read_text()
     assert f"step_{done:06d} at step {done}" in log
     assert re.search(r"error: (policy|reference) failed on rank 0", log)
+    assert f"the process hosted policy+reference: pid {pid} on {socket.gethostname()} (" in log
     assert "ActorDiedError" in log and "max_restarts=0" in log
     logged = _logged_steps(out)
     assert logged < TOTAL, logged
@@ -211,12 +226,16 @@ def test_sigterm_and_lost_worker_on_ray(task, tmp_path):
     out, ray_tmp = tmp_path / "kill", _short_tmp()
     proc = _launch(_cmd(task, out, model, **steps | {"trainer.max_restarts": 1}), _env(ray_tmp), tmp_path / "kill.log")
     _wait_for("3 steps", lambda: _logged_steps(out) >= 3, proc, tmp_path / "kill.log")
-    _kill_the_worker(ray_tmp)
+    pid = _kill_the_worker(ray_tmp)
     assert proc.wait(timeout=600) == 0, (tmp_path / "kill.log").read_text()[-3000:]
     incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()]
-    # the process hosts policy and reference: whichever call was running noticed the loss
+    # the process hosted policy and reference: the incident names both, whichever call noticed the loss
     assert len(incidents) == 1 and incidents[0]["kind"] == "worker_lost"
+    assert incidents[0]["roles"] == ["policy", "reference"] and incidents[0]["rank"] == 0
+    assert incidents[0]["host"] == socket.gethostname() and incidents[0]["pid"] == pid and incidents[0]["node_ip"]
     assert incidents[0]["role"] in ("policy", "reference")
+    assert re.search(rf"worker lost in step {incidents[0]['failed_step']} \(rank 0, hosting policy\+reference, pid "
+                     rf"{pid} on {re.escape(socket.gethostname())} \(", (tmp_path / "kill.log").read_text())
     failed, resumed_at = incidents[0]["failed_step"], incidents[0]["resumed_from_step"]
     assert resumed_at == 2 * ((failed - 1) // 2) and incidents[0]["steps_lost"] == failed - 1 - resumed_at
     history = read_metrics(out)
