@@ -49,6 +49,8 @@ class RewardScale(enum.Enum):
 class AdvantageConfig:
     """Which estimator and its hyper-parameters; each field is read only by the estimators named."""
 
+    # gae (a critic's values, PPO), grpo (group-normalised outcome), rloo (leave-one-out baseline), reinforce_plus_plus
+    # (batch-normalised returns), remax (the greedy response's reward as baseline)
     estimator: AdvantageEstimator = AdvantageEstimator.GAE
     gamma: float = 1.0  # discount: GAE, REINFORCE++
     lam: float = 1.0  # GAE lambda

@@ -54,7 +54,9 @@ class PromptConfig:
     prompt_key: str = "prompt"  # the column holding a text prompt or a list of chat messages
     max_prompt_length: int = 512  # tokens (after the chat template); longer prompts are dropped and counted
     apply_chat_template: bool = True  # false: encode text prompts plainly (chat-message prompts then fail)
-    max_unknown_token_share: float = 0.05  # prompts with pad/unknown token ids: warned up to this share, an error above
+    # prompts the tokenizer cannot represent (pad/unknown token ids, or text that changes in a decode(encode(p))
+    # round trip): warned up to this share, an error above; ids outside the model's vocabulary are always an error
+    max_unknown_token_share: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:

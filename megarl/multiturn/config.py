@@ -19,7 +19,7 @@ class MultiTurnConfig:
     max_turn_tokens: int = 256  # new tokens per model turn
     env_timeout_s: float = 30.0  # one environment call (reset or step)
     on_env_error: OnError = OnError.RAISE  # raise: fail the step; score: end the conversation with env_error_score
-    env_error_score: float = 0.0
+    env_error_score: float = 0.0  # the reward of a conversation ended by an environment error (on_env_error: score)
     env_workers: int = 8  # environment calls in flight at once
 
     def __post_init__(self) -> None:

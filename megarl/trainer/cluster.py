@@ -82,7 +82,8 @@ class Cluster:
         env = _QUIET_WORKERS | allocator.preload_env(c.allocator) | c.worker_env  # workers on a running cluster too
         options = GroupOptions(seed=self.cfg.trainer.seed, timeouts=c.timeouts, env=env)
         self.placement = None  # a Placement that fails to start shuts itself down
-        self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local)
+        self.placement = Placement(PlacementConfig(c.pools, dict(c.placement)), options, local=local,
+                                   run=Path(self.cfg.trainer.output_dir).name)  # in the workers' process titles
 
     def restart(self) -> None:
         """Replace every worker (after one was lost): kill all groups and start fresh ones with the same roles

@@ -52,6 +52,7 @@ from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
 from megarl.metrics.tracking import Tracker
 from megarl.parallel import cpu_compat
+from megarl.rewards.monitor import RewardMonitor
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
 from megarl.trainer.asynchronous import RolloutProducer
@@ -96,6 +97,7 @@ class Trainer:
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
         self.reward_fns = {name: resolve_reward_function(spec.function, **spec.options)
                            for name, spec in cfg.reward.named_functions().items()}
+        self._check_reward_columns()
         self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
         self.stop = StopRequest()
         self.lock = RunLock(self.out)
@@ -150,6 +152,15 @@ class Trainer:
     @property
     def complete(self) -> bool:
         return self.step >= self.cfg.trainer.total_steps
+
+    def _check_reward_columns(self) -> None:
+        """Before any worker starts: every reward function can read the columns it needs from the datasets' rows
+        (a keyword-style parameter without a default that no column fills is a ConfigError naming both)."""
+        monitor = RewardMonitor()
+        for data in (self.train_data, self.val_data):
+            if data is not None:
+                for name, fn in self.reward_fns.items():
+                    monitor.check_columns(name, fn, [r.row for r in data.records])
 
     def _load_data(self, path: str):
         d = self.cfg.data

@@ -159,3 +159,16 @@ def test_one_named_function_is_logged_by_its_name(tmp_path):
     metrics = exp.reward_metrics(batch, "reward", 0)
     assert metrics["reward/correct_mean"] == pytest.approx(0.4)  # first integer: "7", "3", "8", "7", none
     assert metrics["reward/correct_std"] == pytest.approx(statistics.stdev([1.0, 0.0, 0.0, 1.0, 0.0]))
+
+
+def test_a_column_no_row_has_is_refused_before_any_worker_starts(task, tmp_path):
+    """A keyword-style reward needing ``target`` on rows that hold only ``answer``: a ConfigError from the
+    Trainer's constructor (before the run directory is locked or Ray imported), naming both."""
+    from megarl.trainer.trainer import Trainer
+
+    (tmp_path / "succ.py").write_text("def reward(prompt, response, *, target, **_):\n"
+                                      "    return float(response == target)\n")
+    cfg = _load(task, f"reward.function={tmp_path / 'succ.py'}:reward", f"trainer.output_dir={tmp_path / 'out'}")
+    with pytest.raises(ConfigError, match=r"needs the column\(s\) \['target'\].* only \['answer'\]"):
+        Trainer(cfg)
+    assert not (tmp_path / "out").exists()
