@@ -1,10 +1,13 @@
 """Megatron on 4 gloo processes -> vLLM rollout engines (vLLM's CPU build), through the policy's hybrid
-engine: TP2xPP2 -> rollout tp 1 (4 replicas) and rollout tp 2 (2 replicas), TP4 -> rollout tp 2 (the
-layout whose HybridFlow grouping is strided, which vLLM cannot build: here its consecutive groups run), and a
-Qwen3-MoE at DP4xEP2 -> rollout tp 1 (every rank receives the experts its expert-parallel peer holds; vLLM's
-fused-MoE layers, repacked for its CPU kernel after each sync). Colocated vLLM TP groups must lie inside one
-data-parallel replica, so an MoE trained at tp 1 rolls out at tp 1 here; tests/rollout/test_vllm_engine.py
-checks the experts' TP slices at rollout tp 2.
+engine: TP2xPP2 -> rollout tp 2 (2 replicas: the pipeline stages gathered, the TP shards kept, as in the 70B
+example's TP8xPP4 -> rollout tp 8), TP4 -> rollout tp 2 (the layout whose HybridFlow grouping is strided,
+which vLLM cannot build: here its consecutive groups run), and a Qwen3-MoE at DP4xEP2 -> rollout tp 1 (4
+replicas; every rank receives the experts its expert-parallel peer holds; vLLM's fused-MoE layers, repacked for
+its CPU kernel after each sync). Colocated vLLM TP groups must lie inside one data-parallel replica, so an MoE
+trained at tp 1 rolls out at tp 1 here; tests/rollout/test_vllm_engine.py checks the experts' TP slices at
+rollout tp 2. TP2xPP2 -> rollout tp 1 (TP merged and stages gathered) is the embedded engine's world in
+tests/distributed/test_hybrid.py, bit-exact on the weights; the vLLM side of a sync does not depend on the
+training layout (it loads what the plan delivers), so that layout is not run again here.
 
 References: `transformers.generate` and a transformers forward on the source HF directory (greedy tokens,
 fp32 log-probs of sampled tokens), and the training model's own log-probs after real updates (the weights
@@ -118,7 +121,6 @@ def _world(rank, world_size, ckpt, tp, pp, ep, rollout_tp):
 
 
 WORLDS = {  # name: (tiny model, training tp, pp, ep, rollout tp)
-    "tp2pp2_rollout_tp1": ("qwen2_vllm", 2, 2, 1, 1),
     "tp2pp2_rollout_tp2": ("qwen2_vllm", 2, 2, 1, 2),
     "tp4_rollout_tp2": ("qwen2_vllm_kv4", 4, 1, 1, 2),  # megatron-core TP4 needs 4 KV heads
     "moe_ep2_rollout_tp1": ("qwen3_moe_vllm", 1, 1, 2, 1),
