@@ -25,10 +25,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-# What every world imports; a module missing here is only imported later, in each rank (vLLM stays out: its
-# import configures logging and platform state that a rank's own import must see).
+# What the worlds import (vLLM's engine where the CPU build is installed: a missing module is skipped by the
+# server and imported, or not, by the ranks themselves).
 PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.parallel_state",
-           "megarl.roles.policy", "megarl.roles.critic", "megarl.checkpoint.convert")
+           "megarl.roles.policy", "megarl.roles.critic", "megarl.checkpoint.convert", "vllm.entrypoints.llm")
 
 
 def free_port() -> int:
