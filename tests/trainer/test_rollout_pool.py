@@ -6,8 +6,8 @@ The demo's GRPO on the addition task, on the test session's Ray cluster:
   the same run colocated (the engines inside the policy's processes): every metric but timings, memory and
   the resharding traffic equal step for step (1e-5 relative); after each weight sync every rollout replica's
   weights equal the HF conversion of the policy's checkpoint of that version (bit-exact: the offline
-  converter, run in a child process); the training model's log-probs of the sampled tokens equal the
-  engines' (``rollout/logprob_abs_diff`` < 1e-5);
+  converter, run in a child process forked from the session's fork server, see megarl/testing/dist.py); the
+  training model's log-probs of the sampled tokens equal the engines' (``rollout/logprob_abs_diff`` < 1e-5);
 * one-step-off: every trained sample is at most one version old (0 on the first step and the first after a
   resume), the next step's generation overlaps this step's update in the workers' trace spans, a run
   stopped by a failure after its checkpoint resumes with the prompts of the step it lost and learns
@@ -127,7 +127,7 @@ def test_rollout_pool_matches_the_colocated_run(ray_cluster, tmp_path):
     # policy's checkpoint of steps 1 and 2 (versions 1, 2: synced at the start of steps 2, 3)
     ckpts = tmp_path / "split" / "checkpoints"
     pairs = [(str(ckpts / f"step_{v:06d}" / "policy"), str(tmp_path / f"hf_v{v}")) for v in (1, 2)]
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
         pool.submit(_convert_all, pairs).result()
     references = _hf_weights([task / "model"] + [Path(dst) for _, dst in pairs])
     for step, replicas in recorder.weights.items():
@@ -300,7 +300,7 @@ def test_async_drop_mode_with_partial_rollouts_bounds_staleness_and_keeps_exact_
     assert len(versions) > 3
     ckpts = tmp_path / "run" / "checkpoints"
     pairs = [(str(ckpts / f"step_{v:06d}" / "policy"), str(tmp_path / f"hf_v{v}")) for v in versions if v > 0]
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
         pool.submit(_convert_all, pairs).result()
     models = {v: AutoModelForCausalLM.from_pretrained(task / "model" if v == 0 else tmp_path / f"hf_v{v}",
                                                       torch_dtype=torch.float32).eval() for v in versions}
