@@ -155,6 +155,17 @@ def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, *, partial: b
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, validate_access_integrity=not partial)
 
 
+def load_checkpoint_present(sharded_state_dict: dict, checkpoint_dir: str) -> tuple[dict, set[str]]:
+    """``dist_checkpointing.load`` of the requested entries the checkpoint holds, and the checkpoint keys of those
+    it lacks: megatron-core's ``StrictHandling.RETURN_UNEXPECTED`` (it reads the checkpoint's metadata first and
+    leaves the absent entries out of the load; its "unexpected" keys are requested ones the checkpoint lacks)."""
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    state, _, absent = dist_checkpointing.load(sharded_state_dict, checkpoint_dir,
+                                               strict=StrictHandling.RETURN_UNEXPECTED)
+    return state, set(absent)
+
+
 def load_tensors_metadata(checkpoint_dir: str) -> dict:
     """Global shape and dtype of every tensor in a dist checkpoint, keyed by checkpoint key."""
     return dist_checkpointing.load_tensors_metadata(checkpoint_dir)
