@@ -11,7 +11,6 @@ Importing this module imports megatron-core; it does not switch on the CPU compa
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 from megatron.core import dist_checkpointing
@@ -57,14 +56,13 @@ _define_te_names_moe_utils_lacks()
 
 @functools.cache
 def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports and CUDA is present (TE cannot run without CUDA)."""
-    if cpu_compat.is_enabled() or importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        return False
-    return True
+    """Whether megarl builds Transformer Engine's layers: megatron-core's own ``HAVE_TE`` (its TE extension, whose
+    classes refuse to build without it; True only when the TE API that megatron-core release uses imports, so a TE
+    outside megatron-core's supported range reads False although ``transformer_engine`` imports), on a machine
+    with CUDA (TE runs on nothing else)."""
+    from megatron.core.extensions import transformer_engine as mcore_te
+
+    return bool(mcore_te.HAVE_TE) and cpu_compat.cuda_available()
 
 
 def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool, num_experts: int | None = None) -> Any:
