@@ -57,7 +57,7 @@ _define_te_names_moe_utils_lacks()
 @functools.cache
 def transformer_engine_available() -> bool:
     """Whether megarl builds Transformer Engine's layers: megatron-core's own ``HAVE_TE`` (its TE extension, whose
-    classes refuse to build without it; True only when the TE API that megatron-core release uses imports, so a TE
+    classes refuse to build without it; True only when the TE API this megatron-core release uses imports, so a TE
     outside megatron-core's supported range reads False although ``transformer_engine`` imports), on a machine
     with CUDA (TE runs on nothing else)."""
     from megatron.core.extensions import transformer_engine as mcore_te
