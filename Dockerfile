@@ -16,7 +16,8 @@ FROM ${CUDA_IMAGE}
 ARG VLLM_VERSION=0.32.0
 # The megatron-core version megarl's CPU test suite runs against (Python 3.12 would otherwise get 0.19.x).
 ARG MCORE_VERSION=0.16.1
-ARG TE_VERSION=2.20.2
+# Inside megatron-core 0.16.1's declared range (>=2.9, <2.12; setup.py's "te" extra, tests/unit/test_te_packaging.py).
+ARG TE_VERSION=2.11.0
 ARG APEX_REF=master
 # A100, H100/H200, B200.
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0"

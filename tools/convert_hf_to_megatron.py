@@ -7,6 +7,7 @@
 
 import argparse
 
+from megarl.checkpoint import cpu_only
 from megarl.cli.common import run_cli
 
 
@@ -23,6 +24,7 @@ def main() -> int:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args()
 
+    cpu_only.hide_cuda()  # before anything queries CUDA: conversion runs in host memory, not on GPU 0
     from megarl.checkpoint.convert import convert_hf_to_megatron
 
     summary = convert_hf_to_megatron(

@@ -9,6 +9,8 @@
 - ``mcore_io`` the weights of a Megatron checkpoint: megatron-core dist-checkpoint save/load at any layout.
                Imports megatron-core (through ``megarl.parallel.mcore_compat``); workers and tools only.
 - ``convert``  HF <-> Megatron conversion (the library API behind tools/convert_*.py); megatron-core.
+- ``cpu_only`` the environment that hides CUDA from a conversion's process, so that it converts in host memory
+               whatever GPUs the machine has. Pure (stdlib only: the tools import it before torch).
 - ``training`` a role's training state (model + optimizer + LR schedule + RNG) in a Megatron checkpoint
                directory; torch.distributed + megatron-core; runs in worker ranks. It may not be imported
                by ``megarl.engine`` (the engine is only an annotation here, under TYPE_CHECKING).

@@ -4,6 +4,12 @@ The directory layout, its metadata and file names are :mod:`megarl.checkpoint.fo
 The torch_dist format stores global tensors with sharding metadata, so a checkpoint written at one
 TP/PP loads into a model built at any other TP/PP (:func:`load_model`); vocabulary tensors whose
 padding differs between TP sizes load through megatron-core's shape-mismatch path (zero padded).
+
+A module's *extra state* (``get_extra_state``; megatron-core checkpoints it as a ``ShardedObject`` under
+``<module>._extra_state``) is the one thing a checkpoint may lack: Transformer Engine's modules (its norms
+among them) keep FP8 scaling metadata there, which megarl's converter, building without TE, never writes and
+which means nothing for weights in bf16 or fp32. Such a module keeps its fresh extra state; any other entry
+the checkpoint lacks is an error that names it (:func:`load_sharded`, :func:`load_into`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from megatron.core.dist_checkpointing.mapping import apply_factories
 from megarl.checkpoint.format import weights_dir
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
+
+# megatron-core's key suffix for a module's extra state (make_sharded_tensors_for_checkpoint's extra_state_suffix)
+EXTRA_STATE_SUFFIX = "_extra_state"
 
 
 def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
@@ -66,18 +75,40 @@ def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path, *, exclude: 
     for sd in sharded.values():
         for key in [k for k in sd if k.startswith(exclude)] if exclude else []:
             del sd[key]
-    try:
-        state = mcore_compat.load_checkpoint(sharded, str(path))
-    except mcore_compat.CHECKPOINT_READ_ERRORS as e:  # many types for missing or corrupt shards
-        raise CheckpointError(
-            f"cannot load the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard file is missing "
-            "or corrupt, or the checkpoint belongs to another model; convert it again from the HF model."
-        ) from e
+    state = load_sharded(sharded, path, remedy="convert it again from the HF model.")
     for i, chunk in enumerate(chunks):
-        result = chunk.load_state_dict(state[f"model{i}"], strict=not exclude)
-        missing = [k for k in getattr(result, "missing_keys", []) if not k.startswith(exclude)]
-        if missing:
-            raise CheckpointError(f"the checkpoint in {path} lacks {missing[:3]}; it belongs to another model.")
+        load_into(chunk, state[f"model{i}"], path, exclude=exclude)
+
+
+def load_sharded(sharded: dict, path: Path, *, remedy: str) -> dict:
+    """Collective: ``sharded`` (megatron-core sharded state dicts) read from the dist checkpoint in ``path``.
+
+    Extra state the checkpoint lacks is left out (see the module docstring); a missing tensor raises a
+    CheckpointError naming it. ``remedy`` ends the message of a read error (a missing or corrupt shard).
+    """
+    try:
+        state, absent = mcore_compat.load_checkpoint_present(sharded, str(path))
+    except mcore_compat.CHECKPOINT_READ_ERRORS as e:  # many types for missing or corrupt shards
+        raise CheckpointError(f"cannot load the Megatron checkpoint in {path}: {type(e).__name__}: {e}. A shard "
+                              f"file is missing or corrupt; {remedy}") from e
+    missing = sorted(k for k in absent if not k.endswith(EXTRA_STATE_SUFFIX))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint in {path} lacks {len(missing)} of the tensors this model has (first: {missing[:3]}); "
+            "it was written for another model (architecture, size or head): point the role at this model's own "
+            "checkpoint, or convert its HF directory with tools/convert_hf_to_megatron.py."
+        )
+    return state
+
+
+def load_into(chunk: torch.nn.Module, state: dict, path: Path, *, exclude: tuple[str, ...] = ()) -> None:
+    """``chunk.load_state_dict(state)``: every parameter and buffer must be there (those starting with one of
+    ``exclude`` may not); a module whose extra state ``state`` lacks keeps its own."""
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith(exclude) and not k.endswith(EXTRA_STATE_SUFFIX)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"the checkpoint in {path} does not fit this model: it lacks {missing[:3]} and has "
+                              f"{result.unexpected_keys[:3]} on top; it belongs to another model.")
 
 
 def tensors_metadata(ckpt_dir: str | Path) -> dict[str, ShardedTensor]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint import mcore_io
 from megarl.checkpoint.atomic import check_output_dir
 from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
@@ -91,12 +92,12 @@ def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> in
                               "from it instead of resuming.")
     trainer = json.loads(state_file.read_text())
     _init_optimizer_state(engine)  # megatron can only load into existing optimizer state
-    try:
-        loaded = mcore_compat.load_checkpoint(_sharded_state(engine, is_loading=True), str(path))
-    except mcore_compat.CHECKPOINT_READ_ERRORS as e:
-        raise CheckpointError(f"cannot resume from {path}: {type(e).__name__}: {e}") from e
+    # extra state the checkpoint lacks (Transformer Engine's, resuming on a machine with TE from a checkpoint
+    # written without it) keeps its fresh value; anything else missing raises (mcore_io)
+    loaded = mcore_io.load_sharded(_sharded_state(engine, is_loading=True), path,
+                                 remedy="move this checkpoint aside to resume from the one before it.")
     for i, m in enumerate(engine.chunks):
-        m.load_state_dict(loaded[f"model{i}"], strict=True)
+        mcore_io.load_into(m, loaded[f"model{i}"], path)
     engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.stats.skipped_steps = trainer["skipped_steps"]

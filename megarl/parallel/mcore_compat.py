@@ -11,7 +11,6 @@ Importing this module imports megatron-core; it does not switch on the CPU compa
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 from megatron.core import dist_checkpointing
@@ -57,14 +56,13 @@ _define_te_names_moe_utils_lacks()
 
 @functools.cache
 def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports and CUDA is present (TE cannot run without CUDA)."""
-    if cpu_compat.is_enabled() or importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        return False
-    return True
+    """Whether megarl builds Transformer Engine's layers: megatron-core's own ``HAVE_TE`` (its TE extension, whose
+    classes refuse to build without it; True only when the TE API this megatron-core release uses imports, so a TE
+    outside megatron-core's supported range reads False although ``transformer_engine`` imports), on a machine
+    with CUDA (TE runs on nothing else)."""
+    from megatron.core.extensions import transformer_engine as mcore_te
+
+    return bool(mcore_te.HAVE_TE) and cpu_compat.cuda_available()
 
 
 def gpt_layer_spec(*, use_te: bool, qk_layernorm: bool, num_experts: int | None = None) -> Any:
@@ -153,6 +151,17 @@ def _write_buckets_here(transform_list, use_msc: bool, rank: int, write_buckets,
 def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, *, partial: bool = False) -> dict:
     """``dist_checkpointing.load``; ``partial=True`` allows reading a subset of a tensor's slices."""
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, validate_access_integrity=not partial)
+
+
+def load_checkpoint_present(sharded_state_dict: dict, checkpoint_dir: str) -> tuple[dict, set[str]]:
+    """``dist_checkpointing.load`` of the requested entries the checkpoint holds, and the checkpoint keys of those
+    it lacks: megatron-core's ``StrictHandling.RETURN_UNEXPECTED`` (it reads the checkpoint's metadata first and
+    leaves the absent entries out of the load; its "unexpected" keys are requested ones the checkpoint lacks)."""
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    state, _, absent = dist_checkpointing.load(sharded_state_dict, checkpoint_dir,
+                                               strict=StrictHandling.RETURN_UNEXPECTED)
+    return state, set(absent)
 
 
 def load_tensors_metadata(checkpoint_dir: str) -> dict:

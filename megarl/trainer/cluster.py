@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl.checkpoint import cpu_only
 from megarl.checkpoint.format import is_checkpoint, read_meta
 from megarl.config.train import ClusterConfig, Role, TrainConfig
 from megarl.controller.handles import PendingCall, wait_all
@@ -319,8 +320,9 @@ class Conversions:
     """The one-time HF -> Megatron conversions of a run (named ``(source, target)`` pairs): a source that is a megarl
     checkpoint is used as is, a complete target is reused (resume), the rest are converted at the main pool's
     layout. With Ray they run in one spawned child process (the driver never joins a torch.distributed world),
-    started here so that Ray and the workers start meanwhile; with the local launcher, in this process (it joins a
-    world of one anyway), before this returns."""
+    started here so that Ray and the workers start meanwhile, with CUDA hidden: it converts in host memory
+    (:mod:`megarl.checkpoint.cpu_only`); with the local launcher, in this process (it joins a world of one anyway),
+    before this returns."""
 
     def __init__(self, cluster: ClusterConfig, pairs: dict[str, tuple[Path, Path]]) -> None:
         pool = cluster.pool()
@@ -339,7 +341,8 @@ class Conversions:
             _convert(jobs)
             return
         self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        self._future = self._executor.submit(_convert, jobs)
+        with cpu_only.cuda_hidden_from_children():  # the child starts in submit: it converts on the CPU
+            self._future = self._executor.submit(_convert, jobs)
 
     def result(self) -> dict[str, Path]:
         """The Megatron checkpoint of every pair, by name, once converted (a conversion's error is raised here)."""

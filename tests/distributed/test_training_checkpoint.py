@@ -1,7 +1,9 @@
 """Training checkpoints: save at step 1, resume in a new world, take step 2.
 
 Same layout (TP1xPP2xDP2, Adam, distributed optimizer): bit-identical to the uninterrupted run.
-Resumed with DP1 (a 2-process world, TP1xPP2): equal within 1e-6 relative.
+Resumed with DP1 (a 2-process world, TP1xPP2): equal within 1e-6 relative. That world's model also has extra
+state the checkpoint lacks, as Transformer Engine's modules do (:mod:`megarl.testing.extra_state`): it resumes,
+and the extra state keeps its fresh value.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def _world(rank, world_size, model_ckpt, train_ckpt, mode):
     def step(seed):
         return role.update(_batch(seed).chunk(layout.dp)[coords.dp])
 
+    with_extra = []
+    if mode == "resumed_te_shaped":  # TE's final norm; a module in every layer (stacked over layers)
+        from megarl.testing.extra_state import add_extra_state
+
+        with_extra = [m for c in role.engine.chunks
+                      for m in ([c.decoder.final_layernorm] if c.post_process else []) +
+                      [layer.self_attention for layer in c.decoder.layers]]
+        for m in with_extra:
+            add_extra_state(m, torch.tensor([7, 1, 9], dtype=torch.uint8))
     if mode == "uninterrupted":
         step(1)
         save_training_checkpoint(role.engine, train_ckpt, step=1, source_dir=model_ckpt)
@@ -58,7 +69,9 @@ def _world(rank, world_size, model_ckpt, train_ckpt, mode):
         assert load_training_checkpoint(role.engine, train_ckpt) == 1
     result = step(2)
     params = {n: p.detach().tolist() for c in role.engine.chunks for n, p in global_named_parameters(c)}
-    return {"coords": list(coords), "params": params if coords.dp == 0 else None, "lr": result.lr}
+    extra_kept = [m.extra_state_loads == 0 and m.extra_state.tolist() == [7, 1, 9] for m in with_extra]
+    return {"coords": list(coords), "params": params if coords.dp == 0 else None, "lr": result.lr,
+            "extra_state_kept": extra_kept}
 
 
 def _by_name(results):
@@ -77,7 +90,7 @@ def runs(tiny_hf, tmp_path_factory):
     return {
         "uninterrupted": run_world(_world, 4, *args, "uninterrupted", timeout_s=600),
         "resumed": run_world(_world, 4, *args, "resumed", timeout_s=600),
-        "resumed_dp1": run_world(_world, 2, *args, "resumed", timeout_s=600),
+        "resumed_dp1": run_world(_world, 2, *args, "resumed_te_shaped", timeout_s=600),
         "dir": root / "step1",
     }
 
@@ -95,6 +108,9 @@ def test_resume_with_another_dp_size_matches_within_rounding(runs):
     for name in a:
         rel = (a[name] - c[name]).norm() / a[name].norm()
         assert rel < 1e-6, f"{name}: {rel:.2e}"
+    # extra state the checkpoint lacks (TE's): on both pipeline stages, every module kept its fresh value
+    assert sorted(len(r["extra_state_kept"]) for r in runs["resumed_dp1"]) == [2, 3]  # 2 layers per stage
+    assert all(kept for r in runs["resumed_dp1"] for kept in r["extra_state_kept"])
 
 
 def test_checkpoint_is_complete_and_converts_to_hf(runs, tmp_path, tiny_hf):

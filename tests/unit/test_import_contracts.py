@@ -51,8 +51,8 @@ PURE = (
 FORBIDDEN = ("megatron", "torch.distributed", "ray", "vllm")
 # Not even torch: the driver recognises checkpoints and the CLI sets up its processes before torch.
 TORCH_FREE = ("megarl.errors", "megarl.parallel.layout", "megarl.checkpoint.format", "megarl.checkpoint.run",
-              "megarl.checkpoint.manifest", "megarl.checkpoint.atomic", "megarl.host", "megarl.trainer.lock",
-              "megarl.trainer.signals")
+              "megarl.checkpoint.manifest", "megarl.checkpoint.atomic", "megarl.checkpoint.cpu_only", "megarl.host",
+              "megarl.trainer.lock", "megarl.trainer.signals")
 # ``import megarl`` is cheap: nothing beyond the standard library.
 HEAVY = ("torch", "megatron", "ray", "vllm", "transformers", "safetensors", "numpy")
 

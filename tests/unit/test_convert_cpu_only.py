@@ -1,0 +1,68 @@
+"""Conversion runs on the CPU even where CUDA is visible: the tools and the run's conversion child see no GPU.
+
+With CUDA visible megarl builds a model on GPU 0 (the whole of it, in a conversion). The reference is the
+environment the conversion runs with, as the operating system records it for the child process
+(``/proc/<pid>/environ``) and as the tool's process holds it when the conversion is called: an empty
+``CUDA_VISIBLE_DEVICES``, with which CUDA reports no device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tool, function, args", [
+    ("convert_hf_to_megatron", "convert_hf_to_megatron", ["--hf-dir", "hf", "--out-dir", "out"]),
+    ("convert_megatron_to_hf", "convert_megatron_to_hf", ["--mcore-dir", "mc", "--out-dir", "out"]),
+])
+def test_tools_convert_with_cuda_hidden(monkeypatch, tool, function, args):
+    """The tool's conversion function is replaced by a recorder of the environment it would run in."""
+    from megarl.checkpoint import convert
+
+    seen = []
+
+    def record(*_, **__):
+        seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return convert.ConversionSummary(function, 0, 0, 0.0, Path("out"))
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a GPU machine's; restored after the test
+    monkeypatch.setattr(convert, function, record)
+    monkeypatch.setattr(sys, "argv", [tool, *args])
+    assert _tool(tool).main() == 0
+    assert seen == [""]
+
+
+@pytest.mark.dist  # spawns the conversion child
+def test_the_runs_conversion_child_starts_with_cuda_hidden(tiny_hf, tmp_path, monkeypatch):
+    from megarl.checkpoint.format import read_meta
+    from megarl.config.train import ClusterConfig
+    from megarl.trainer.cluster import Conversions
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    before = {p.pid for p in multiprocessing.active_children()}
+    conversions = Conversions(ClusterConfig(), {"policy": (tiny_hf("llama_gqa"), tmp_path / "initial_checkpoint")})
+    try:
+        (child,) = [p for p in multiprocessing.active_children() if p.pid not in before]
+        environ = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=" in environ and b"CUDA_VISIBLE_DEVICES=0,1" not in environ
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # the driver's own environment is as it was
+        paths = conversions.result()
+    finally:
+        conversions.close()
+    assert paths == {"policy": tmp_path / "initial_checkpoint"}
+    assert read_meta(paths["policy"]).layout.tp == 1  # the child converted
