@@ -34,8 +34,8 @@ class RolloutConfig:
     prefix_cache_mb: float | None = None
     max_logprob_abs_diff: float | None = None  # raise when rollout and training log-probs differ more (mean |diff|)
     offload_train_state: bool | None = None  # null: offload grads/optimizer/params around rollout on GPU only
-    # vLLM backend only. Share of the GPU vLLM may take (weights, activations, KV cache); on GPU at most what is free when it is built;
-    # null: 0.5 beside the policy, 0.9 on a rollout pool of its own (vLLM's own default is 0.92)
+    # vLLM backend only. Share of the GPU vLLM may take (weights, activations, KV cache); on GPU at most what is
+    # free when it is built; null: 0.5 beside the policy, 0.9 on a rollout pool of its own (vLLM's default: 0.92)
     gpu_memory_utilization: float | None = None
     kv_cache_mb: float | None = None  # KV cache size; null: from gpu_memory_utilization on GPU, 1 GiB on CPU
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
