@@ -4,9 +4,10 @@ decides field decided, so the dumped ``<output_dir>/config.yaml`` shows the run 
 Decided here (on the driver, before any worker starts): every path made absolute (workers may run in
 another directory, or on another machine with a shared filesystem), the tokenizer directories, whether old log-probs
 get a forward of their own (``algorithm.recompute_old_log_probs``), the forward-only micro-batching of
-each engine, the role -> pool placement and the embedded engine's prefix cache
-(``rollout.engine.prefix_cache_mb``). Left to the workers, because only the machine they land on
-knows: ``cluster.pools.*.device: auto`` and ``rollout.engine.offload_train_state: null`` (both follow
+each engine, the role -> pool placement, the embedded engine's prefix cache
+(``rollout.engine.prefix_cache_mb``) and vLLM's share of the GPU and context length
+(``rollout.engine.gpu_memory_utilization``, ``max_model_len``). Left to the workers, because only the machine
+they land on knows: ``cluster.pools.*.device: auto`` and ``rollout.engine.offload_train_state: null`` (both follow
 whether the worker has a GPU), and ``cluster.allocator: auto`` (logged by every process).
 
 :func:`sampling_params` builds a generation call's parameters from the rollout section. Pure module.
@@ -59,12 +60,19 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 def _rollout_engine(cfg: TrainConfig) -> RolloutConfig:
     """``prefix_cache_mb: null`` decided: the embedded engine keeps finished rows' KV (1 GiB) only for
-    conversations, whose next turn continues them; single-turn prompts never do, and vLLM has its own."""
-    engine = cfg.rollout.engine
-    if engine.prefix_cache_mb is not None:
+    conversations, whose next turn continues them; single-turn prompts never do, and vLLM has its own. For vLLM,
+    ``gpu_memory_utilization: null`` by where the engines run and ``max_model_len: null`` from the budgets."""
+    engine, r = cfg.rollout.engine, cfg.rollout
+    if engine.prefix_cache_mb is None:
+        keep = r.multi_turn.enabled and engine.backend is RolloutBackend.EMBEDDED
+        engine = dataclasses.replace(engine, prefix_cache_mb=1024.0 if keep else 0.0)
+    if engine.backend is not RolloutBackend.VLLM:
         return engine
-    keep = cfg.rollout.multi_turn.enabled and engine.backend is RolloutBackend.EMBEDDED
-    return dataclasses.replace(engine, prefix_cache_mb=1024.0 if keep else 0.0)
+    engine = dataclasses.replace(engine, gpu_memory_utilization=engine.memory_utilization(
+        dedicated=cfg.cluster.rollout_apart))
+    if engine.max_model_len is None and not r.multi_turn.enabled:  # a conversation's prompt is the environment's
+        engine = dataclasses.replace(engine, max_model_len=cfg.data.max_prompt_length + r.max_new_tokens)
+    return engine
 
 
 def hf_files(path: str | Path) -> Path:

@@ -40,7 +40,7 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import check_vllm_groups
 from megarl.rewards.base import OnError
 from megarl.rollout.base import SamplingConfig
-from megarl.rollout.config import RolloutBackend, RolloutConfig
+from megarl.rollout.config import ROUTER_REPLAY_TP_REASON, RolloutBackend, RolloutConfig
 
 
 class Role(enum.Enum):
@@ -514,6 +514,11 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
         for name, s in (("sampling", r.sampling), ("validation", r.validation)):
             if s.temperature > 2:  # vLLM's own limit (VLLMValidationError at the first call otherwise)
                 raise ConfigError(f"rollout.{name}.temperature={s.temperature}: vLLM accepts at most 2.")
+        if cfg.policy.router_replay and r.engine.tp > 1:
+            raise ConfigError(ROUTER_REPLAY_TP_REASON.format(tp=r.engine.tp))
+        util = r.engine.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ConfigError(f"rollout.engine.gpu_memory_utilization must be in (0, 1] or null, found {util}.")
     if r.schedule is not Schedule.SYNC:
         _check_overlapped(cfg)
     if r.sampling.temperature == 0:

@@ -161,7 +161,8 @@ def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad
         check_vllm_groups(ctx.layout, config.tp)  # vLLM's TP groups: the plan's CONSECUTIVE groups, in one DP replica
         kv_bytes = None if config.kv_cache_mb is None else int(config.kv_cache_mb * 2**20)
         return VLLMEngine.from_hf_config(
-            hf_config, tp=config.tp, dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
+            hf_config, tp=config.tp, dtype=dtype,
+            gpu_memory_utilization=config.memory_utilization(dedicated=False),  # resolved in a run; tests: colocated
             kv_cache_bytes=kv_bytes, seed=seed, max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=tp_group,
             record_routing=record_routing)

@@ -33,10 +33,12 @@ rollout groups are ``CONSECUTIVE`` global ranks -- exactly vLLM's TP groups
 takes no rank permutation, so HybridFlow's strided groups cannot be vLLM's); a group must lie inside one
 data-parallel replica (:func:`megarl.resharding.plan.check_vllm_groups`).
 
-Sleep: on CUDA, level 1 (weights to pinned host memory, KV cache dropped). Every sync rewrites all
-weights, so level 2 would save host memory, but it also drops buffers a weight stream does not rebuild
-(RoPE caches; garbage rollouts in NVIDIA-NeMo/RL#2631, OpenRLHF#723). vLLM's CPU platform has no sleep
-mode: weights and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once).
+Sleep: on CUDA, level 2 (weights and KV cache dropped; nothing copied to the host): every sync rewrites
+all weights, and vLLM 0.32 saves and restores the model's buffers (RoPE caches: the garbage rollouts of
+NVIDIA-NeMo/RL#2631, OpenRLHF#723 came from their loss in earlier vLLMs). Level 1 copied every weight to host
+memory at each sleep and back at each wake, two copies per step that the sync then overwrote.
+:class:`megarl.rollout.vllm_args.SleepCycle` makes the calls. vLLM's CPU platform has no sleep mode: weights
+and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once).
 
 Log-probs. Ours (megarl.rollout.base) are of ``softmax(logits / T)`` before top-k/top-p (T = 1 when
 greedy). ``logprobs_mode="processed_logprobs"`` gives ``log_softmax`` of the logits vLLM sampled from:
@@ -45,14 +47,15 @@ equal to ours when top-k/top-p are off, and otherwise renormalised over the kept
 ours - log(kept probability mass) >= ours; ``rollout/logprob_abs_diff`` shows the gap); likewise min-p, and a
 repetition penalty makes them the penalised distribution's. The default ``raw_logprobs`` ignores the temperature.
 
-Unseeded sampling draws from the device's default generator (CUDA's on GPU, the CPU generator on
-CPU), which must be identical on all ranks of a TP group and is the trainer's: each call seeds it from
-(engine seed, group, call count) inside a fork of the RNG state.
+Every request carries a seed (:func:`megarl.rollout.vllm_args.request_seeds`), an unseeded call's drawn from
+(engine seed, group, call count): vLLM's V2 runner (CUDA) would otherwise draw one from NumPy's global RNG, and
+its V1 runners (CPU) use the device's default generator; neither is megarl's, and every rank of a TP group must
+sample the same tokens. The engine arguments, sleep calls and model directory are decided per platform in
+:mod:`megarl.rollout.vllm_args` (tested on CPU for CUDA).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import gc
@@ -61,8 +64,7 @@ import json
 import logging
 import os
 import re
-import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,18 +75,18 @@ from megarl.errors import ConfigError, LayoutError, MegarlError, MissingDependen
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import hf_tensors
+from megarl.rollout import vllm_args
 from megarl.rollout.base import RolloutOutput, SamplingParams, WeightUpdateError
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.vllm_args import EngineOptions, Platform, SleepCycle, request_seeds
 from megarl.rollout.vllm_outputs import to_rollout_output
 from megarl.rollout.vllm_routing import routing_args, routing_shape
 
 logger = logging.getLogger(__name__)
 
-_SLEEP_LEVEL = 1  # see the module docstring
 _MIN_TEMPERATURE = 1e-2  # vllm/sampling_params.py _MAX_TEMP: vLLM raises 0 < T < 0.01 to 0.01
 _REQUIRED_ENGINE_ARGS = ("worker_extension_cls", "weight_transfer_config", "logprobs_mode", "kv_cache_memory_bytes")
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU default (a fraction of RAM) fails on small machines
 _SHM_DIR = Path("/dev/shm")
-_CPU_BATCH_TOKENS = 4096  # tokens per engine step on CPU (vLLM's default there), at least max_model_len
 
 
 # vLLM's fused-MoE parameters (RoutedExperts under the layer's ``mlp.experts``) and the per-expert HF projections
@@ -156,11 +158,14 @@ class VLLMEngine:
     ``prefix_caching``: vLLM's prefix cache (on: a multi-turn conversation's next turn prefills only its new
     tokens; off only to measure what that saves, benchmarks/multiturn.py).
     ``kv_cache_bytes``: the KV cache size; None lets vLLM size it from ``gpu_memory_utilization`` on a GPU
-    and uses :data:`DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the host's memory).
+    and uses :data:`megarl.rollout.vllm_args.DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the
+    host's memory). On a GPU the utilization is capped at what is free when the engine is built
+    (:func:`megarl.rollout.vllm_args.cuda_memory_args`).
     """
 
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: torch.dtype | str = torch.bfloat16,
-                 gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, seed: int = 0,
+                 gpu_memory_utilization: float = RolloutConfig.COLOCATED_MEMORY_UTILIZATION,
+                 kv_cache_bytes: int | None = None, seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = False, pad_token_id: int = 0,
                  expected_tp_ranks: Sequence[int] | None = None, record_routing: bool = False,
                  prefix_caching: bool = True) -> None:
@@ -171,43 +176,16 @@ class VLLMEngine:
         self._num_experts = spec.moe.num_experts if spec.moe is not None else 0
         self._routing = routing_shape(spec) if record_routing else None
         self._shapes = {t.name: t.shape for t in hf_tensors(spec, ParallelLayout())}
-        vllm = _import_vllm()
         if self._routing is not None and not prefix_caching:
             raise ConfigError("recording expert routing needs vLLM's prefix caching (its routed-experts output "
                               "requires it); leave prefix_caching on")
-        routing_kwargs = routing_args(vllm, torch.cuda.is_available()) if self._routing is not None else {}
+        options = EngineOptions(tp=tp, dtype=str(dtype).removeprefix("torch."),
+                                gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
+                                seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                                prefix_caching=prefix_caching, record_routing=record_routing)
+        self._vllm = vllm = _import_vllm()
         _check_head_dim(spec.head_dim)
-        _prepare_process(tp, gpu_memory_utilization)
-        for name in _KnownNoise.LOGGERS:
-            logging.getLogger(name).addFilter(_KnownNoise())
-        from megarl.rollout import vllm_transfer
-
-        vllm_transfer.register()
-        self.sleep_frees_memory = vllm.platforms.current_platform.is_sleep_mode_available()
-        if not self.sleep_frees_memory:
-            logger.warning("vLLM has no sleep mode on this platform (%s): its weights and KV cache stay resident "
-                           "while the policy trains", vllm.platforms.current_platform.device_name)
-        on_gpu = torch.cuda.is_available()
-        if kv_cache_bytes is None and not on_gpu:
-            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        # On CPU, vLLM rewinds a seeded request's generator after a partial (chunked) prefill through
-        # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): a seeded batch
-        # whose prompts exceed one step's token budget would crash. Whole prefills avoid that path.
-        cpu_scheduling = {} if on_gpu else dict(
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(_CPU_BATCH_TOKENS, max_model_len or int(cfg["max_position_embeddings"])))
-        kwargs = dict(model=str(model_dir), tensor_parallel_size=tp, dtype=str(dtype).removeprefix("torch."),
-                      seed=seed, gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
-                      enforce_eager=enforce_eager, max_model_len=max_model_len,
-                      distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_frees_memory,
-                      load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=f"{__name__}.WeightReceiver",
-                      weight_transfer_config={"backend": vllm_transfer.BACKEND}, logprobs_mode="processed_logprobs",
-                      generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
-                      enable_prefix_caching=prefix_caching,  # a conversation's next turn reuses its earlier ones
-                      **cpu_scheduling)
-        kwargs.update(routing_kwargs)
-        self._vllm = vllm
-        self._llm = _build_llm(vllm, kwargs)
+        self._llm = _build_llm(vllm, self._engine_args(vllm, options, model_dir, cfg))
         _unlink_shm(self._rpc("megarl_shm_names"))
         self._rpc("init_weight_transfer_engine", {})
         self._groups = LayerGroups(self._shapes)
@@ -217,20 +195,40 @@ class VLLMEngine:
             raise LayoutError(f"vLLM built the TP group {ranks} for rank {dist.get_rank()}, but the rollout "
                               f"plan groups this rank with {list(expected_tp_ranks)}.")
         self._group_leader = ranks[0]
-        self._weights_awake = self._kv_awake = True  # a fresh engine holds dummy weights and its KV cache
+        self._memory = SleepCycle(self._llm, self.sleep_frees_memory)
         self._updating = False  # inside vLLM's weight-update session
         self._ready = False  # True after a complete weight sync
         self._kv_stale = False  # the KV cache holds values computed with earlier weights
         self._calls = 0
 
+    def _engine_args(self, vllm: Any, options: EngineOptions, model_dir: str | Path, cfg: dict) -> dict:
+        """``vllm.LLM``'s arguments on this machine (:mod:`megarl.rollout.vllm_args`), this process prepared."""
+        platform = _platform(vllm)
+        if options.record_routing:
+            routing_args(vllm, platform.cuda)  # refuses what cannot return routing; selects Model Runner V2
+        kwargs = options.args(model_dir, cfg, platform)
+        _prepare_process(options.tp)
+        for name in _KnownNoise.LOGGERS:
+            logging.getLogger(name).addFilter(_KnownNoise())
+        from megarl.rollout import vllm_transfer
+
+        vllm_transfer.register()
+        self.sleep_frees_memory = platform.sleep_mode
+        if not self.sleep_frees_memory:
+            logger.warning("vLLM has no sleep mode on this platform (%s): its weights and KV cache stay resident "
+                           "while the policy trains", vllm.platforms.current_platform.device_name)
+        return dict(kwargs, worker_extension_cls=f"{__name__}.WeightReceiver",
+                    weight_transfer_config={"backend": vllm_transfer.BACKEND})
+
     @classmethod
     def from_hf_config(cls, hf_config: dict, **kwargs: Any) -> VLLMEngine:
-        """An engine for the model described by ``hf_config``, written to a private ``config.json`` that lives
-        only while vLLM is built (it reads the model directory then, never after: no tokenizer, dummy weights;
-        a directory kept for the engine's life outlived every worker killed without finalizers)."""
-        with tempfile.TemporaryDirectory(prefix="megarl-vllm-") as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-            return cls(tmp, **kwargs)
+        """An engine for the model described by ``hf_config``, whose ``config.json`` is written once per model
+        config under vLLM's cache root (:func:`megarl.rollout.vllm_args.model_dir`): vLLM's compile cache is
+        keyed by the model's path, so a fresh directory per engine recompiled at every start."""
+        _import_vllm()
+        import vllm.envs
+
+        return cls(vllm_args.model_dir(hf_config, Path(vllm.envs.VLLM_CACHE_ROOT) / "megarl-models"), **kwargs)
 
     def _rpc(self, method: str, *args: Any) -> Any:
         return self._llm.collective_rpc(method, args=args)[0]  # one in-process worker per engine
@@ -264,7 +262,7 @@ class VLLMEngine:
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full HF-named tensors. Tensors are held until their decoder layer is complete, then the
         whole layer goes to vLLM in one call; returns the HF names loaded by this call."""
-        if not self._weights_awake:
+        if not self._memory.weights_awake:
             raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
         self._ready = False
         ready = self._groups.add(tensors)
@@ -320,23 +318,17 @@ class VLLMEngine:
     # ---- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the KV cache and move the weights to host memory (level 1) where vLLM can sleep; elsewhere
-        only the engine's state changes (generation needs a new sync)."""
-        if not self._weights_awake:
+        """Free the weights and the KV cache where vLLM can sleep (level 2: the next sync rewrites every weight);
+        elsewhere only the engine's state changes (generation needs a new sync)."""
+        if not self._memory.weights_awake:
             return
         self._end_update()
-        if self.sleep_frees_memory:
-            if not self._kv_awake:  # CuMemAllocator.sleep unmaps every allocation: map the KV cache back first
-                self._llm.wake_up(tags=["kv_cache"])
-            self._llm.sleep(level=_SLEEP_LEVEL)
-        self._weights_awake = self._kv_awake = self._ready = False
+        self._memory.sleep()
+        self._ready = False
 
     def wake_up(self) -> None:
-        """Bring the weights back (not the KV cache: :meth:`generate` wakes it) and begin a weight sync."""
-        if not self._weights_awake:
-            if self.sleep_frees_memory:
-                self._llm.wake_up(tags=["weights"])
-            self._weights_awake = True
+        """Map the weights' memory back (not the KV cache: :meth:`generate` wakes it) and begin a weight sync."""
+        self._memory.wake_weights()
         self._ready = False
         self._end_update()
 
@@ -348,10 +340,7 @@ class VLLMEngine:
         self._check_generate(prompts, params)
         if not prompts:
             return to_rollout_output([], params.n, self.pad_token_id, routing=self._routing)
-        if not self._kv_awake:  # after the weight sync, so the sync never holds KV memory (vllm#15254)
-            if self.sleep_frees_memory:
-                self._llm.wake_up(tags=["kv_cache"])
-            self._kv_awake = True
+        self._memory.wake_kv()  # after the weight sync, so the sync never holds KV memory
         if self._kv_stale:
             # vLLM's CPU attention reads every slot of a block and masks the unused ones by weight 0, and
             # 0 * NaN is NaN: non-finite keys/values an earlier model wrote (a diverged policy, a bad sync) would
@@ -361,42 +350,16 @@ class VLLMEngine:
             self._rpc("megarl_clear_kv_cache")
             self._kv_stale = False
         inputs = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        per_prompt = [self._sampling_params(params, i) for i in range(len(prompts))]
-        with self._generation_rng(params):
-            outputs = self._llm.generate(inputs, sampling_params=per_prompt, use_tqdm=False)
-        return to_rollout_output(outputs, params.n, self.pad_token_id, routing=self._routing)
-
-    def _sampling_params(self, params: SamplingParams, prompt: int) -> Any:
-        # distinct seeds per prompt (vLLM gives child j of a request seed + j), so prompts never share noise
-        seed = None if params.seed is None else params.seed + prompt * params.n
-        return self._vllm.SamplingParams(
-            n=1 if params.greedy else params.n,  # vLLM refuses n > 1 when greedy; to_rollout_output repeats
-            temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,  # -1 is "off" in every V1 release (0 only lately)
-            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-            max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=True,  # our rows stop at stop_token_ids only; vLLM would also stop at the model's EOS
-            seed=seed, logprobs=0,  # 0: only the sampled token's log-prob
-            detokenize=False)
-
-    @contextlib.contextmanager
-    def _generation_rng(self, params: SamplingParams) -> Iterator[None]:
-        """Seed the device's default generator per call (see the module docstring), restoring the training
-        RNG state afterwards. ``torch.manual_seed`` seeds the CPU and every CUDA generator; the fork restores
-        the CPU one and this process's CUDA device."""
         self._calls += 1
-        if params.seed is not None:  # vLLM seeds one generator per request
-            yield
-            return
-        seed = ((self._seed * 1_000_003 + self._group_leader) * 1_000_033 + self._calls) % 2**63
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            yield
+        seeds = request_seeds(len(prompts), params.n, params.seed, engine_seed=self._seed, group=self._group_leader,
+                              call=self._calls)
+        per_prompt = [sampling_params(self._vllm, params, seed) for seed in seeds]
+        outputs = self._llm.generate(inputs, sampling_params=per_prompt, use_tqdm=False)
+        return to_rollout_output(outputs, params.n, self.pad_token_id, routing=self._routing)
 
     def _check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         if not self._ready:
-            state = "asleep" if not self._weights_awake else "waiting for a complete weight sync"
+            state = "asleep" if not self._memory.weights_awake else "waiting for a complete weight sync"
             raise WeightUpdateError(f"cannot generate: the engine is {state}; call wake_up() if asleep, then "
                                     "update_weights(...) and finish_weight_update()")
         if 0 < params.temperature < _MIN_TEMPERATURE:
@@ -411,6 +374,19 @@ class VLLMEngine:
 
 
 # ------------------------------------------------------------------------------------------- pure helpers
+
+
+def sampling_params(vllm: Any, params: SamplingParams, seed: int) -> Any:
+    """vLLM's ``SamplingParams`` of one prompt's request (``seed``: :func:`megarl.rollout.vllm_args.request_seeds`)."""
+    return vllm.SamplingParams(
+        n=1 if params.greedy else params.n,  # vLLM refuses n > 1 when greedy; to_rollout_output repeats
+        temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,  # -1 is "off" in every V1 release (0 only lately)
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,  # our rows stop at stop_token_ids only; vLLM would also stop at the model's EOS
+        seed=seed, logprobs=0,  # 0: only the sampled token's log-prob
+        detokenize=False)
 
 
 def layer_key(name: str) -> str:
@@ -482,14 +458,24 @@ def _read_config(model_dir: Path) -> dict:
     return cfg
 
 
-def _prepare_process(tp: int, gpu_memory_utilization: float) -> None:
+def _platform(vllm: Any) -> Platform:
+    """This machine for :mod:`megarl.rollout.vllm_args`; on CUDA with the device memory free now, measured as vLLM
+    measures it (after emptying the caching allocator, whose cached blocks count as used)."""
+    sleep_mode = vllm.platforms.current_platform.is_sleep_mode_available()
+    if not torch.cuda.is_available():
+        return Platform(cuda=False, sleep_mode=sleep_mode)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return Platform(cuda=True, sleep_mode=sleep_mode, free_bytes=free, total_bytes=total)
+
+
+def _prepare_process(tp: int) -> None:
     if not dist.is_initialized():
         raise ConfigError("the vLLM rollout engine joins this process's torch.distributed world "
                           "(external_launcher); initialise it first (megarl.parallel.init.init_distributed)")
     if not isinstance(tp, int) or tp < 1 or dist.get_world_size() % tp:
         raise LayoutError(f"rollout tp={tp} must be a positive divisor of the world size {dist.get_world_size()}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1]; found {gpu_memory_utilization}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core must run in this process
     os.environ["RANK"] = str(dist.get_rank())  # read by ExecutorWithExternalLauncher._distributed_args
     # the device vLLM's worker binds to; vLLM's CPU worker uses it for nothing but its name
