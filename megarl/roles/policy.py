@@ -28,7 +28,8 @@ from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
-from megarl.parallel.init import comm_device, process_groups
+from megarl.parallel import collectives
+from megarl.parallel.init import process_groups
 from megarl.roles.hybrid import HybridRollout
 from megarl.roles.results import WeightSync
 from megarl.roles.split import WeightSender
@@ -278,6 +279,5 @@ class _RolloutGap:
 
 def global_normalizer(response_mask: torch.Tensor, dp_group: dist.ProcessGroup) -> algos.LossNormalizer:
     """Token and sequence counts over the whole batch (every DP rank's shard, summed over ``dp_group``)."""
-    counts = algos.LossNormalizer.of(response_mask.double()).as_tensor().to(comm_device())
-    dist.all_reduce(counts, group=dp_group)
+    counts = collectives.all_reduce(algos.LossNormalizer.of(response_mask.double()).as_tensor(), group=dp_group)
     return algos.LossNormalizer.from_tensor(counts)

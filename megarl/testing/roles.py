@@ -50,14 +50,15 @@ class EchoRole(Role):
 
     def all_reduce(self, value: float) -> dict[str, float]:
         """Sums of ``value * (rank + 1)`` over the world, the TP group and the DP group."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        from megarl.parallel import collectives
 
         out = {}
         for name, group in (("world", None), ("tp", ps.get_tensor_model_parallel_group()),
                             ("dp", ps.get_data_parallel_group())):
             t = torch.tensor([value * (self.ctx.rank + 1)], dtype=torch.float64)
-            dist.all_reduce(t, group=group)
+            collectives.all_reduce(t, group=group)  # NCCL takes no host tensor
             out[name] = t.item()
         return out
 
