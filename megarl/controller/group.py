@@ -74,7 +74,7 @@ class WorkerGroup:
         self.hosts = self.gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
         port = self.gather("init", {0: self.actors[0].open_store.remote(t)}, t)[0]
         futures = {
-            r: a.init_world.remote(self.hosts[0][0], port, self.layout, self.options.seed, t)
+            r: a.init_world.remote(self.hosts[0][0], port, self.layout, self.options.seed, self.options.timeouts)
             for r, a in enumerate(self.actors)
         }
         self.contexts = [ctx for _, ctx in sorted(self.gather("init", futures, t).items())]

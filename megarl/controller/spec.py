@@ -85,6 +85,10 @@ class PlacementConfig:
 class Timeouts:
     init_s: float = 300.0  # worker start-up, rendezvous and role construction (model loading)
     call_s: float | None = 3600.0  # one call on a worker group (a generation, an update); null: wait forever
+    # one collective's wait before it is aborted (NCCL's watchdog) in the worker groups' worlds, megatron-core's
+    # groups and the weight link; must outlast what a rank may wait through there: a peer's generation,
+    # checkpoint or model load (an async weight push waits behind a generation). init_s bounds the rendezvous
+    collective_s: float = 3600.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
