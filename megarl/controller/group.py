@@ -53,7 +53,7 @@ class WorkerGroup:
             )
         self.name, self.pool, self.layout, self.options, self.run = name, pool, layout, options, run
         self.alive = True
-        env = {"MEGARL_WORKER_GROUP": name} | dict(options.env)
+        env = {"MEGARL_WORKER_GROUP": name} | dict(options.env) | pool.env  # a CPU pool's hide the GPUs, always
         self.actors = [
             WorkerProcess.options(
                 num_cpus=pool.bundle["CPU"], num_gpus=pool.bundle.get("GPU", 0),

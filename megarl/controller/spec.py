@@ -32,7 +32,7 @@ class PoolConfig:
 
     nodes: int = 1  # machines in the pool
     devices_per_node: int = 1  # GPUs (or CPU slots) per machine; one rank each
-    device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots
+    device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots (whose workers see no GPU)
     cpus_per_device: float = 1.0  # CPU slot size (CPU pools) or CPUs reserved beside each GPU
     ready_timeout_s: float = 60.0  # a reservation still pending after this (resources held by others) fails
 

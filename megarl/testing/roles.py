@@ -26,6 +26,7 @@ class RankReport:
     mcore_dp: int
     malloc_libs: tuple[str, ...] = ()  # mapped shared libraries with "malloc" in their name (jemalloc, tcmalloc)
     group_timeouts_s: dict[str, float] = dataclasses.field(default_factory=dict)  # world, tp, pp, dp: a collective's
+    visible_gpus: str | None = None  # $CUDA_VISIBLE_DEVICES of the process (None: not set)
 
 
 def _malloc_libs() -> tuple[str, ...]:
@@ -59,6 +60,7 @@ class EchoRole(Role):
             rank=self.ctx.rank, pid=os.getpid(), node_id=self.ctx.node_id, tp=c.tp, pp=c.pp, dp=c.dp,
             mcore_tp=ps.get_tensor_model_parallel_rank(), mcore_pp=ps.get_pipeline_model_parallel_rank(),
             mcore_dp=ps.get_data_parallel_rank(), malloc_libs=_malloc_libs(), group_timeouts_s=_group_timeouts_s(),
+            visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
     def all_reduce(self, value: float) -> dict[str, float]:

@@ -78,6 +78,14 @@ def test_collectives_wait_collective_s_and_only_the_rendezvous_init_s(placement)
             assert report.group_timeouts_s == {"world": 2400.0, "tp": 2400.0, "pp": 2400.0, "dp": 2400.0}
 
 
+def test_workers_of_a_pool_without_gpus_see_none(placement):
+    """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for zero-GPU actors (on a GPU node they would see every GPU): the
+    pools here have no GPU (device: auto on a CPU cluster), so each worker runs with it empty."""
+    _, handles = placement
+    for role in ("policy", "critic"):
+        assert [r.visible_gpus for r in handles[role].all(EchoRole.report)] == [""] * 4
+
+
 def test_colocated_roles_share_processes_split_roles_do_not(placement):
     _, handles = placement
     policy = [r.pid for r in handles["policy"].all(EchoRole.report)]
