@@ -426,7 +426,8 @@ def _check_cluster(cfg: TrainConfig) -> None:
                           "with nodes = devices_per_node = 1 (tp=pp=1) or use cluster.launcher=ray.")
     if c.rollout_apart:
         _check_rollout_pool(cfg)
-    if c.timeouts.init_s <= 0 or (c.timeouts.call_s is not None and c.timeouts.call_s <= 0):
+    t = c.timeouts
+    if t.init_s <= 0 or t.collective_s <= 0 or (t.call_s is not None and t.call_s <= 0):
         raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
 
 

@@ -53,7 +53,7 @@ class WorkerGroup:
             )
         self.name, self.pool, self.layout, self.options, self.run = name, pool, layout, options, run
         self.alive = True
-        env = {"MEGARL_WORKER_GROUP": name} | dict(options.env)
+        env = {"MEGARL_WORKER_GROUP": name} | dict(options.env) | pool.env  # a CPU pool's hide the GPUs, always
         self.actors = [
             WorkerProcess.options(
                 num_cpus=pool.bundle["CPU"], num_gpus=pool.bundle.get("GPU", 0),
@@ -74,7 +74,7 @@ class WorkerGroup:
         self.hosts = self.gather("init", {r: a.host.remote() for r, a in enumerate(self.actors)}, t)
         port = self.gather("init", {0: self.actors[0].open_store.remote(t)}, t)[0]
         futures = {
-            r: a.init_world.remote(self.hosts[0][0], port, self.layout, self.options.seed, t)
+            r: a.init_world.remote(self.hosts[0][0], port, self.layout, self.options.seed, self.options.timeouts)
             for r, a in enumerate(self.actors)
         }
         self.contexts = [ctx for _, ctx in sorted(self.gather("init", futures, t).items())]

@@ -56,7 +56,7 @@ class LocalGroup:
 
         self.name, self.layout, self.options = name, layout, options or GroupOptions()
         self.alive = True
-        init_distributed(layout, seed=self.options.seed)
+        init_distributed(layout, seed=self.options.seed, collective_timeout_s=self.options.timeouts.collective_s)
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self.contexts = [WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", os.getpid(), device)]
         self.roles: dict[str, Role] = {}

@@ -9,6 +9,11 @@ Before reserving anything the pool checks the cluster's nodes can hold it and fa
 what was asked and what exists; a reservation that stays pending (resources held by others) fails
 after ``ready_timeout_s`` instead of hanging.
 
+A pool without GPUs (``device: cpu``, or ``auto`` on a cluster without them) hides the node's GPUs from its
+workers (:func:`worker_env`): Ray sets ``CUDA_VISIBLE_DEVICES`` only for actors it gives accelerators to (since
+Ray 2.60 not for zero-GPU actors, ``ray/_private/utils.py: set_visible_accelerator_ids``), so on a GPU node its
+ranks would otherwise find CUDA, join an NCCL world and build on GPU 0.
+
 Ray is imported where a pool is reserved, not at import. The pool's configuration
 (:class:`~megarl.controller.spec.PoolConfig`) lives in :mod:`megarl.controller.spec`.
 """
@@ -26,6 +31,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# what a CUDA or ROCm build of torch reads to find GPUs (Ray's NVIDIA and AMD accelerator managers set them)
+_NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+
+
+def worker_env(use_gpu: bool) -> dict[str, str]:
+    """Environment of a pool's workers: one without GPUs sees none (then torch runs gloo on the CPU)."""
+    return {} if use_gpu else dict(_NO_GPU)
+
 
 class ResourcePool:
     """A reserved pool. ``bundles()`` lists (placement group, bundle index) in rank order."""
@@ -38,6 +51,7 @@ class ResourcePool:
         self.config = config
         self.use_gpu = _resolve_device(config.device)
         self.bundle = {"CPU": config.cpus_per_device} | ({"GPU": 1.0} if self.use_gpu else {})
+        self.env = worker_env(self.use_gpu)
         _check_feasible(name, config, self.bundle)
         per_node = [self.bundle] * config.devices_per_node
         if config.nodes == 1:

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from megarl.controller.role import Role, WorkerContext, call_role, close_roles
+from megarl.controller.spec import Timeouts
 from megarl.metrics import trace
 from megarl.parallel.layout import ParallelLayout, RankCoords
 
@@ -67,23 +68,24 @@ class WorkerProcess:
         )
         return self._store.port
 
-    def init_world(
-        self, master_addr: str, port: int, layout: ParallelLayout, seed: int, timeout_s: float
-    ) -> WorkerContext:
-        """Join the group's torch.distributed world and initialise megatron-core for ``layout``."""
+    def init_world(self, master_addr: str, port: int, layout: ParallelLayout, seed: int,
+                   timeouts: Timeouts) -> WorkerContext:
+        """Join the group's torch.distributed world and initialise megatron-core for ``layout``: the rendezvous
+        waits ``timeouts.init_s``, a collective of the world or of megatron-core's groups ``timeouts.collective_s``
+        (a rank may wait in one through a peer's generation, checkpoint or model load)."""
         import torch
         import torch.distributed as dist
 
         from megarl.parallel.init import default_backend, init_distributed
 
-        timeout = datetime.timedelta(seconds=timeout_s)
         if self._store is None:
-            self._store = dist.TCPStore(master_addr, port, self.world_size, is_master=False, timeout=timeout)
+            self._store = dist.TCPStore(master_addr, port, self.world_size, is_master=False,
+                                        timeout=datetime.timedelta(seconds=timeouts.init_s))
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
         dist.init_process_group(default_backend(), store=self._store, rank=self.rank, world_size=self.world_size,
-                                timeout=timeout)
-        init_distributed(layout, seed=seed)
+                                timeout=datetime.timedelta(seconds=timeouts.collective_s))
+        init_distributed(layout, seed=seed, collective_timeout_s=timeouts.collective_s)
         self.ctx = WorkerContext(
             rank=self.rank, world_size=self.world_size, layout=layout, coords=layout.coords(self.rank),
             node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),

@@ -32,7 +32,7 @@ class PoolConfig:
 
     nodes: int = 1  # machines in the pool
     devices_per_node: int = 1  # GPUs (or CPU slots) per machine; one rank each
-    device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots
+    device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots (whose workers see no GPU)
     cpus_per_device: float = 1.0  # CPU slot size (CPU pools) or CPUs reserved beside each GPU
     ready_timeout_s: float = 60.0  # a reservation still pending after this (resources held by others) fails
 
@@ -85,6 +85,10 @@ class PlacementConfig:
 class Timeouts:
     init_s: float = 300.0  # worker start-up, rendezvous and role construction (model loading)
     call_s: float | None = 3600.0  # one call on a worker group (a generation, an update); null: wait forever
+    # one collective's wait before it is aborted (NCCL's watchdog) in the worker groups' worlds, megatron-core's
+    # groups and the weight link; must outlast what a rank may wait through there: a peer's generation,
+    # checkpoint or model load (an async weight push waits behind a generation). init_s bounds the rendezvous
+    collective_s: float = 3600.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

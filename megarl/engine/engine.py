@@ -39,7 +39,7 @@ from megarl.engine.results import StepResult
 from megarl.errors import LayoutError, MegarlError
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
-from megarl.parallel import cpu_compat
+from megarl.parallel import collectives, cpu_compat
 from megarl.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -272,8 +272,7 @@ class MegatronEngine:
         plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
         idle = 0
         if self.spec.moe is not None and self.layout.ep > 1:
-            count = torch.tensor([len(plan)], device=self._params()[0].device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            count = collectives.all_reduce(torch.tensor([len(plan)]), op=dist.ReduceOp.MAX, group=self.groups.dp)
             plan = micro_batches.spread(plan, int(count.item()))
             idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
@@ -336,12 +335,12 @@ class MegatronEngine:
         if parallel_state.is_pipeline_last_stage():
             keys = sorted(k for k in reduced[0] if k not in extremes)
             values = torch.stack([sum(r[k].double() for r in reduced) for k in keys])
-            dist.all_reduce(values, group=self.groups.dp)
+            collectives.all_reduce(values, group=self.groups.dp)  # metrics may be host tensors
             out = dict(zip(keys, values.tolist(), strict=True))
             for key, extreme in sorted(extremes.items(), key=lambda kv: kv[0]):  # same order on every rank
                 sign = 1.0 if extreme is Extreme.MAX else -1.0  # min = -max(-x)
                 value = torch.stack([r[key].double() for r in reduced]).mul(sign).max().reshape(1)
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.groups.dp)
+                collectives.all_reduce(value, op=dist.ReduceOp.MAX, group=self.groups.dp)
                 out[key] = sign * value.item()
             shared = [out]
         pp = self.groups.pp
@@ -363,9 +362,7 @@ class MegatronEngine:
                 break
             if buffer.grad_data.numel():
                 finite = bool(torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data))).all())
-        # on the gradients' device: an NCCL group cannot all-reduce a CPU tensor
-        bad = torch.tensor([0.0 if finite else 1.0], device=buffers[0].grad_data.device if buffers else None)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        bad = collectives.all_reduce(torch.tensor([0.0 if finite else 1.0]), op=dist.ReduceOp.MAX)
         return bad.item() == 0.0
 
 

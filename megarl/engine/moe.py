@@ -29,12 +29,12 @@ Imports megatron-core; used by :class:`megarl.engine.engine.MegatronEngine`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megarl.models.spec import ModelSpec
+from megarl.parallel import collectives
 
 _AUX = "load_balancing_loss"  # megatron-core's tracker name for the aux_loss term
 
@@ -125,11 +125,11 @@ class RouterStats:
     def metrics(self, num_microbatches: int) -> dict[str, float]:
         """Collective over this engine's data- and pipeline-parallel groups."""
         self.active = False
-        counts = self.counts.clone()
-        dist.all_reduce(counts, group=self.groups.dp)
-        dist.all_reduce(counts, group=self.groups.pp)  # each stage filled its own layers' rows
-        if self.sequence_parallel:  # each TP rank counted its part of the sequence
-            dist.all_reduce(counts, group=self.groups.tp)
+        # host statistics reduced on the collective device (NCCL takes no CPU tensor): see parallel/collectives.py
+        over = (self.groups.dp, self.groups.pp)  # each stage filled its own layers' rows
+        if self.sequence_parallel:  # each TP rank counted (and its routers saw) its part of the sequence
+            over += (self.groups.tp,)
+        counts = collectives.sum_over(self.counts.clone(), *over)
         routed = counts.sum(-1, keepdim=True)
         share = counts / routed.clamp(min=1.0) * counts.shape[-1]
         used = routed.squeeze(-1) > 0
@@ -137,22 +137,15 @@ class RouterStats:
         if used.any():
             out["moe_load_max"] = share[used].max().item()
             out["moe_load_min"] = share[used].min().item()
-        compared = self.compared.clone()
-        dist.all_reduce(compared, group=self.groups.dp)
-        dist.all_reduce(compared, group=self.groups.pp)
-        if self.sequence_parallel:
-            dist.all_reduce(compared, group=self.groups.tp)
+        compared = collectives.sum_over(self.compared.clone(), *over)
         if compared[1] > 0:
             out["moe_routing_disagreement"] = (compared[0] / compared[1]).item()
             if self.replay:
                 out["moe_replay_mismatch"] = compared[2].item()
         tracker = moe_utils.get_moe_layer_wise_logging_tracker().get(_AUX)  # process-wide, shared by engines
         if tracker is not None and self.aux_loss_coef > 0:
-            values = tracker["values"].detach().double().cpu()  # per layer, summed over micro-batches
-            dist.all_reduce(values, group=self.groups.pp)
-            dist.all_reduce(values, group=self.groups.dp)
-            if self.sequence_parallel:  # a TP rank's value has its own tokens' probabilities (megatron's split)
-                dist.all_reduce(values, group=self.groups.tp)
+            # per layer, summed over micro-batches; a TP rank's value has its own tokens' probabilities
+            values = collectives.sum_over(tracker["values"].detach().double().cpu(), *over)
             layers = len(values)
             out["moe_load_balancing_loss"] = values.sum().item() / (layers * num_microbatches * self.groups.dp.size())
         return out

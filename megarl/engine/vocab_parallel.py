@@ -20,14 +20,16 @@ Invariants:
   logits' dtype. Only the entropy (log-prob) term of the gradient is computed when only the entropy
   (log-prob) output is differentiated.
 
-This module imports torch.distributed only; it owns no process group (megatron-core's TP group is the
-default).
+This module imports torch.distributed (its reductions through :mod:`megarl.parallel.collectives`), no
+megatron-core; it owns no process group (megatron-core's TP group is the default).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from megarl.parallel import collectives
 
 # Size of one float32 [chunk tokens, V_local] work buffer (forward uses two, backward one or two).
 # CPU: small enough to stay in L2/L3 and far below glibc's 32 MiB mmap threshold; large enough that the
@@ -84,7 +86,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         mx, stats = _local_stats(x[:, :n_valid], temperature, rows)  # stats[0:2] relative to the local max
         if group is not None and dist.get_world_size(group) > 1:
             local_mx = mx.clone()
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
             # to the global max, with d = (mx - local_mx) / T >= 0:
             # sum e^(z-d) = e^-d sum e^z ;  sum e^(z-d) (z-d) = e^-d (sum e^z z - d sum e^z)
             d = (mx - local_mx) / temperature  # inf on a padding-only shard, whose sums are 0
@@ -93,7 +95,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             stats[0] *= scale
             t_z = _shift(x.gather(-1, idx[:, None]).squeeze(-1), mx, temperature, torch.empty_like(mx))
             stats[2] = torch.where(in_shard, t_z, 0.0)
-            dist.all_reduce(stats, group=group)
+            collectives.all_reduce(stats, group=group)
         else:
             stats[2] = _shift(x.gather(-1, idx[:, None]).squeeze(-1), mx, temperature, torch.empty_like(mx))
         sum_exp, sum_exp_z, t_z = stats

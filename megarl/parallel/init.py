@@ -46,15 +46,19 @@ def process_groups() -> ProcessGroupCollection:
     return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "dp", "mp"])
 
 
-def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minutes: int = 30) -> None:
+def init_distributed(layout: ParallelLayout, *, seed: int = 1234, collective_timeout_s: float | None = None) -> None:
     """Join (or create) the torch.distributed world and initialise megatron-core for ``layout``.
 
-    May be called again in the same world: another layout rebuilds megatron-core's state, the same one keeps it.
+    ``collective_timeout_s``: how long one collective of the world (when created here) and of megatron-core's
+    groups may wait (``cluster.timeouts.collective_s`` for a run's workers); None: torch's and megatron-core's
+    defaults. May be called again in the same world: another layout rebuilds megatron-core's state, the same
+    one keeps it.
     """
     cpu_compat.enable()
     from megatron.core import parallel_state, tensor_parallel
 
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+    mcore_timeout = {} if collective_timeout_s is None else {"distributed_timeout_minutes": collective_timeout_s / 60}
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             if torch.cuda.is_available():
@@ -77,7 +81,7 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, timeout_minute
             virtual_pipeline_model_parallel_size=layout.vpp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=1,
-            distributed_timeout_minutes=timeout_minutes,
+            **mcore_timeout,
         )
     seed_everything(seed)
     # On CPU the CUDA RNG tracker cannot exist; the inference tracker is megatron's no-op tracker,

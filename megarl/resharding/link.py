@@ -36,11 +36,13 @@ def listen(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
 class WeightLink:
     """One rank's membership of a weight-sync group spanning two pools; blocks until every rank joined."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int, *, device: torch.device | str = "cpu",
-                 timeout_s: float = 300.0, store: dist.TCPStore | None = None) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
+    def __init__(self, host: str, port: int, rank: int, size: int, *, device: torch.device | str,
+                 init_timeout_s: float, collective_timeout_s: float, store: dist.TCPStore | None = None) -> None:
+        """``init_timeout_s``: the rendezvous; ``collective_timeout_s``: one exchange's wait (a push may wait behind
+        the other pool's generation or checkpoint), the group's own timeout."""
         if store is None:  # rank 0 passes the store it opened with :func:`listen`
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=init_timeout_s))
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
         self._store = store  # keep the master alive as long as the group
         prefixed = dist.PrefixStore("megarl-weight-link", store)
         self.rank, self.size = rank, size

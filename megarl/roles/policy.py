@@ -20,6 +20,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.checkpoint.format import read_meta
 from megarl.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 from megarl.controller.role import Role, WorkerContext
+from megarl.controller.spec import Timeouts
 from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import Extreme, MegatronEngine
@@ -28,7 +29,8 @@ from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import spec_from_hf_config
-from megarl.parallel.init import comm_device, process_groups
+from megarl.parallel import collectives
+from megarl.parallel.init import process_groups
 from megarl.roles.hybrid import HybridRollout
 from megarl.roles.results import WeightSync
 from megarl.roles.split import WeightSender
@@ -88,15 +90,15 @@ class PolicyRole(Role):
 
     # split placement: the rollout engines are a pool of their own (megarl.roles.split)
 
-    def open_weight_link(self, timeout_s: float) -> tuple[str, int]:
+    def open_weight_link(self, timeouts: Timeouts) -> tuple[str, int]:
         """Rank 0: open the rendezvous of the weight link on a free port; (host, port) for every member."""
-        return self._sender().member.open(self.ctx.node_ip, timeout_s)
+        return self._sender().member.open(self.ctx.node_ip, timeouts)
 
-    def join_weight_link(self, host: str, port: int, timeout_s: float) -> int:
+    def join_weight_link(self, host: str, port: int, timeouts: Timeouts) -> int:
         """Collective with the rollout pool's :meth:`~megarl.roles.split.RolloutRole.join_weight_link`; the
         link's size (training ranks + rollout ranks)."""
         sender = self._sender()
-        sender.member.join(host, port, self.ctx.rank, sender.link_size, self.ctx.device, timeout_s)
+        sender.member.join(host, port, self.ctx.rank, sender.link_size, self.ctx.device, timeouts)
         return sender.link_size
 
     def push_weights(self) -> WeightSync:
@@ -278,6 +280,5 @@ class _RolloutGap:
 
 def global_normalizer(response_mask: torch.Tensor, dp_group: dist.ProcessGroup) -> algos.LossNormalizer:
     """Token and sequence counts over the whole batch (every DP rank's shard, summed over ``dp_group``)."""
-    counts = algos.LossNormalizer.of(response_mask.double()).as_tensor().to(comm_device())
-    dist.all_reduce(counts, group=dp_group)
+    counts = collectives.all_reduce(algos.LossNormalizer.of(response_mask.double()).as_tensor(), group=dp_group)
     return algos.LossNormalizer.from_tensor(counts)

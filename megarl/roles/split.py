@@ -22,6 +22,7 @@ import time
 import torch
 
 from megarl.controller.role import Role, WorkerContext
+from megarl.controller.spec import Timeouts
 from megarl.data.batch import Batch
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
@@ -58,13 +59,13 @@ class _LinkMember:
         self._store = None
         self.link: weight_link.WeightLink | None = None
 
-    def open(self, host: str, timeout_s: float) -> tuple[str, int]:
-        self._store, port = weight_link.listen(host, timeout_s)
+    def open(self, host: str, timeouts: Timeouts) -> tuple[str, int]:
+        self._store, port = weight_link.listen(host, timeouts.init_s)
         return host, port
 
-    def join(self, host: str, port: int, rank: int, size: int, device: str, timeout_s: float) -> None:
-        self.link = weight_link.WeightLink(host, port, rank, size, device=device, timeout_s=timeout_s,
-                                           store=self._store)
+    def join(self, host: str, port: int, rank: int, size: int, device: str, timeouts: Timeouts) -> None:
+        self.link = weight_link.WeightLink(host, port, rank, size, device=device, init_timeout_s=timeouts.init_s,
+                                           collective_timeout_s=timeouts.collective_s, store=self._store)
 
     def get(self) -> weight_link.WeightLink:
         if self.link is None:
@@ -126,9 +127,9 @@ class RolloutRole(Role):
     def close(self) -> None:
         self.engine.close()
 
-    def join_weight_link(self, host: str, port: int, size: int, timeout_s: float) -> None:
+    def join_weight_link(self, host: str, port: int, size: int, timeouts: Timeouts) -> None:
         """Collective with the policy's :meth:`~megarl.roles.policy.PolicyRole.join_weight_link`."""
-        self.member.join(host, port, self.link_rank, size, self.ctx.device, timeout_s)
+        self.member.join(host, port, self.link_rank, size, self.ctx.device, timeouts)
 
     @trace.spanned("receive_weights", cat="weight_sync")
     def receive_weights(self, version: int) -> WeightSync:

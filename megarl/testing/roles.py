@@ -25,12 +25,26 @@ class RankReport:
     mcore_pp: int
     mcore_dp: int
     malloc_libs: tuple[str, ...] = ()  # mapped shared libraries with "malloc" in their name (jemalloc, tcmalloc)
+    group_timeouts_s: dict[str, float] = dataclasses.field(default_factory=dict)  # world, tp, pp, dp: a collective's
+    visible_gpus: str | None = None  # $CUDA_VISIBLE_DEVICES of the process (None: not set)
 
 
 def _malloc_libs() -> tuple[str, ...]:
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
     return tuple(sorted({os.path.basename(p) for p in paths if "malloc" in os.path.basename(p)}))
+
+
+def _group_timeouts_s() -> dict[str, float]:
+    """How long one collective may wait in the world and in megatron-core's groups, as their backends hold it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.parallel.init import comm_device
+
+    groups = {"world": dist.group.WORLD, "tp": ps.get_tensor_model_parallel_group(),
+              "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group()}
+    return {name: g._get_backend(comm_device()).options._timeout.total_seconds() for name, g in groups.items()}
 
 
 class EchoRole(Role):
@@ -45,19 +59,21 @@ class EchoRole(Role):
         return RankReport(
             rank=self.ctx.rank, pid=os.getpid(), node_id=self.ctx.node_id, tp=c.tp, pp=c.pp, dp=c.dp,
             mcore_tp=ps.get_tensor_model_parallel_rank(), mcore_pp=ps.get_pipeline_model_parallel_rank(),
-            mcore_dp=ps.get_data_parallel_rank(), malloc_libs=_malloc_libs(),
+            mcore_dp=ps.get_data_parallel_rank(), malloc_libs=_malloc_libs(), group_timeouts_s=_group_timeouts_s(),
+            visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
     def all_reduce(self, value: float) -> dict[str, float]:
         """Sums of ``value * (rank + 1)`` over the world, the TP group and the DP group."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        from megarl.parallel import collectives
 
         out = {}
         for name, group in (("world", None), ("tp", ps.get_tensor_model_parallel_group()),
                             ("dp", ps.get_data_parallel_group())):
             t = torch.tensor([value * (self.ctx.rank + 1)], dtype=torch.float64)
-            dist.all_reduce(t, group=group)
+            collectives.all_reduce(t, group=group)  # NCCL takes no host tensor
             out[name] = t.item()
         return out
 

@@ -134,7 +134,7 @@ class Cluster:
 
     def _join_weight_link(self) -> None:
         """Both pools join the process group of the weight sync (policy rank 0 hosts its rendezvous)."""
-        t = self.cfg.cluster.timeouts.init_s
+        t = self.cfg.cluster.timeouts  # init_s for the rendezvous, collective_s for the group's exchanges
         host, port = self.policy.one(0, PolicyRole.open_weight_link, t)
         size, _ = wait_all([self.policy.all_async(PolicyRole.join_weight_link, host, port, t),
                             self.rollout.all_async(RolloutRole.join_weight_link, host, port,

@@ -35,7 +35,8 @@ def placement(ray_cluster):
         },
         roles={"policy": "main", "reference": "main", "critic": "critic"},
     )
-    options = GroupOptions(timeouts=Timeouts(call_s=120), env=allocator.preload_env(allocator.Allocator.AUTO))
+    options = GroupOptions(timeouts=Timeouts(call_s=120, collective_s=2400),
+                           env=allocator.preload_env(allocator.Allocator.AUTO))
     p = Placement(config, options)
     handles = {
         "policy": p.add_role("policy", EchoRole, scale=2.0),
@@ -66,6 +67,23 @@ def test_ranks_and_collectives(placement, role, expected):
         dp_peers = [q for q, c in expected.items() if (c[0], c[1]) == expected[rank][:2]]
         assert s["tp"] == 0.5 * sum(q + 1 for q in tp_peers)
         assert s["dp"] == 0.5 * sum(q + 1 for q in dp_peers)
+
+
+def test_collectives_wait_collective_s_and_only_the_rendezvous_init_s(placement):
+    """A rank may wait in a collective through a peer's generation, checkpoint or model load: the world group and
+    megatron-core's groups get cluster.timeouts.collective_s (2400 s here), not init_s (300 s)."""
+    _, handles = placement
+    for role in ("policy", "critic"):
+        for report in handles[role].all(EchoRole.report):
+            assert report.group_timeouts_s == {"world": 2400.0, "tp": 2400.0, "pp": 2400.0, "dp": 2400.0}
+
+
+def test_workers_of_a_pool_without_gpus_see_none(placement):
+    """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for zero-GPU actors (on a GPU node they would see every GPU): the
+    pools here have no GPU (device: auto on a CPU cluster), so each worker runs with it empty."""
+    _, handles = placement
+    for role in ("policy", "critic"):
+        assert [r.visible_gpus for r in handles[role].all(EchoRole.report)] == [""] * 4
 
 
 def test_colocated_roles_share_processes_split_roles_do_not(placement):

@@ -109,3 +109,12 @@ def test_pickle_ships_only_the_slice_and_receivers_get_private_tensors():
     received = pickle.loads(payload, buffers=frozen)
     received["x"].add_(1.0)  # allowed: the receiver got a private copy
     assert torch.equal(received["x"], big["x"][:10] + 1.0)
+
+
+def test_a_pool_without_gpus_hides_them_from_its_workers_a_gpu_pool_leaves_them_to_ray():
+    """Ray 2.60 sets CUDA_VISIBLE_DEVICES only for actors it gives GPUs to: a CPU pool's workers on a GPU node
+    would see every GPU (and build on GPU 0); a GPU pool's must keep the one Ray assigns."""
+    from megarl.controller.pools import worker_env
+
+    assert worker_env(use_gpu=False) == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+    assert worker_env(use_gpu=True) == {}
