@@ -5,16 +5,14 @@ visible, megarl builds a model on the current GPU and joins an NCCL world (``meg
 ``megarl/parallel/init.py``), so a conversion would put all of it on GPU 0, beside the ranks starting there.
 In a process started with ``CUDA_VISIBLE_DEVICES`` empty, CUDA reports no device: the model is built in host
 memory and the world of one is gloo, the path the CPU test suite runs. The tools set it before anything
-queries CUDA (:func:`hide_cuda`); the run's conversion child is started with it
-(:func:`cuda_hidden_from_children`). The local launcher converts inside its one rank's process, which
+queries CUDA (:func:`hide_cuda`); the run's conversion child calls it before its first conversion
+(``megarl/trainer/cluster.py``). The local launcher converts inside its one rank's process, which
 keeps its GPU. Pure: standard library only, so a tool can import it before torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -23,19 +21,3 @@ def hide_cuda() -> None:
     """Hide CUDA from this process. Call it before anything queries CUDA: the CUDA runtime reads the variable
     once, when it initialises (importing torch does not initialise it)."""
     os.environ.update(CPU_ONLY_ENV)
-
-
-@contextlib.contextmanager
-def cuda_hidden_from_children() -> Iterator[None]:
-    """This process's environment with CUDA hidden while child processes start inside the block (a spawned
-    process copies the environment when it starts); restored after it."""
-    saved = {key: os.environ.get(key) for key in CPU_ONLY_ENV}
-    os.environ.update(CPU_ONLY_ENV)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -319,10 +319,12 @@ def _check_reachable(address: str) -> None:
 class Conversions:
     """The one-time HF -> Megatron conversions of a run (named ``(source, target)`` pairs): a source that is a megarl
     checkpoint is used as is, a complete target is reused (resume), the rest are converted at the main pool's
-    layout. With Ray they run in one spawned child process (the driver never joins a torch.distributed world),
-    started here so that Ray and the workers start meanwhile, with CUDA hidden: it converts in host memory
-    (:mod:`megarl.checkpoint.cpu_only`); with the local launcher, in this process (it joins a world of one anyway),
-    before this returns."""
+    layout. With Ray they run in one child process (the driver never joins a torch.distributed world), started
+    here so that Ray and the workers start meanwhile, with the driver's environment and CUDA hidden: it converts
+    in host memory (:mod:`megarl.checkpoint.cpu_only`). The child is forked from ``multiprocessing``'s fork server,
+    which has imported the converter: a driver that runs several trainers (a test session, a sweep) imports
+    megatron-core for its conversions once. With the local launcher, in this process (it joins a world of one
+    anyway), before this returns."""
 
     def __init__(self, cluster: ClusterConfig, pairs: dict[str, tuple[Path, Path]]) -> None:
         pool = cluster.pool()
@@ -340,9 +342,11 @@ class Conversions:
         if cluster.launcher is Launcher.LOCAL:
             _convert(jobs)
             return
-        self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        with cpu_only.cuda_hidden_from_children():  # the child starts in submit: it converts on the CPU
-            self._future = self._executor.submit(_convert, jobs)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["megarl.checkpoint.convert"])  # read when the server starts, if not yet
+        self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_child_env,
+                                                                initargs=(dict(os.environ),))
+        self._future = self._executor.submit(_convert, jobs)
 
     def result(self) -> dict[str, Path]:
         """The Megatron checkpoint of every pair, by name, once converted (a conversion's error is raised here)."""
@@ -358,6 +362,14 @@ class Conversions:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+
+
+def _child_env(driver_env: dict[str, str]) -> None:
+    """The conversion child's environment, set before it converts: the driver's (a fork server's child starts
+    with the server's), with CUDA hidden."""
+    os.environ.clear()
+    os.environ.update(driver_env)
+    cpu_only.hide_cuda()
 
 
 def _convert(jobs: list[tuple[str, str, int, int]]) -> None:

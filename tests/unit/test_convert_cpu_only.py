@@ -1,15 +1,14 @@
 """Conversion runs on the CPU even where CUDA is visible: the tools and the run's conversion child see no GPU.
 
 With CUDA visible megarl builds a model on GPU 0 (the whole of it, in a conversion). The reference is the
-environment the conversion runs with, as the operating system records it for the child process
-(``/proc/<pid>/environ``) and as the tool's process holds it when the conversion is called: an empty
-``CUDA_VISIBLE_DEVICES``, with which CUDA reports no device.
+environment the conversion runs with, as the child process holds it (asked in the child) and as the tool's
+process holds it when the conversion is called: an empty ``CUDA_VISIBLE_DEVICES``, with which CUDA reports no
+device.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -47,22 +46,27 @@ def test_tools_convert_with_cuda_hidden(monkeypatch, tool, function, args):
     assert seen == [""]
 
 
-@pytest.mark.dist  # spawns the conversion child
-def test_the_runs_conversion_child_starts_with_cuda_hidden(tiny_hf, tmp_path, monkeypatch):
+def _child_env(key: str) -> str | None:
+    return os.environ.get(key)
+
+
+@pytest.mark.dist  # starts the conversion child
+def test_the_runs_conversion_child_converts_with_cuda_hidden_and_the_drivers_environment(tiny_hf, tmp_path,
+                                                                                        monkeypatch):
     from megarl.checkpoint.format import read_meta
     from megarl.config.train import ClusterConfig
     from megarl.trainer.cluster import Conversions
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    before = {p.pid for p in multiprocessing.active_children()}
+    monkeypatch.setenv("MEGARL_DRIVER_PROBE", str(tmp_path))  # set now: after any fork server started
     conversions = Conversions(ClusterConfig(), {"policy": (tiny_hf("llama_gqa"), tmp_path / "initial_checkpoint")})
     try:
-        (child,) = [p for p in multiprocessing.active_children() if p.pid not in before]
-        environ = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
-        assert b"CUDA_VISIBLE_DEVICES=" in environ and b"CUDA_VISIBLE_DEVICES=0,1" not in environ
+        seen = [conversions._executor.submit(_child_env, key).result(timeout=300)  # the child's, after its setup
+                for key in ("CUDA_VISIBLE_DEVICES", "MEGARL_DRIVER_PROBE")]
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # the driver's own environment is as it was
         paths = conversions.result()
     finally:
         conversions.close()
+    assert seen == ["", str(tmp_path)]
     assert paths == {"policy": tmp_path / "initial_checkpoint"}
     assert read_meta(paths["policy"]).layout.tp == 1  # the child converted
