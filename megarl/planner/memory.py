@@ -91,7 +91,8 @@ class StateBytes:
 
 
 def param_bytes(precision: Precision) -> int:
-    return 2 if precision is Precision.BF16 else 4
+    """Bytes per weight; the planner plans GPU runs, where ``auto`` is bfloat16."""
+    return 2 if precision.resolve(cuda=True) is Precision.BF16 else 4
 
 
 def itemsize(dtype: str) -> int:
@@ -173,7 +174,7 @@ def training_state_bytes(
     momentum: 1; 0 gives what exists before the first step, when Adam's moments are not yet made).
     """
     p = param_bytes(precision)
-    master = 4 if precision is Precision.BF16 else 0
+    master = 4 if p == 2 else 0
     out = []
     for n, e in zip(stage_parameters(spec, layout), stage_expert_parameters(spec, layout), strict=True):
         # the distributed optimizer: dense parameters over DP, experts over the expert-data-parallel group
