@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # `torch` requirement would pull a multi-GB CUDA build, so the pin is installed first.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install demo test test-quick lint clean
+.PHONY: install demo test test-quick lint clean gpu-check
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,13 @@ test: lint
 # Fast subset: no multi-process worlds, nothing marked slow.
 test-quick: lint
 	$(PY) -m pytest -q -m "not dist and not slow"
+
+# megarl's GPU paths on one GPU in under 8 minutes (docs/gpu.md): on a bare CUDA + PyTorch image it installs the
+# wheels in $(WHEELS) first; without a GPU it lists its checks and exits 0. The image's python, not the venv's.
+GPU_PY ?= python3
+WHEELS ?= .whl
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --wheels $(WHEELS)
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache

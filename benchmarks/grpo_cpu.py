@@ -313,7 +313,8 @@ def trl_args(cfg, case: Case) -> dict:
              "kl_estimator": (a.kl_estimator, KLEstimator.K3), "aggregation": (a.policy_loss.aggregation,
              LossAggregation.TOKEN_MEAN), "optimizer": (o.optimizer, OptimizerName.ADAM), "lr_decay": (o.lr_decay,
              LRDecay.CONSTANT), "lr_warmup_steps": (o.lr_warmup_steps, 0), "ppo_epochs": (a.ppo_epochs, 1),
-             "mini_batches": (a.mini_batches, 1), "precision": (cfg.policy.precision, Precision.FP32),
+             "mini_batches": (a.mini_batches, 1),
+             "precision": (cfg.policy.precision.resolve(cuda=False), Precision.FP32),  # auto: fp32 on the CPU
              "kl_penalty": (a.kl_penalty, None), "dual clip": (a.policy_loss.clip_ratio_c, None),
              "rollout_correction active": (a.rollout_correction.active, False),
              "dynamic_sampling": (a.dynamic_sampling, None), "min_p": (r.min_p, 0.0),

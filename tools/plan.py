@@ -48,6 +48,7 @@ def main() -> int:
     p.add_argument("--recompute", default="selective", help="none, selective (or flash attention) or full")
     p.add_argument("--concurrent-seqs", type=int, default=256, help="sequences each rollout replica decodes at once")
     p.add_argument("--rollout-dtype", default="bfloat16")
+    p.add_argument("--enforce-eager", action="store_true", help="rollout.engine.enforce_eager: no vLLM CUDA graphs")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.engine.bucket_mb")
     p.add_argument("--top", type=int, default=5, help="proposed layouts to list")
     p.add_argument("--rollout-gpus", type=int, default=0,
@@ -78,7 +79,7 @@ def main() -> int:
         distributed_optimizer=not args.no_distributed_optimizer, micro_batch_tokens=args.micro_batch_tokens,
         prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
         recompute=_choice(Recompute, args.recompute, "--recompute"), rollout_dtype=args.rollout_dtype,
-        concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb,
+        concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb, enforce_eager=args.enforce_eager,
     )
     if args.tp is not None or args.pp is not None or args.ep is not None:
         layout = ParallelLayout.for_world(cluster.train_gpus, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp,

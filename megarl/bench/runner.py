@@ -147,7 +147,8 @@ def _add_planned(ranks: list[dict[str, Any]], spec: ModelSpec, cfg: TrainConfig)
     from megarl.planner import layouts, training_state_bytes
 
     layout, p = cfg.cluster.layout(), cfg.policy
-    states = training_state_bytes(spec, layout, p.precision, p.optim.use_distributed_optimizer)
+    on_gpu = cfg.cluster.pool().device is not Device.CPU and torch.cuda.is_available()
+    states = training_state_bytes(spec, layout, p.precision.resolve(cuda=on_gpu), p.optim.use_distributed_optimizer)
     pool, rollout = cfg.cluster.pool(), cfg.rollout.engine
     cluster = layouts.Cluster(nodes=pool.nodes, gpus_per_node=pool.devices_per_node, gpu_mem_gb=1.0)
     received = layouts.reshard_estimate(spec, layout, rollout.tp, cluster, rollout.dtype.value).per_rank_received

@@ -20,8 +20,15 @@ class LRDecay(enum.Enum):
 
 
 class Precision(enum.Enum):
+    AUTO = "auto"  # bfloat16 on CUDA, float32 on CPU: resolved where the device is known (resolve)
     FP32 = "float32"
     BF16 = "bfloat16"  # bf16 params, fp32 master weights and grads (GPU)
+
+    def resolve(self, cuda: bool) -> Precision:
+        """The precision on a device: ``AUTO`` is bfloat16 on CUDA (``cuda``), float32 on CPU; others are themselves."""
+        if self is not Precision.AUTO:
+            return self
+        return Precision.BF16 if cuda else Precision.FP32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +86,8 @@ class EngineConfig:
     optim: OptimConfig = OptimConfig()
     micro_batch: MicroBatchConfig = MicroBatchConfig()  # forward-backward passes (updates)
     forward_micro_batch: MicroBatchConfig | None = None  # forward-only passes; null: micro_batch with 4x its rows
-    precision: Precision = Precision.FP32  # float32, or bfloat16 weights with fp32 main grads and optimizer state (GPU)
+    # auto: bfloat16 on CUDA, float32 on CPU; float32; or bfloat16 weights with fp32 main grads and optimizer state
+    precision: Precision = Precision.AUTO
     seed: int = 1234  # initialisation of weights the checkpoint lacks (e.g. a critic's new value head)
     moe_aux_loss_coef: float = 0.0  # MoE models: weight of the router's load-balancing loss in updates; 0: off
     router_replay: bool = False  # MoE models: route every token to the rollout's recorded experts (R3)

@@ -86,7 +86,9 @@ class MegatronEngine:
                 f"training a Mixture-of-Experts model at tp={layout.tp} needs sequence parallelism (megatron-core "
                 "trains MoE layers at TP > 1 only with it), which this role's sequence_parallel: false turns off; "
                 "set it to null (the default) or true, or use tp=1 with ep (forward-only roles may use TP without it).")
-        dtype = torch.bfloat16 if config.precision is Precision.BF16 else torch.float32
+        # the device: models.provider builds on CUDA exactly when it is available
+        self.precision = config.precision.resolve(cuda=torch.cuda.is_available())
+        dtype = torch.bfloat16 if self.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
         if config.router_replay and spec.moe is None:
             raise MegarlError("router_replay is set but the model is dense: it replays an MoE model's expert choices; "

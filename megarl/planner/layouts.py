@@ -73,6 +73,17 @@ class Phase(enum.Enum):
 
 ROLLOUT = "rollout"  # row owner of the rollout engine's terms
 RESERVED = "reserved"
+# the rollout terms inside vLLM's gpu_memory_utilization budget; "kv rounding" is the KV cache vLLM adds
+# when the budget is rounded up (it sizes the KV cache to the whole budget)
+VLLM_BUDGET = ("weights", "kv cache", "profiled activations", "cuda graphs", "runtime")
+VLLM_RESIDENT = ("cuda graphs", "runtime")  # stay while vLLM sleeps (its graph pool is outside the cuMem pool)
+
+
+def vllm_utilization(need: int, capacity: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` for a budget of ``need`` bytes: rounded up to 0.01. vLLM requires
+    ``ceil(utilization x total)`` bytes free when it starts (v1/worker/utils.py ``request_memory``), so the
+    plan counts the rounded budget in the phases that hold the KV cache."""
+    return min(1.0, math.ceil(100 * need / capacity) / 100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +151,17 @@ class Workload:
     rollout_dtype: str = "bfloat16"  # rollout.engine.dtype
     concurrent_seqs: int = 256  # sequences each rollout replica decodes at once (vLLM max_num_seqs)
     bucket_mb: float = 64.0  # rollout.engine.bucket_mb
+    enforce_eager: bool = False  # rollout.engine.enforce_eager: vLLM captures no CUDA graphs
+    # vLLM's persistent buffers, workspaces and non-torch memory beside weights, KV cache and graphs (an estimate)
+    vllm_runtime_gb: float = 1.0
 
     def __post_init__(self) -> None:
         if Role.POLICY not in self.roles:
             raise ConfigError(f"roles {[r.value for r in self.roles]} lack the policy; every plan has one.")
         if min(self.micro_batch_tokens, self.prompt_tokens, self.response_tokens, self.concurrent_seqs) < 1:
             raise ConfigError("micro-batch tokens, prompt/response tokens and concurrent sequences must be >= 1.")
+        if self.vllm_runtime_gb < 0:
+            raise ConfigError(f"vllm_runtime_gb must be >= 0, found {self.vllm_runtime_gb}.")
         memory.itemsize(self.rollout_dtype)
 
     @property
@@ -248,10 +264,10 @@ class LayoutPlan:
 
     @property
     def gpu_memory_utilization(self) -> float:
-        """vLLM's share of the GPU for the planned rollout weights + KV cache (rounded up to 0.01)."""
+        """vLLM's share of the GPU: its budget for the planned rollout weights, KV cache and what it reserves
+        besides (profiled activations, CUDA graphs, runtime), rounded up to 0.01 (:func:`vllm_utilization`)."""
         gen = next(p for p in self.peaks if p.phase is Phase.GENERATE and (ROLLOUT, "weights") in p.terms).terms
-        need = gen[(ROLLOUT, "weights")] + gen[(ROLLOUT, "kv cache")]
-        return min(1.0, math.ceil(100 * need / self.capacity) / 100)
+        return vllm_utilization(sum(gen[(ROLLOUT, t)] for t in VLLM_BUDGET), self.capacity)
 
     def overrides(self) -> list[str]:
         """``key=value`` overrides of megarl's TrainConfig for this layout and workload."""
@@ -272,6 +288,8 @@ class LayoutPlan:
                 f"rollout.engine.dtype={w.rollout_dtype}",
                 f"rollout.engine.gpu_memory_utilization={self.gpu_memory_utilization:.2f}",
                 f"rollout.max_new_tokens={w.response_tokens}", f"data.max_prompt_length={w.prompt_tokens}"]
+        if w.enforce_eager:
+            out.append("rollout.engine.enforce_eager=true")
         for role in (Role.POLICY, Role.CRITIC):
             if role in w.roles:
                 out += [f"{role.value}.precision={w.precision.value}",
@@ -331,7 +349,7 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
                                                  seq_len=w.seq_len, recompute=w.recompute, act_bytes=act_bytes)
                          for st in range(layout.pp)]
     r_bytes, bucket = memory.itemsize(w.rollout_dtype), int(w.bucket_mb * 2**20)
-    rollout_w, kv = _rollout_terms(spec, w, rollout_tp)
+    rollout_w, kv, awake, asleep = _rollout_terms(spec, cluster, w, rollout_tp)
     transient = {(ROLLOUT, "reshard transient"): memory.reshard_transient_bytes(
         spec, layout, rollout_tp, param_dtype_bytes=act_bytes, rollout_dtype_bytes=r_bytes, bucket_bytes=bucket)}
     send = {(Role.POLICY.value, "reshard transient"): memory.send_transient_bytes(
@@ -357,31 +375,43 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
             out.append({Phase.TRAIN: train, Phase.SYNC: full(Role.POLICY, state, st) | resident | send | reserved})
             continue
         out.append({
-            Phase.TRAIN: train,
-            Phase.SYNC: policy_w | resident | rollout_w | transient | reserved,
-            Phase.GENERATE: resident | rollout_w | kv | reserved,
+            Phase.TRAIN: train | asleep,
+            Phase.SYNC: policy_w | resident | rollout_w | transient | asleep | reserved,
+            Phase.GENERATE: resident | rollout_w | kv | awake | reserved,
             Phase.BUILD: full(Role.POLICY, at_build, st) | full(Role.REFERENCE, at_build, st)
-            | full(Role.CRITIC, at_build, st) | rollout_w | kv | reserved,
+            | full(Role.CRITIC, at_build, st) | rollout_w | kv | awake | reserved,
         })
     return out
 
 
-def _rollout_terms(spec: ModelSpec, w: Workload, rollout_tp: int) -> tuple[Breakdown, Breakdown]:
-    """The rollout engine's weights and its KV cache on its fullest GPU."""
+def _rollout_terms(spec: ModelSpec, cluster: Cluster, w: Workload,
+                   rollout_tp: int) -> tuple[Breakdown, Breakdown, Breakdown, Breakdown]:
+    """The rollout engine on its fullest GPU: its weights; its KV cache; what vLLM holds beside them while awake
+    (the activation peak it profiles at start-up, its CUDA graphs and runtime, and the KV cache its rounded-up
+    budget adds); what stays while it sleeps (the CUDA graphs and runtime). docs/planner.md §3.3."""
     r_bytes = memory.itemsize(w.rollout_dtype)
-    return ({(ROLLOUT, "weights"): memory.rollout_weight_bytes(spec, rollout_tp, r_bytes)},
-            {(ROLLOUT, "kv cache"): memory.kv_cache_bytes(spec, rollout_tp, r_bytes, w.concurrent_seqs * w.seq_len)})
+    capacity = int(cluster.gpu_mem_gb * GB)
+    tokens, seqs = memory.vllm_batch(capacity)
+    weights = {(ROLLOUT, "weights"): memory.rollout_weight_bytes(spec, rollout_tp, r_bytes)}
+    kv = {(ROLLOUT, "kv cache"): memory.kv_cache_bytes(spec, rollout_tp, r_bytes, w.concurrent_seqs * w.seq_len)}
+    asleep = {(ROLLOUT, "cuda graphs"): 0 if w.enforce_eager else memory.vllm_graph_bytes(spec, r_bytes, seqs),
+              (ROLLOUT, "runtime"): int(w.vllm_runtime_gb * GB)}
+    awake = {(ROLLOUT, "profiled activations"): memory.vllm_profile_bytes(spec, rollout_tp, r_bytes, tokens, seqs)}
+    awake |= asleep
+    need = sum((weights | kv | awake).values())
+    awake[(ROLLOUT, "kv rounding")] = max(0, math.ceil(vllm_utilization(need, capacity) * capacity) - need)
+    return weights, kv, awake, asleep
 
 
 def _rollout_pool_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: ParallelLayout,
                         rollout_tp: int) -> dict[Phase, Breakdown]:
     """Split placement, the rollout pool: no training state; vLLM stays awake, so its KV cache is allocated
     during the sync too, beside the receive buffer."""
-    weights, kv = _rollout_terms(spec, w, rollout_tp)
+    weights, kv, awake, _ = _rollout_terms(spec, cluster, w, rollout_tp)
     receive = {(ROLLOUT, "reshard transient"): memory.receive_transient_bytes(
         spec, layout, rollout_dtype_bytes=memory.itemsize(w.rollout_dtype), bucket_bytes=int(w.bucket_mb * 2**20))}
     reserved = {(RESERVED, ""): int(cluster.reserved_gb * GB)}
-    return {Phase.SYNC: weights | kv | receive | reserved, Phase.GENERATE: weights | kv | reserved}
+    return {Phase.SYNC: weights | kv | awake | receive | reserved, Phase.GENERATE: weights | kv | awake | reserved}
 
 
 def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, cluster: Cluster,

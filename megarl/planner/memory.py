@@ -91,7 +91,8 @@ class StateBytes:
 
 
 def param_bytes(precision: Precision) -> int:
-    return 2 if precision is Precision.BF16 else 4
+    """Bytes per weight; the planner plans GPU runs, where ``auto`` is bfloat16."""
+    return 2 if precision.resolve(cuda=True) is Precision.BF16 else 4
 
 
 def itemsize(dtype: str) -> int:
@@ -173,7 +174,7 @@ def training_state_bytes(
     momentum: 1; 0 gives what exists before the first step, when Adam's moments are not yet made).
     """
     p = param_bytes(precision)
-    master = 4 if precision is Precision.BF16 else 0
+    master = 4 if p == 2 else 0
     out = []
     for n, e in zip(stage_parameters(spec, layout), stage_expert_parameters(spec, layout), strict=True):
         # the distributed optimizer: dense parameters over DP, experts over the expert-data-parallel group
@@ -306,3 +307,53 @@ def send_transient_bytes(spec: ModelSpec, layout: ParallelLayout, *, param_dtype
 def largest_shard_bytes(spec: ModelSpec, layout: ParallelLayout, param_dtype_bytes: int) -> int:
     """The largest Megatron parameter shard any rank holds, in the training dtype."""
     return max(max(s) for s in stage_parameter_shards(spec, layout)) * param_dtype_bytes
+
+
+# ------------------------------------------------------------------------------- vLLM's own reservations
+#
+# vLLM 0.32 on CUDA (v1/worker/gpu_worker.py, v1/worker/utils.py): at start-up it requires free memory >=
+# ceil(gpu_memory_utilization x total) (``request_memory``, a ValueError otherwise), then sizes its KV cache as
+# that budget less ``non_kv_cache_memory`` (its weights, the activation peak of ``profile_run`` at
+# max_num_batched_tokens, the non-torch memory it added since its snapshot) less the CUDA-graph memory it profiles
+# (``profile_cudagraph_memory``; none with enforce_eager). The graph pool is not in the cuMem pool that sleep
+# frees (``sleep_mode_offload_cudagraph`` is off by default): it stays resident while the policy trains.
+
+# max_num_batched_tokens and max_num_seqs of the LLM class megarl builds (engine/arg_utils.py get_batch_defaults):
+# on a GPU of >= 70 GiB 16384 and 1024 (an A100 gets the small pair: the planner does not know the GPU's name and
+# takes the large one, which only over-counts), below it 8192 and 256
+VLLM_LARGE_GPU = 70 * 2**30
+VLLM_BATCH_LARGE, VLLM_BATCH_SMALL = (16384, 1024), (8192, 256)
+VLLM_MAX_GRAPH_TOKENS = 512  # config/vllm.py: max_cudagraph_capture_size = min(2 x max_num_seqs, 512)
+VLLM_GRAPH_OVERHEAD = 2**20  # v1/worker/gpu/cudagraph_utils.py _MIN_PER_GRAPH_BYTES: the floor per captured graph
+
+
+def vllm_batch(gpu_bytes: int) -> tuple[int, int]:
+    """vLLM's default (max_num_batched_tokens, max_num_seqs) on a GPU of ``gpu_bytes``."""
+    return VLLM_BATCH_LARGE if gpu_bytes >= VLLM_LARGE_GPU else VLLM_BATCH_SMALL
+
+
+def vllm_profile_bytes(spec: ModelSpec, rollout_tp: int, dtype_bytes: int, batched_tokens: int,
+                       max_seqs: int) -> int:
+    """The activation peak of vLLM's ``profile_run``: one forward of ``batched_tokens`` tokens (attention skipped)
+    whose largest layer transient is the hidden state and residual (2h) plus the wider of attention's projections
+    (q, k, v and the attention output: (2 n_h + 2 n_g) d / G) and the MLP's (gate/up and their product: 3F/G;
+    MoE: top-k copies of the token and 3 x ceil(I/G) each), then the sampler over ``min(max_seqs, tokens)`` rows of
+    the full vocabulary: the logits in the rollout dtype and two fp32 copies (float logits, their softmax)."""
+    h, d = spec.hidden_size, spec.head_dim
+    attn = (2 * spec.num_attention_heads + 2 * spec.num_query_groups) * d // rollout_tp
+    m = spec.moe
+    mlp = 3 * spec.ffn_hidden_size // rollout_tp if m is None else m.top_k * (h + 3 * math.ceil(m.ffn_hidden_size
+                                                                                               / rollout_tp))
+    layer = batched_tokens * (2 * h + max(attn, mlp)) * dtype_bytes
+    rows = min(max_seqs, batched_tokens)
+    return layer + rows * spec.vocab_size * (dtype_bytes + 8)
+
+
+def vllm_graph_bytes(spec: ModelSpec, dtype_bytes: int, max_seqs: int) -> int:
+    """CUDA-graph memory: the largest captured batch (``min(2 x max_seqs, 512)`` tokens) keeps every layer's hidden
+    state and residual (2h) in the graph pool, plus the per-graph floor for each captured size ([1, 2, 4], 8 to 248
+    by 8, 256 up by 16) in both modes (full and piecewise). An estimate (vLLM measures it at start-up)."""
+    tokens = min(2 * max_seqs, VLLM_MAX_GRAPH_TOKENS)
+    sizes = [s for s in (1, 2, 4) if s <= tokens] + list(range(8, min(tokens + 1, 256), 8)) + list(
+        range(256, tokens + 1, 16))
+    return tokens * spec.num_layers * 2 * spec.hidden_size * dtype_bytes + 2 * len(sizes) * VLLM_GRAPH_OVERHEAD

@@ -14,11 +14,12 @@ from megarl.planner.memory import GB, micro_batch_shape, sequence_parallel
 from megarl.planner.modes import Mode, StageTimes, StepPrediction
 
 _ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
-    (Role.POLICY.value, "reshard transient"), (ROLLOUT, "weights"), (ROLLOUT, "kv cache"),
+    (Role.POLICY.value, "reshard transient"), (ROLLOUT, "weights"), (ROLLOUT, "kv cache"), (ROLLOUT, "kv rounding"),
+    (ROLLOUT, "profiled activations"), (ROLLOUT, "cuda graphs"), (ROLLOUT, "runtime"),
     (ROLLOUT, "reshard transient"), (RESERVED, "")]
 
 _PHASE_NOTES = {
-    Phase.TRAIN: "policy/critic update; rollout engine asleep",
+    Phase.TRAIN: "policy/critic update; rollout engine asleep (its CUDA graphs stay)",
     Phase.SYNC: "policy grads + optimizer offloaded; weights stream into the rollout engine",
     Phase.GENERATE: "policy weights offloaded too; rollout weights + KV cache",
     Phase.BUILD: "vLLM start-up: every engine built, before the first step (no Adam moments yet)",

@@ -8,7 +8,9 @@ thread exists to be copied into a fork, and each rank gets the caller's environm
 directory as a spawned process would. Each rank joins torch.distributed through the standard environment
 variables on a free loopback port, runs ``fn(rank, world_size, *args)``, and returns a JSON-serialisable
 result. A rank that raises makes :func:`run_world` raise with that rank's traceback; a world that does not
-finish within ``timeout_s`` is killed.
+finish within ``timeout_s`` is killed. A world on CUDA gives rank r the device r
+(``LOCAL_RANK``): with fewer devices it is not started and raises :class:`NotEnoughDevices`, which pytest
+reports as a skip with its reason. (CUDA is never initialised in the fork server: a rank initialises its own.)
 """
 
 from __future__ import annotations
@@ -19,16 +21,32 @@ import socket
 import tempfile
 import time
 import traceback
+import unittest
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 # What the worlds import (vLLM's engine where the CPU build is installed: a missing module is skipped by the
 # server and imported, or not, by the ranks themselves).
 PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.parallel_state",
            "megarl.roles.policy", "megarl.roles.critic", "megarl.checkpoint.convert", "vllm.entrypoints.llm")
+
+
+class NotEnoughDevices(unittest.SkipTest):
+    """A CUDA world needs one device per rank and this machine has fewer (pytest: a skip with this reason)."""
+
+
+def check_devices(world_size: int, cuda: bool = False) -> None:
+    """Raise :class:`NotEnoughDevices` unless each of ``world_size`` ranks can have a CUDA device of its own, where
+    the world runs on CUDA: when ``cuda`` (it needs CUDA) or when CUDA is available (its ranks then choose NCCL and
+    the device of their rank, megarl.parallel.init)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (cuda or count > 0) and world_size > count:
+        raise NotEnoughDevices(f"a world of {world_size} CUDA ranks needs {world_size} CUDA devices (one per rank), "
+                               f"found {count}; run it on a machine with {world_size} GPUs")
 
 
 def free_port() -> int:
@@ -58,8 +76,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         raise SystemExit(1)
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
-    """Run ``fn`` on ``world_size`` spawned ranks; return the per-rank results in rank order."""
+def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600,
+              cuda: bool = False) -> list[Any]:
+    """Run ``fn`` on ``world_size`` forked ranks; return the per-rank results in rank order. ``cuda``: the world
+    needs CUDA; :func:`check_devices` runs first (a CUDA world without a device per rank is not started)."""
+    check_devices(world_size, cuda)
     mp.set_forkserver_preload(list(PRELOAD))  # read when the server starts: at the process's first world
     with tempfile.TemporaryDirectory(prefix="megarl-world-") as out_dir:
         ctx = mp.start_processes(

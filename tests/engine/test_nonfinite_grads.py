@@ -81,3 +81,11 @@ def test_nonfinite_gradient_with_a_finite_loss_skips_the_step(engine, poison):
     assert result.step_skipped is False and engine.stats.consecutive_skipped == 0
     assert math.isfinite(result.grad_norm) and result.grad_norm > 0
     assert not all(torch.equal(a, b) for a, b in zip(before, _params(engine), strict=True))
+
+
+def test_default_precision_builds_fp32_on_cpu(engine):
+    """``precision: auto`` (the default, issue #41) resolves where the model is built: float32 on this CPU."""
+    from megarl.engine.config import Precision
+
+    assert engine.config.precision is Precision.AUTO and engine.precision is Precision.FP32
+    assert {p.dtype for c in engine.chunks for p in c.parameters()} == {torch.float32}

@@ -8,6 +8,7 @@ activation bytes written out by hand.
 
 from __future__ import annotations
 
+import math
 import runpy
 import subprocess
 import sys
@@ -214,9 +215,10 @@ def test_propose_returns_only_fitting_layouts_cheapest_first(llama70b):
     assert not any(tp < 4 for tp, _, _ in found) and not any(g == 1 for _, _, g in found)  # 141 GB rollout copy
     costs = [(p.layout.tp * p.layout.pp, -p.rollout_tp, p.layout.pp) for p in plans]
     assert costs == sorted(costs)
-    # with the critic too, TP8xPP4 still fits (the scale target of docs/design.md §8), with little headroom
+    # with the critic too, TP8xPP4 (examples/ppo_llama3_70b) leaves no room for what vLLM keeps while it sleeps
+    # (its CUDA graphs and runtime): its train phase needs 81.7 GB (docs/planner.md §4); TP8xPP8 fits
     full = {(p.layout.tp, p.layout.pp) for p in propose(llama70b, CLUSTER_70B, Workload())}
-    assert (8, 4) in full and (8, 2) not in full
+    assert (8, 8) in full and (8, 4) not in full
 
 
 # -------------------------------------------------------------------- resharding bytes, exact formula
@@ -296,3 +298,42 @@ def test_cli_proposes_when_no_layout_is_given(monkeypatch, capsys):
     assert code == 0
     assert "fitting layouts, cheapest first" in out and "best:" in out and "FITS" in out
     assert "overrides: cluster.pools.main.nodes=1 cluster.pools.main.devices_per_node=8" in out
+
+
+# ------------------------------------------------------------------------- vLLM's own start-up budget
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_budget_of_a_colocated_7b_by_vllms_formula(tp):
+    """Qwen2.5-7B, policy + reference, one node of 8 x 80 GB, rollout TP = training TP (issue #41). vLLM 0.32
+    (v1/worker/utils.py request_memory, v1/worker/gpu_worker.py determine_available_memory) needs
+    ``ceil(util x total)`` bytes free when it starts, beside the training state already resident, and gives its KV
+    cache ``util x total`` less its weights, profiled activations, non-torch/runtime memory and CUDA graphs. The
+    planner's utilization must hold all of them; hand numbers from the config.json (h 3584, F 18944, 28/4 heads of
+    128, vocabulary 152064, 28 layers) and vLLM's defaults on a >= 70 GiB GPU (16384 batched tokens, 1024 seqs)."""
+    spec = preset_spec("qwen2.5-7b")
+    cap = 80 * GB
+    plan = plan_layout(spec, Cluster(1, 8, 80), Workload(roles=(Role.POLICY, Role.REFERENCE)),
+                       ParallelLayout.for_world(8, tp=tp), tp)
+    n, norms = spec.num_parameters(), (2 * 28 + 1) * 3584  # norms replicated on every vLLM rank
+    weights = 2 * ((n - norms) // tp + norms)
+    kv = 2 * 28 * (4 // tp) * 128 * 2 * 256 * 1024  # k and v, KV heads per rank, bf16, 256 sequences of 1024
+    profile = 16384 * (2 * 3584 + 3 * 18944 // tp) * 2 + 1024 * 152064 * (2 + 8)  # widest layer + sampler
+    sizes = 3 + 31 + 17  # capture sizes up to min(2 x 1024, 512): 1, 2, 4; 8..248 by 8; 256..512 by 16
+    graphs = 512 * 28 * 2 * 3584 * 2 + 2 * sizes * 2**20
+    runtime = 1 * GB
+    need = weights + kv + profile + graphs + runtime
+    util = math.ceil(100 * need / cap) / 100
+    assert plan.gpu_memory_utilization == util == {1: 0.45, 2: 0.24}[tp]
+    # vLLM's KV cache at that utilization holds at least the planned 256 x 1024 tokens
+    assert util * cap - (weights + profile + runtime) - graphs >= kv
+    build = next(p for p in plan.peaks if p.phase is Phase.BUILD)
+    others = sum(v for (owner, _), v in build.terms.items() if owner != "rollout")  # resident before vLLM starts
+    assert sum(v for (owner, _), v in build.terms.items() if owner == "rollout") == math.ceil(util * cap)
+    # start-up check: free memory when vLLM starts (capacity less what is resident) >= ceil(util x total)
+    assert (cap - others >= math.ceil(util * cap)) is plan.fits is (tp == 2)
+    if tp == 1:  # 15.2 GB of policy weights, 30.5 GB of fp32 gradients, the reference's 15.2 GB: no room
+        assert "build phase needs 104.7 GB" in plan.reason
+    train = next(p for p in plan.peaks if p.phase is Phase.TRAIN).terms  # vLLM asleep: its graph pool stays
+    assert train[("rollout", "cuda graphs")] == graphs and train[("rollout", "runtime")] == runtime
+    assert f"rollout.engine.gpu_memory_utilization={util:.2f}" in plan.overrides()
