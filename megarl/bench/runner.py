@@ -151,7 +151,8 @@ def _add_planned(ranks: list[dict[str, Any]], spec: ModelSpec, cfg: TrainConfig)
     states = training_state_bytes(spec, layout, p.precision.resolve(cuda=on_gpu), p.optim.use_distributed_optimizer)
     pool, rollout = cfg.cluster.pool(), cfg.rollout.engine
     cluster = layouts.Cluster(nodes=pool.nodes, gpus_per_node=pool.devices_per_node, gpu_mem_gb=1.0)
-    received = layouts.reshard_estimate(spec, layout, rollout.tp, cluster, rollout.dtype.value).per_rank_received
+    received = layouts.reshard_estimate(spec, layout, rollout.tp, cluster,
+                                        rollout.dtype.resolve(cuda=on_gpu).value).per_rank_received
     for r in ranks:
         s = states[r["coords"]["pp"]]
         r["planned"] = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "received": received[r["rank"]]}

@@ -45,7 +45,7 @@ class HybridRollout:
     def __init__(self, ctx: WorkerContext, spec: ModelSpec, hf_config: dict, engine: MegatronEngine,
                  config: RolloutConfig, pad_token_id: int, *, seed: int = 0) -> None:
         self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
-        self.dtype = getattr(torch, config.dtype.value)
+        self.dtype = getattr(torch, config.dtype.resolve(cuda=torch.cuda.is_available()).value)
         # vLLM's TP groups are consecutive ranks, and its loaders take checkpoint-format (full-shape) tensors,
         # of which each rank receives only the slice it keeps
         self.full_tensors = config.backend is RolloutBackend.VLLM

@@ -80,7 +80,7 @@ class WeightSender:
                  rollout_ranks: int) -> None:
         self.ctx, self.spec, self.engine, self.config = ctx, spec, engine, config
         self.plan = split_plan(spec, ctx.layout, config, rollout_ranks)
-        self.dtype = getattr(torch, config.dtype.value)
+        self.dtype = getattr(torch, config.dtype.resolve(cuda=torch.cuda.is_available()).value)
         self.member = _LinkMember()
         self.last_transfer = TransferStats()
 
@@ -115,7 +115,7 @@ class RolloutRole(Role):
         self.plan = split_plan(self.spec, train_layout, rollout, ctx.world_size)
         self.link_rank = train_layout.world_size + ctx.rank
         self.place = self.plan.places[self.link_rank]
-        self.dtype = getattr(torch, rollout.dtype.value)
+        self.dtype = getattr(torch, rollout.dtype.resolve(cuda=torch.cuda.is_available()).value)
         pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
         t = train_layout.world_size  # link rank = t + this pool's rank
         self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx,

@@ -26,7 +26,7 @@ class RolloutBackend(enum.Enum):
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.EMBEDDED  # embedded: transformers in the worker; vllm: vLLM
     tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
-    dtype: Precision = Precision.FP32  # dtype of the rollout weights (bfloat16 on GPU)
+    dtype: Precision = Precision.AUTO  # dtype of the rollout weights; auto: bfloat16 on CUDA, float32 on CPU
     bucket_mb: float = 64.0  # resharding bucket cap per rank
     max_batch_size: int = 64  # rows decoded at once per replica (embedded engine)
     # embedded engine: MB of finished rows' KV kept between calls for prompts that continue them (a conversation's
