@@ -1,6 +1,7 @@
 """The engines' precision and the rollout dtype default, ``auto``: bfloat16 on CUDA, float32 on CPU (issue #41:
-GPU users got fp32 policies and rollouts unless they asked). Resolution both ways, for every role's engine of the default config; the engine
-resolves it with the device its model is built on (models.provider: CUDA when available)."""
+GPU users got fp32 policies and rollouts unless they asked). Resolution both ways, for every role's engine of the
+default config; the engine resolves it with the device its model is built on (models.provider: CUDA when
+available)."""
 
 from __future__ import annotations
 
