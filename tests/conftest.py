@@ -11,6 +11,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*(Apex|full scope).*")
 
+
+def pytest_configure(config):
+    """The fork server (megarl.host.forkserver) imports what the worlds need, whichever child of the session
+    starts it first: a run's conversion child (tests/bench runs trainers before any world) or a world."""
+    from megarl.host import forkserver
+    from megarl.testing.dist import PRELOAD
+
+    forkserver.preload(*PRELOAD)
+
 # name -> (family, config overrides). Vocab 300 is not a multiple of 128, so padding is exercised.
 TINY_MODELS = {
     "llama_gqa": ("llama", dict(num_heads=4, num_kv_heads=2)),

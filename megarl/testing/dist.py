@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from megarl.host import forkserver
+
 # What the worlds import (vLLM's engine where the CPU build is installed: a missing module is skipped by the
 # server and imported, or not, by the ranks themselves).
 PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.parallel_state",
@@ -81,7 +83,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600,
     """Run ``fn`` on ``world_size`` forked ranks; return the per-rank results in rank order. ``cuda``: the world
     needs CUDA; :func:`check_devices` runs first (a CUDA world without a device per rank is not started)."""
     check_devices(world_size, cuda)
-    mp.set_forkserver_preload(list(PRELOAD))  # read when the server starts: at the process's first world
+    forkserver.preload(*PRELOAD)  # read when the server starts (megarl.host.forkserver)
     with tempfile.TemporaryDirectory(prefix="megarl-world-") as out_dir:
         ctx = mp.start_processes(
             _entry, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)), nprocs=world_size,

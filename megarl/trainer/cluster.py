@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import multiprocessing
 import os
 import shutil
 import socket
@@ -33,7 +32,7 @@ from megarl.controller.spec import GroupOptions, Launcher, PlacementConfig
 from megarl.data.batch import Batch
 from megarl.engine.results import StepResult
 from megarl.errors import ClusterError, RunStopped
-from megarl.host import allocator
+from megarl.host import allocator, forkserver
 from megarl.roles.critic import CriticRole, RewardModelRole
 from megarl.roles.policy import PolicyRole, ReferenceRole
 from megarl.roles.results import WeightSync
@@ -342,10 +341,9 @@ class Conversions:
         if cluster.launcher is Launcher.LOCAL:
             _convert(jobs)
             return
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["megarl.checkpoint.convert"])  # read when the server starts, if not yet
-        self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_child_env,
-                                                                initargs=(dict(os.environ),))
+        forkserver.preload("megarl.checkpoint.convert")
+        self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=forkserver.context(),
+                                                                initializer=_child_env, initargs=(dict(os.environ),))
         self._future = self._executor.submit(_convert, jobs)
 
     def result(self) -> dict[str, Path]:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 def _state(rank, world_size):
     import torch.distributed as dist
 
-    preloaded = "megatron.core" in sys.modules
+    preloaded = "megarl.roles.policy" in sys.modules  # one of the worlds' modules the server imported (PRELOAD)
     dist.init_process_group("gloo")
     box = [None] * world_size
     dist.all_gather_object(box, rank)
