@@ -10,6 +10,8 @@ the driver and the workers call into this package, never the other way round.
 - :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 - :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
+- :mod:`megarl.algos.objective`  what an update optimises: token-level reward shaping (:func:`token_rewards`) and
+  the policy objective of one micro-batch (:func:`policy_objective`: correction, masks, loss, entropy, KL)
 """
 
 from megarl.algos.advantages import (
@@ -59,6 +61,15 @@ from megarl.algos.losses import (
     sapo_loss,
     value_loss,
 )
+from megarl.algos.objective import (
+    ObjectiveInputs,
+    ObjectiveOutput,
+    RewardKLPenalty,
+    TeacherKL,
+    TokenRewards,
+    policy_objective,
+    token_rewards,
+)
 from megarl.algos.ops import (
     LossAggregation,
     LossNormalizer,
@@ -91,11 +102,16 @@ __all__ = [
     "KLPenalty",
     "LossAggregation",
     "LossNormalizer",
+    "ObjectiveInputs",
+    "ObjectiveOutput",
     "PolicyLoss",
     "PolicyLossConfig",
     "PolicyLossOutput",
+    "RewardKLPenalty",
     "RewardScale",
     "RolloutCorrectionConfig",
+    "TeacherKL",
+    "TokenRewards",
     "ValueLossOutput",
     "aggregate_entropy",
     "aggregate_loss",
@@ -117,12 +133,14 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_objective",
     "ppo_clip_loss",
     "reinforce_plus_plus",
     "remax",
     "rloo",
     "rollout_correction",
     "sapo_loss",
+    "token_rewards",
     "value_loss",
     "zero_masked",
 ]

@@ -139,7 +139,9 @@ class PolicyRole(Role):
         return _log_probs(self.engine, self.ctx, batch, self.temperature)
 
     def update(self, batch: Batch) -> StepResult:
-        """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together).
+        """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together): each
+        micro-batch's token log-probs and entropies, then :func:`megarl.algos.policy_objective` (correction
+        weights, top-entropy mask, policy loss, entropy bonus, KL loss and their metrics).
 
         Without ``algorithm.recomputes_old_log_probs`` this is the only step on the rollout batch, at the
         weights that sampled it: this forward's detached log-probs are the old ones (ratio 1). With a
@@ -154,50 +156,23 @@ class PolicyRole(Role):
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
         gap = (None if recompute or self.rollout_config is None
                else _RolloutGap(batch["response_mask"], normalizer, self.rollout_config.max_logprob_abs_diff))
-        # the mismatch correction needs the rollout's log-probs and something to correct with
-        active = "rollout_log_probs" in batch and a.rollout_correction.active
-        loss_cfg, correction = a.policy_loss, a.rollout_correction if active else None
+        # where the mismatch correction applies (the rollout's log-probs came and it corrects something), its
+        # ratio extremes are reduced by max / min, not summed
+        corrects = "rollout_log_probs" in batch and a.rollout_correction.active
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
             lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
-            mask = mb["response_mask"].to(lp.dtype)
-            old = mb["old_log_probs"] if recompute else lp.detach()
-            # token-mean metrics of this micro-batch, weighted so that they add up to global means
-            weight = mask.sum() / normalizer.token_count
-            advantages, metrics = mb["advantages"], {}
-            if correction is not None:
-                corr = algos.rollout_correction(old, mb["rollout_log_probs"], mask, correction)
-                advantages = advantages * corr.weights
-                seq_weight = (mask.sum(-1) > 0).sum() / normalizer.seq_count
-                metrics = ({f"mismatch/{k}": v * weight for k, v in corr.metrics.items()}
-                           | {f"mismatch/{k}": v * seq_weight for k, v in corr.seq_metrics.items()}
-                           | {"mismatch/ratio_max": corr.ratio_max, "mismatch/ratio_min": corr.ratio_min})
-            keep = None
-            if a.top_entropy_quantile < 1.0:  # every policy loss is linear in A: a zero A is TRL's zeroed token loss,
-                # with the denominators (and the KL term) still over every counted token, as there
-                keep = algos.high_entropy_mask(ent, mask, a.top_entropy_quantile)
-                advantages = advantages * keep
-                metrics["entropy_mask_frac"] = keep.sum() / normalizer.token_count
-            out = algos.compute_policy_loss(loss_cfg, lp, old, advantages, mask, normalizer)
-            entropy = algos.aggregate_entropy(ent, mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
-            bonus = entropy if keep is None else algos.aggregate_entropy(
-                algos.zero_masked(ent, keep), mask, loss_cfg.aggregation, normalizer, loss_cfg.norm_constant)
-            loss = out.loss - a.entropy_coef * bonus if a.entropy_coef else out.loss
-            metrics |= {k: v * weight for k, v in out.metrics().items() if k != "loss"}
-            if a.kl_loss_coef:
-                kl = algos.kl_loss(lp, mb["ref_log_probs"], mask, a.kl_estimator, loss_cfg.aggregation, normalizer,
-                                   loss_cfg.norm_constant, a.kl_clamp, old if a.kl_loss_bias_correction else None,
-                                   sequence_ratio=loss_cfg.loss is algos.PolicyLoss.GSPO)
-                loss = loss + a.kl_loss_coef * kl
-                metrics["kl_loss"] = kl.detach()
-                if not recompute:
-                    per_token = algos.kl_divergence(lp.detach(), mb["ref_log_probs"], a.kl_estimator, a.kl_clamp)
-                    metrics["kl"] = algos.masked_mean(per_token, mask) * weight
-            if gap is not None:
-                metrics["rollout/logprob_abs_diff"] = gap.add(lp, mb["rollout_log_probs"], mask)
-            return loss, {"pg_loss": out.loss.detach(), "entropy": entropy.detach(), **metrics}
+            inputs = algos.ObjectiveInputs(lp, ent, mb["advantages"], mb["response_mask"],
+                                           old_log_probs=mb["old_log_probs"] if recompute else None,
+                                           rollout_log_probs=mb.get("rollout_log_probs"),
+                                           ref_log_probs=mb.get("ref_log_probs"))
+            out = algos.policy_objective(a, inputs, normalizer)
+            if gap is None:
+                return out.loss, out.metrics
+            diff = gap.add(lp, mb["rollout_log_probs"], mb["response_mask"].to(lp.dtype))
+            return out.loss, out.metrics | {"rollout/logprob_abs_diff": diff}
 
-        return self.engine.train_step(batch, loss_fn, _CORRECTION_EXTREMES if correction is not None else None)
+        return self.engine.train_step(batch, loss_fn, _CORRECTION_EXTREMES if corrects else None)
 
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak host (and device) memory since the last call, then a new phase starts

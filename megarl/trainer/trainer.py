@@ -356,19 +356,15 @@ class Trainer:
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         a, mask = self.cfg.algorithm, batch["response_mask"]
-        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask != 0)
-        token_rewards = torch.where(last, batch["scores"].unsqueeze(-1), torch.zeros_like(mask))
-        metrics = {}
-        if self.cfg.teacher is not None:  # on-policy distillation: every token's negative reverse KL to the teacher
-            token_rewards = token_rewards + self.cfg.teacher.kl_coef * mask * (
-                batch["teacher_log_probs"] - _student_log_probs(batch))
-        if self.kl_ctl is not None:
-            pen = algos.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                         self.kl_ctl.value, a.kl_estimator, a.kl_clamp)
-            token_rewards = pen.rewards
-            metrics |= {"actor/kl_coef": self.kl_ctl.value, "actor/reward_kl": pen.mean_kl.item()}
-            self.kl_ctl.update(pen.mean_kl.item(), n_steps=len(batch))
-        inputs = algos.AdvantageInputs(token_rewards, mask, values=batch["values"] if a.needs_critic else None,
+        teacher = None if self.cfg.teacher is None else algos.TeacherKL(  # on-policy distillation
+            self.cfg.teacher.kl_coef, batch["teacher_log_probs"], _student_log_probs(batch))
+        penalty = None if self.kl_ctl is None else algos.RewardKLPenalty(
+            self.kl_ctl.value, batch["old_log_probs"], batch["ref_log_probs"], a.kl_estimator, a.kl_clamp)
+        shaped = algos.token_rewards(batch["scores"], mask, teacher=teacher, kl_penalty=penalty)
+        if shaped.mean_kl is not None:  # the controller is stateful: its update stays here
+            self.kl_ctl.update(shaped.mean_kl.item(), n_steps=len(batch))
+        metrics = {f"actor/{k}": v for k, v in shaped.metrics.items()}
+        inputs = algos.AdvantageInputs(shaped.rewards, mask, values=batch["values"] if a.needs_critic else None,
                                        group_ids=batch["prompt_uid"],
                                        baseline_rewards=batch["baseline_scores"] if a.needs_greedy_baseline else None)
         adv = algos.compute_advantages(a.advantage, inputs)
