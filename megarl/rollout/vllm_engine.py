@@ -80,7 +80,7 @@ from megarl.rollout.base import RolloutOutput, SamplingParams, WeightUpdateError
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.vllm_args import EngineOptions, Platform, SleepCycle, request_seeds
 from megarl.rollout.vllm_outputs import to_rollout_output
-from megarl.rollout.vllm_routing import routing_args, routing_shape
+from megarl.rollout.vllm_routing import prepare_routing_output, routing_shape
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class VLLMEngine:
         """``vllm.LLM``'s arguments on this machine (:mod:`megarl.rollout.vllm_args`), this process prepared."""
         platform = _platform(vllm)
         if options.record_routing:
-            routing_args(vllm, platform.cuda)  # refuses what cannot return routing; selects Model Runner V2
+            prepare_routing_output(vllm, platform.cuda)  # refuses what cannot return routing
         kwargs = options.args(model_dir, cfg, platform)
         _prepare_process(options.tp)
         for name in _KnownNoise.LOGGERS:

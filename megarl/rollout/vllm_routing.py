@@ -47,8 +47,9 @@ def routing_shape(spec: Any) -> tuple[int, int]:
     return spec.num_layers, spec.moe.top_k
 
 
-def routing_args(vllm: Any, on_gpu: bool) -> dict:
-    """Engine arguments that make vLLM return each token's routed experts (router replay, R3)."""
+def prepare_routing_output(vllm: Any, on_gpu: bool) -> None:
+    """Check that this vLLM can return each token's routed experts (router replay, R3) and select the runner that
+    does; the engine argument itself is :class:`megarl.rollout.vllm_args.EngineOptions`'."""
     if not on_gpu:
         raise ConfigError(
             "router replay with the vLLM backend needs vLLM's routed-experts output (enable_return_routed_experts), "
@@ -60,4 +61,3 @@ def routing_args(vllm: Any, on_gpu: bool) -> dict:
                                      "(enable_return_routed_experts, vLLM >= 0.32): upgrade it or set "
                                      "policy.router_replay=false")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM's aux outputs (routed experts) exist in this runner only
-    return {"enable_return_routed_experts": True}
