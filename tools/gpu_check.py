@@ -66,6 +66,7 @@ class Outcome:
     status: str  # passed, failed, skipped, not run
     seconds: float = 0.0
     note: str = ""
+    output: str = ""  # pytest's stdout and stderr
 
 
 def cuda_device() -> str | None:
@@ -130,7 +131,7 @@ def run_check(check: Check, env: dict[str, str], left_s: float, wheels: Path) ->
         "skipped" if done.returncode == 0 else "failed")
     if status == "failed":
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
-    return Outcome(check, status, time.monotonic() - start, note)
+    return Outcome(check, status, time.monotonic() - start, note, done.stdout + done.stderr)
 
 
 def environment(device: str) -> list[str]:
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="wheels to install first (default .whl/)")
     p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results", help="where the results go")
+    p.add_argument("--log", type=Path, default=None, help="write every check's whole pytest output to this file")
     p.add_argument("--site", type=Path, default=Path("/tmp/megarl-gpu-check-site"), help="install target")
     args = p.parse_args(argv)
     device = cuda_device()
@@ -188,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         o = run_check(check, env, BUDGET_S - (time.monotonic() - start), args.wheels)
         print(f"{o.status:>8}  {o.seconds:5.0f} s  {check.name}" + (f": {o.note}" if o.note else ""), flush=True)
         outcomes.append(o)
+        if args.log is not None:
+            with args.log.open("a") as f:
+                f.write(f"===== {check.name}: {o.status} ({o.seconds:.0f} s)\n{o.output}\n")
     path = write_results(outcomes, environment(device), install_lines, args.results)
     print(f"results: {path} ({time.monotonic() - start:.0f} s)")
     return 1 if any(o.status == "failed" for o in outcomes) else 0

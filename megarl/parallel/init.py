@@ -60,12 +60,16 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, collective_tim
     timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
     mcore_timeout = {} if collective_timeout_s is None else {"distributed_timeout_minutes": collective_timeout_s / 60}
     if not dist.is_initialized():
+        backend = default_backend()
+        if torch.cuda.is_available() and "WORLD_SIZE" in os.environ:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # NCCL is told its device: its barrier() and the groups split from the world then use it, not a guess
+        # (torch warns at the first barrier without it; a wrong guess hangs a world whose ranks share a node)
+        bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
         if "WORLD_SIZE" in os.environ:
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(default_backend(), timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **bound)
         else:
-            dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
     layout.check_world_size(dist.get_world_size())
     initialised = parallel_state.model_parallel_is_initialized() and (
         parallel_state.get_tensor_model_parallel_world_size(),
