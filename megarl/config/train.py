@@ -471,9 +471,6 @@ def _check_overlapped(cfg: TrainConfig) -> None:
         raise ConfigError(f"{name} trains on samples older than the trained weights: the PPO ratio needs old "
                           "log-probs recomputed at the trained weights. Leave algorithm.recompute_old_log_probs "
                           "unset (auto) or set it true.")
-    if cfg.algorithm.dynamic_sampling is not None:
-        raise ConfigError(f"algorithm.dynamic_sampling samples extra rounds within a step, which {name} does not "
-                          "support yet; use rollout.schedule=sync with it.")
     a = r.asynchronous
     if r.schedule is Schedule.ASYNC:
         if a.max_staleness < 0 or a.push_every < 1 or a.buffer_batches < 1:
@@ -487,9 +484,6 @@ def _check_overlapped(cfg: TrainConfig) -> None:
         if a.partial_chunk_tokens is not None and a.partial_chunk_tokens < 1:
             raise ConfigError(f"rollout.asynchronous.partial_chunk_tokens must be >= 1 or null (whole responses); "
                               f"found {a.partial_chunk_tokens}.")
-        if cfg.algorithm.needs_greedy_baseline:
-            raise ConfigError("ReMax's greedy baseline is generated beside each batch, which rollout.schedule=async "
-                              "does not do yet; use sync or one_step_off with it.")
         if cfg.policy.router_replay:
             raise ConfigError("policy.router_replay with rollout.schedule=async: the asynchronous producer's rows do "
                               "not carry the rollout's expert choices yet; use sync or one_step_off with it.")

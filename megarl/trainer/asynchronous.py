@@ -72,10 +72,16 @@ class Group:
     index: int  # the prompt's index in the dataset
     record: PromptRecord
     responses: list[Response]
+    baseline: Response | None = None  # ReMax: the prompt's greedy response
 
     @property
     def done(self) -> bool:
-        return all(r.finish is not None for r in self.responses)
+        return all(r.finish is not None for r in self.rows)
+
+    @property
+    def rows(self) -> list[Response]:
+        """Its responses and its greedy baseline (every row the producer generates for it)."""
+        return self.responses + ([self.baseline] if self.baseline is not None else [])
 
     @property
     def oldest_version(self) -> int:
@@ -96,14 +102,16 @@ class _Wave:
 
 class RolloutProducer:
     """The generating thread and its buffer (module docstring). ``params(n, max_new_tokens, seed)`` gives a
-    call's sampling parameters; ``skip``: per wave from the first, prompts a checkpoint says were consumed."""
+    call's sampling parameters; ``skip``: per wave from the first, prompts a checkpoint says were consumed;
+    ``greedy``: how ReMax's greedy baseline of each prompt samples (None: no baseline)."""
 
     def __init__(self, *, cluster: Any, data: PromptDataset, sampler: PromptSampler, batch_size: int, n: int,
                  max_new_tokens: int, config: AsyncConfig, params: Callable[[int, int, int], SamplingParams],
-                 version: int, seed: int, skip: list[list[int]] | None = None) -> None:
+                 version: int, seed: int, skip: list[list[int]] | None = None,
+                 greedy: SamplingParams | None = None) -> None:
         self.cluster, self.data, self.sampler, self.config = cluster, data, sampler, config
         self.batch_size, self.n, self.max_new_tokens = batch_size, n, max_new_tokens
-        self.params, self.seed = params, seed
+        self.params, self.seed, self.greedy = params, seed, greedy
         self.skip = collections.deque(set(s) for s in skip or [])
         self.chunk = config.partial_chunk_tokens or max_new_tokens
         self.cond = threading.Condition()
@@ -143,14 +151,15 @@ class RolloutProducer:
             self.cond.notify_all()
         return sync
 
-    def take(self, version: int) -> tuple[list[Group], dict[str, float]]:
-        """``data.batch_size`` finished groups (oldest first) for a step training ``version``, waiting for the
-        buffer where needed; groups staler than ``max_staleness`` are dropped (on_stale: drop)."""
+    def take(self, version: int, count: int | None = None) -> tuple[list[Group], dict[str, float]]:
+        """``count`` (default ``data.batch_size``) finished groups (oldest first) for a step training ``version``,
+        waiting for the buffer where needed; groups staler than ``max_staleness`` are dropped (on_stale: drop)."""
         eta, taken, dropped = self.config.max_staleness, [], 0
+        count = self.batch_size if count is None else count
         start = time.perf_counter()
         with self.cond:
             filled = len(self.buffer)
-            while len(taken) < self.batch_size:
+            while len(taken) < count:
                 while not self.buffer and self.error is None:
                     self.cond.wait(1.0)
                 self._raise_error()
@@ -174,6 +183,14 @@ class RolloutProducer:
                    "async/rollout_wait_s": counters["rollout_wait_s"], "async/push_s": counters["push_s"],
                    "async/engine_version": float(self.engine_version)}
         return taken, metrics
+
+    def discard(self, count: int) -> None:
+        """``count`` of the groups taken will not be trained (dynamic sampling): the staleness rule numbers the
+        groups as the trainer trains them, so each discarded group lets one more start."""
+        if count:
+            with self.cond:
+                self.started -= count
+                self.cond.notify_all()
 
     def resume_state(self) -> tuple[dict, list[list[int]]]:
         """(the sampler's state a resume starts from, per wave from there: the prompts already consumed)."""
@@ -237,7 +254,8 @@ class RolloutProducer:
             while self.waves and self.waves[0].finished:
                 self.waves.popleft()
         records = self.data.select(todo)
-        return [Group(number, i, rec, [Response(list(rec.input_ids)) for _ in range(self.n)])
+        return [Group(number, i, rec, [Response(list(rec.input_ids)) for _ in range(self.n)],
+                      Response(list(rec.input_ids)) if self.greedy is not None else None)
                 for i, rec in zip(todo, records, strict=True)]
 
     def _may_start(self, size: int) -> bool:
@@ -250,23 +268,37 @@ class RolloutProducer:
     def _generate(self, groups: list[Group], wave: int) -> None:
         """Generate the wave call by call; each finished group goes to the buffer at once."""
         pending = list(groups)
-        first, call = True, 0
+        call = 0
         while pending and not self.stopping:
-            rows = [r for g in pending for r in g.responses if r.finish is None]
-            prompts = [g.record.input_ids for g in pending] if first else [r.prompt + r.tokens for r in rows]
-            budget = min(self.chunk, max(self.max_new_tokens - len(r.tokens) for r in rows))
-            batch = prompt_batch(prompts)
-            params = self.params(self.n if first else 1, budget, self.seed + 7_919 * wave + call)
-            out = self.cluster.extend_async(batch, params).result()
-            self._record(rows, out)
-            first, call = False, call + 1
+            sampled = self._extend([g.responses for g in pending], self.n, wave, call,
+                                   lambda n, budget, seed: self.params(n, budget, seed))
+            greedy = None if self.greedy is None else self._extend(
+                [[g.baseline] for g in pending], 1, wave, call,
+                lambda n, budget, seed: dataclasses.replace(self.greedy, n=n, max_new_tokens=budget))
+            for rows, pending_call in (sampled, greedy or (None, None)):
+                if rows is not None:
+                    self._record(rows, pending_call.result())
+            call += 1
             finished = [g for g in pending if g.done]
             if finished:
                 pending = [g for g in pending if not g.done]
                 with self.cond:
                     self.buffer.extend(finished)
-                    self.counters["interrupted"] += sum(r.interrupted for g in finished for r in g.responses)
+                    self.counters["interrupted"] += sum(r.interrupted for g in finished for r in g.rows)
                     self.cond.notify_all()
+
+    def _extend(self, responses: list[list[Response]], n: int, wave: int, call: int,
+                params: Callable[[int, int, int], SamplingParams]) -> tuple[list[Response] | None, Any]:
+        """Start the next call for the unfinished ones of ``responses`` (per group; ``n`` per group on the first
+        call, which samples from the prompts): (those rows, the pending call), or (None, None) when all are done."""
+        rows = [r for group in responses for r in group if r.finish is None]
+        if not rows:
+            return None, None
+        first = call == 0
+        prompts = [group[0].prompt for group in responses] if first else [r.prompt + r.tokens for r in rows]
+        budget = min(self.chunk, max(self.max_new_tokens - len(r.tokens) for r in rows))
+        seed = self.seed + 7_919 * wave + call
+        return rows, self.cluster.extend_async(prompt_batch(prompts), params(n if first else 1, budget, seed))
 
     def _record(self, rows: list[Response], out: Batch) -> None:
         """Append each row's new tokens (cut to its remaining budget) and end the finished ones."""
@@ -286,7 +318,16 @@ class RolloutProducer:
 def groups_batch(groups: list[Group], pad_token_id: int) -> Batch:
     """Training rows of ``groups`` (as :func:`megarl.rollout.rows.rollout_batch` builds them; ``prompt_uid``
     numbers the groups), with each token's ``rollout_versions`` and each row's ``policy_version`` (its oldest)."""
-    rows = [r for g in groups for r in g.responses]
+    return _rows(groups, [g.responses for g in groups], pad_token_id)
+
+
+def baseline_batch(groups: list[Group], pad_token_id: int) -> Batch:
+    """ReMax: each group's greedy response, one row per group in group order (fields as :func:`groups_batch`)."""
+    return _rows(groups, [[g.baseline] for g in groups], pad_token_id)
+
+
+def _rows(groups: list[Group], responses: list[list[Response]], pad_token_id: int) -> Batch:
+    rows = [r for group in responses for r in group]
     width = max(len(r.tokens) for r in rows)
 
     def padded(values: list[list], value, dtype) -> torch.Tensor:
@@ -294,7 +335,7 @@ def groups_batch(groups: list[Group], pad_token_id: int) -> Batch:
 
     lengths = torch.tensor([len(r.tokens) for r in rows])
     out = RolloutOutput(
-        prompt_index=torch.tensor([i for i, g in enumerate(groups) for _ in g.responses]),
+        prompt_index=torch.tensor([i for i, group in enumerate(responses) for _ in group]),
         responses=padded([r.tokens for r in rows], pad_token_id, torch.long),
         response_mask=torch.arange(width)[None, :] < lengths[:, None],
         log_probs=padded([r.log_probs for r in rows], 0.0, torch.float32), response_lengths=lengths,

@@ -30,7 +30,6 @@ no training forward, no checks that tie it to the training distribution.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -42,11 +41,11 @@ import torch
 
 from megarl import algos
 from megarl.checkpoint import run as run_checkpoints
-from megarl.config.resolve import resolve, sampling_params, stop_token_ids
-from megarl.config.train import CorruptCheckpoint, Schedule, TrainConfig, check_config, dump_config, to_plain
+from megarl.config.resolve import resolve, stop_token_ids
+from megarl.config.train import CorruptCheckpoint, TrainConfig, check_config, dump_config, to_plain
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
-from megarl.data.prompts import PromptSampler, load_prompts, load_row_adapter
+from megarl.data.prompts import load_prompts, load_row_adapter
 from megarl.engine.results import mean_metrics
 from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
@@ -55,12 +54,12 @@ from megarl.parallel import cpu_compat
 from megarl.rewards.monitor import RewardMonitor
 from megarl.rewards.user import resolve_reward_function
 from megarl.rollout.mismatch import logprob_abs_diff, mismatch_error
-from megarl.trainer.asynchronous import RolloutProducer
 from megarl.trainer.callbacks import Callback
 from megarl.trainer.checks import check_frozen_models, policy_vocab_size
 from megarl.trainer.experience import Experience
 from megarl.trainer.lock import RunLock
 from megarl.trainer.signals import Abandoned, StopRequest
+from megarl.trainer.sources import RolloutSource, make_source
 
 if TYPE_CHECKING:
     from megarl.trainer.cluster import Cluster
@@ -102,6 +101,7 @@ class Trainer:
         self.stop = StopRequest()
         self.lock = RunLock(self.out)
         self.cluster: Cluster | None = None
+        self.source: RolloutSource | None = None  # the schedule: where each step's rows come from
         self.restarts = 0  # workers replaced so far (run/restarts)
         self._restart_times: list[float] = []  # monotonic times of the restarts within trainer.restart_window_s
         self._reset()
@@ -117,10 +117,8 @@ class Trainer:
         """The driver's state at step 0 (a checkpoint's state is loaded over it)."""
         cfg = self.cfg
         self.step = self.saved_step = 0
-        self.sampler = PromptSampler(len(self.train_data), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         a = cfg.algorithm
         self.kl_ctl = algos.build_kl_controller(a.kl_penalty) if a.kl_penalty is not None else None
-        self._async_skip: list[list[int]] = []  # async: per wave, prompts a checkpoint says were consumed
 
     def _start(self) -> None:
         """Find the checkpoint to resume from; start the workers unless the run is complete already."""
@@ -141,6 +139,7 @@ class Trainer:
         self.cluster = Cluster(self.cfg, self.out, on_ray_started=self.stop.install)  # Ray replaces SIGTERM's handler
         self.experience = Experience(self.cfg, self.cluster, self.tokenizer, self.reward_fns, self.stop_token_ids,
                                      self._stage)
+        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data)
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
@@ -234,7 +233,7 @@ class Trainer:
                        "+".join(error.roles), where, error.role, len(self._restart_times), t.max_restarts,
                        t.restart_window_s)
         ckpt = self._newest_intact()
-        self.experience.drop_ahead()  # stops the asynchronous producer before its workers go
+        self.source.close()  # stops the asynchronous producer before its workers go
         try:
             self.cluster.restart()
         except MegarlError as e:
@@ -242,6 +241,7 @@ class Trainer:
                                    "newest intact checkpoint when run again (on a new allocation if a node is "
                                    "gone).") from e
         self._reset()
+        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data)
         if ckpt is not None:
             self._restore(ckpt)
         tracker.rewind(self.step)
@@ -264,14 +264,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()
-        a, version = self.cfg.algorithm, self.step - 1  # the weights after step - 1 sample this step's responses
-        if self.cfg.rollout.schedule is Schedule.ONE_STEP_OFF:
-            batch, metrics = self.experience.collect_ahead(self._draw_prompts, self._seed(), self._seed(self.step + 1),
-                                                           timer, version)
-        elif self.cfg.rollout.schedule is Schedule.ASYNC:
-            batch, metrics = self.experience.collect_async(version, timer, lambda: self._producer(version))
-        else:
-            batch, metrics = self.experience.collect(self._draw_prompts, self._seed(), timer, version)
+        a = self.cfg.algorithm
+        batch, metrics = self.source.next_batch(self.step, timer)  # generated by the weights of step - 1 or older
         if not len(batch):  # dynamic sampling found no prompt group with differing rewards: nothing to learn from
             logger.warning("step %d: no prompt group with differing rewards; the update is skipped", self.step)
             return metrics | timer.metrics() | {"batch/tokens": 0.0, "batch/num_sequences": 0.0}
@@ -401,29 +395,9 @@ class Trainer:
         sampling only (no training forward, no log-prob check), so any temperature and ``n`` work."""
         records = self.val_data.records
         self.cluster.sync_weights(self.step)
-        batch, _ = self.experience.rollout(records, self.cfg.rollout.validation, self._seed())
+        batch, _ = self.experience.rollout(records, self.cfg.rollout.validation, self.source.seed(self.step))
         num_errors = self.experience.score(batch, records, stage="validation")
         return self.experience.reward_metrics(batch, "val/reward", num_errors)
-
-    def _seed(self, step: int | None = None) -> int:
-        """The sampling seed of this step (its rounds and validation derive theirs from it), or of ``step``."""
-        return self.cfg.trainer.seed * 1_000_003 + (self.step if step is None else step)
-
-    def _draw_prompts(self) -> list:
-        """The next ``data.batch_size`` prompts; the sampler's state before the draw is kept: where a resume
-        starts when these prompts were drawn for a step not yet trained (one_step_off)."""
-        self._sampler_before_draw = self.sampler.state_dict()
-        return self.train_data.select(self.sampler.next_batch(self.cfg.data.batch_size))
-
-    def _producer(self, version: int) -> RolloutProducer:
-        """The asynchronous schedule's generating thread, from the weights of ``version`` on."""
-        r = self.cfg.rollout
-        return RolloutProducer(
-            cluster=self.cluster, data=self.train_data, sampler=self.sampler, batch_size=self.cfg.data.batch_size,
-            n=r.sampling.n, max_new_tokens=r.max_new_tokens, config=r.asynchronous, version=version,
-            params=lambda n, max_new, seed: dataclasses.replace(
-                sampling_params(r.sampling, r, self.stop_token_ids, seed), n=n, max_new_tokens=max_new),
-            seed=self._seed(), skip=self._async_skip)
 
     def _version_lag(self, batch: Batch) -> dict[str, float]:
         """How many updates behind the trained weights each sample's generating weights are; at most what the
@@ -446,13 +420,7 @@ class Trainer:
     def save(self) -> Path:
         tmp = run_checkpoints.begin(self.out, self.step)
         self.cluster.save(tmp, self.step)
-        # prompts drawn for steps not trained yet (one_step_off, async) are drawn again after a resume
-        sampler, skip = self.sampler.state_dict(), []
-        if self.experience.ahead is not None:
-            sampler = self._sampler_before_draw
-        elif self.experience.producer is not None:
-            sampler, skip = self.experience.producer.resume_state()
-        state = {"step": self.step, "sampler": sampler, "async_skip": skip,
+        state = {"step": self.step, **self.source.state(),  # where a resume draws prompts again
                  "kl_coef": self.kl_ctl.value if self.kl_ctl is not None else None}
         final = run_checkpoints.commit(tmp, self.step, state, self.cfg.trainer.keep_checkpoints)
         self.saved_step = self.step
@@ -463,9 +431,7 @@ class Trainer:
         state = run_checkpoints.read_state(ckpt)
         self.cluster.load(ckpt)
         self.step = self.saved_step = state["step"]
-        self.experience.drop_ahead()
-        self.sampler.load_state_dict(state["sampler"])
-        self._async_skip = state.get("async_skip", [])
+        self.source.restore(state)
         if self.kl_ctl is not None and state["kl_coef"] is not None:
             self.kl_ctl.value = state["kl_coef"]
         _truncate_metrics(self.out / "metrics.jsonl", self.step)
@@ -475,7 +441,8 @@ class Trainer:
         """Stop the workers and the run's own Ray cluster, release the output directory, restore signals."""
         try:
             if self.cluster is not None:
-                self.experience.drop_ahead()
+                if self.source is not None:
+                    self.source.close()
                 self.cluster.shutdown()
         finally:
             self.lock.release()

@@ -145,7 +145,7 @@ def test_a_batch_without_informative_groups_skips_the_update_or_fails(tmp_path, 
     (no update, counted) or stops the run naming the counts, as ``on_short`` says."""
     from megarl.config.train import load_config
     from megarl.testing.addition import make_task
-    from megarl.trainer.experience import ShortBatchError
+    from megarl.trainer.sources import ShortBatchError
     from megarl.trainer.trainer import run as train
 
     task = make_task(tmp_path / "task", train_rows=64, val_rows=8)

@@ -257,7 +257,7 @@ class _Rows(_Recorder):
                 n = int(batch["attention_mask"][i].sum())
                 self.rows.append((batch["input_ids"][i, :n].clone(), batch["response_mask"][i, :n].bool(),
                                   batch["rollout_log_probs"][i, :n].clone(), batch["rollout_versions"][i, :n].clone()))
-            producer = self.trainer.experience.producer
+            producer = self.trainer.source.producer
             capacity = producer.config.buffer_batches * producer.batch_size
             deadline = time.monotonic() + 120
             while step <= self.slow_steps and len(producer.buffer) < capacity and time.monotonic() < deadline:

@@ -192,8 +192,6 @@ def test_resolution_decides_and_is_idempotent():
      "rollout.asynchronous.push_every=3", r"push_every <= max_staleness \+ 1 = 2"),
     ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=async "
      "rollout.asynchronous.partial_chunk_tokens=0", "partial_chunk_tokens must be >= 1"),
-    ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=async "
-     "algorithm.advantage.estimator=remax", "ReMax's greedy baseline"),
 ])
 def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')

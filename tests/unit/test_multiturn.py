@@ -111,7 +111,7 @@ def test_model_and_environment_tokens_are_counted_apart(tok):
     assert batch["observation_lengths"].tolist() == [env_tokens, 0]
     assert batch["response_mask"].sum(-1).tolist() == [5.0, 4.0]  # what trains: the same tokens
     batch.meta["metrics"] = {}
-    metrics = Experience._rollout_metrics(batch)
+    metrics = Experience.rollout_metrics(batch)
     assert metrics["response/length_mean"] == 4.5 and metrics["response/length_max"] == 5.0
     assert metrics["rollout/num_tokens"] == 9.0  # what the engines generated
     assert metrics["response/env_tokens_mean"] == env_tokens / 2 and metrics["response/env_tokens_max"] == env_tokens
