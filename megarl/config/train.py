@@ -398,8 +398,8 @@ def _check_dapo(cfg: TrainConfig) -> None:
         raise ConfigError(f"algorithm.dynamic_sampling keeps prompt groups whose rewards differ, which matters to the "
                           f"group-relative estimators (grpo, rloo); found {a.advantage.estimator.value}. Unset it or "
                           "use one of those.")
-    if r.overlong_buffer and not cfg.rollout.multi_turn.enabled and not 0 < r.overlong_buffer <= \
-            cfg.rollout.max_new_tokens:  # (multi-turn: against max_total_tokens, _check_multi_turn)
+    if r.overlong_buffer and not cfg.rollout.multi_turn.enabled and not (  # multi-turn: _check_multi_turn
+            0 < r.overlong_buffer <= cfg.rollout.max_new_tokens):
         raise ConfigError(f"reward.overlong_buffer={r.overlong_buffer} must lie in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}] (or 0: off).")
     if r.overlong_buffer < 0 or r.overlong_penalty_factor < 0:
