@@ -155,7 +155,8 @@ class RewardConfig(RewardFunctionConfig):
         """Every reward function by its metric name: ``function`` for the single one, else ``functions``."""
         return {"function": self} if self.function is not None else dict(self.functions)
     # DAPO soft overlong penalty, added to the reward: 0 up to max_new_tokens - overlong_buffer tokens, then a
-    # linear ramp to -overlong_penalty_factor at max_new_tokens (megarl.algos.dapo)
+    # linear ramp to -overlong_penalty_factor at max_new_tokens (megarl.algos.dapo); multi-turn: a conversation's
+    # tokens after the prompt against rollout.multi_turn.max_total_tokens (docs/multiturn.md)
     overlong_buffer: int = 0  # tokens of the ramp; 0 = off
     overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
 
@@ -397,7 +398,8 @@ def _check_dapo(cfg: TrainConfig) -> None:
         raise ConfigError(f"algorithm.dynamic_sampling keeps prompt groups whose rewards differ, which matters to the "
                           f"group-relative estimators (grpo, rloo); found {a.advantage.estimator.value}. Unset it or "
                           "use one of those.")
-    if r.overlong_buffer and not 0 < r.overlong_buffer <= cfg.rollout.max_new_tokens:
+    if r.overlong_buffer and not cfg.rollout.multi_turn.enabled and not (  # multi-turn: _check_multi_turn
+            0 < r.overlong_buffer <= cfg.rollout.max_new_tokens):
         raise ConfigError(f"reward.overlong_buffer={r.overlong_buffer} must lie in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}] (or 0: off).")
     if r.overlong_buffer < 0 or r.overlong_penalty_factor < 0:
@@ -432,14 +434,14 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 
 def _check_multi_turn(cfg: TrainConfig) -> None:
-    """What multi-turn rollouts do not combine with yet."""
-    r, a = cfg.rollout, cfg.algorithm
-    refused = {"rollout.schedule=" + r.schedule.value: r.schedule is not Schedule.SYNC,
-               "reward.overlong_buffer (a single response's length)": bool(cfg.reward.overlong_buffer),
-               "ReMax's greedy baseline": a.needs_greedy_baseline,
-               "algorithm.mask_truncated": a.mask_truncated,
-               "policy.router_replay": cfg.policy.router_replay,
-               "a distillation teacher": cfg.teacher is not None}
+    """What multi-turn rollouts do not combine with yet. DAPO's overlong penalty and filtering, ReMax, router replay
+    and a distillation teacher do (docs/multiturn.md); the penalty's ramp lies within the conversation's budget."""
+    r, buffer = cfg.rollout, cfg.reward.overlong_buffer
+    if buffer and not 0 < buffer <= r.multi_turn.max_total_tokens:
+        raise ConfigError(f"reward.overlong_buffer={buffer} must lie in (0, rollout.multi_turn.max_total_tokens="
+                          f"{r.multi_turn.max_total_tokens}] (or 0: off): with multi-turn rollouts the penalty ramps "
+                          "over a conversation's tokens after the prompt up to that budget.")
+    refused = {"rollout.schedule=" + r.schedule.value: r.schedule is not Schedule.SYNC}
     refused["data.apply_chat_template=false (conversations are rendered with the chat template)"] = (
         not cfg.data.apply_chat_template)
     found = [name for name, on in refused.items() if on]

@@ -5,7 +5,7 @@
 - :mod:`megarl.multiturn.environment`  the :class:`Environment` protocol users implement, :class:`Step`, tool calls
   in the Hermes/Qwen format and :class:`ToolEnvironment` (Python functions as tools)
 - :mod:`megarl.multiturn.trajectory`  :class:`Trajectory`: the model's sampled tokens as sampled, observations
-  rendered by the chat template, the loss mask and the rollout log-probs
+  rendered by the chat template, the loss mask, the rollout log-probs and versions, MoE routing
 - :mod:`megarl.multiturn.rollout`  the loop: conversations to their end, one generation call per turn,
   environment steps in a thread pool; the training rows
 - :mod:`megarl.multiturn.errors`  :class:`EnvError` and :class:`EnvErrorLog`: environment and tool errors' texts in

@@ -25,7 +25,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,9 +37,19 @@ from megarl.multiturn.trajectory import ChatRenderer, Trajectory
 from megarl.rewards.base import OnError
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
-# one model turn for each prompt: its sampled ids and their log-probs (e.g. from RolloutOutput.token_lists and
-# log_prob_lists, or from a worker group's training rows)
-Generate = Callable[[list[list[int]], SamplingParams], list[tuple[list[int], list[float]]]]
+
+class ModelTurn(NamedTuple):
+    """One model turn as a generation call returns it (:data:`Generate`)."""
+
+    ids: list[int]  # the sampled ids
+    log_probs: list[float]  # the rollout engine's log-prob of each
+    version: int = 0  # the policy version of the weights that sampled them
+    routing: Any = None  # MoE engines that record routing: [tokens fed, layers, top_k] of the row, from its first
+
+
+# one model turn for each prompt: a ModelTurn, or an (ids, log_probs) pair (e.g. from RolloutOutput.token_lists and
+# log_prob_lists); from a worker group's training rows: model_turns
+Generate = Callable[[list[list[int]], SamplingParams], list[ModelTurn | tuple[list[int], list[float]]]]
 
 FINISH_DONE = "done"  # the environment ended the episode
 FINISH_TURNS = "turns"  # max_turns model turns
@@ -59,6 +69,16 @@ class Conversation:
     error: EnvError | None = None  # the environment failure that ended it (on_env_error: score)
     problems: list[tuple[int, EnvError]] = dataclasses.field(default_factory=list)  # (model turn, tool error or
     # the failure that ended it), in order
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by a token budget (DAPO's truncated response, what ``algorithm.mask_truncated`` masks): the token
+        budget ``max_total_tokens`` ended it, or it ended (the environment's ``done``, ``max_turns``) after a model
+        turn that no stop token closed (cut at ``max_turn_tokens`` or at what was left of the budget). One ended by an
+        environment failure is not: its reward is ``env_error_score``, the verdict on a failure."""
+        if self.finish == FINISH_TOKENS:
+            return True
+        return self.finish in (FINISH_DONE, FINISH_TURNS) and not self.trajectory.stopped
 
 
 @dataclasses.dataclass
@@ -98,7 +118,8 @@ def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Calla
             start = time.perf_counter()
             outputs = _generate(generate, active, params, turn, stop, config, budget)
             waited["generate_s"] += time.perf_counter() - start
-            texts = [c.trajectory.add_model_turn(ids, lps) for c, (ids, lps) in zip(active, outputs, strict=True)]
+            texts = [c.trajectory.add_model_turn(t.ids, t.log_probs, version=t.version, routing=t.routing)
+                     for c, t in zip(active, outputs, strict=True)]
             for c in active:
                 c.turns += 1
             steps = _call_all(pool, [(c, c.env.step, (text,)) for c, text in zip(active, texts, strict=True)],
@@ -129,7 +150,7 @@ def _open(rows, n, make_env, renderer, stop, config, pool, waited) -> list[Conve
 
 
 def _generate(generate: Generate, active: list[Conversation], params: SamplingParams, turn: int,
-              stop: tuple[int, ...], config: MultiTurnConfig, budget: dict[int, int]) -> list[tuple[list, list]]:
+              stop: tuple[int, ...], config: MultiTurnConfig, budget: dict[int, int]) -> list[ModelTurn]:
     """One model turn for every active conversation (one engine call; each prompt its trajectory so far)."""
     new = min(config.max_turn_tokens, max(budget[id(c)] for c in active))
     turn_params = dataclasses.replace(params, n=1, max_new_tokens=new, stop_token_ids=stop,
@@ -138,9 +159,10 @@ def _generate(generate: Generate, active: list[Conversation], params: SamplingPa
     if len(out) != len(active):
         raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(active)} conversations")
     result = []
-    for c, (ids, lps) in zip(active, out, strict=True):
-        keep = min(len(ids), budget[id(c)])  # a row may not pass its own budget (the call took the largest)
-        result.append((ids[:keep], lps[:keep]))
+    for c, turn in zip(active, out, strict=True):
+        turn = ModelTurn(*turn)
+        keep = min(len(turn.ids), budget[id(c)])  # a row may not pass its own budget (the call took the largest)
+        result.append(turn._replace(ids=turn.ids[:keep], log_probs=turn.log_probs[:keep]))
     return result
 
 
@@ -236,13 +258,17 @@ def _metrics(convs: list[Conversation], waited: dict) -> dict[str, float]:
 
 def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Batch:
     """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
-    model's tokens only: observations are context, not trained), ``rollout_log_probs`` (token-aligned: entry i is
-    the log-prob of token i), ``prompt_uid`` (the row, for group baselines), ``environment_scores`` (each
-    conversation's reward from its environment), ``response_lengths`` (the model's tokens: what
-    ``response/length_*`` counts, as of a single-turn response) and ``observation_lengths`` (the environment's
-    tokens between the model's turns: ``response/env_tokens_*``; the two add up to the tokens after the prompt);
-    non-tensor ``finish_reasons`` ("stop" when the environment ended the episode, else "length") and
-    ``final_texts`` (the model's last turn, what a reward function scores)."""
+    model's tokens only: observations are context, not trained), ``rollout_log_probs`` and ``rollout_versions``
+    (token-aligned: entry i is the log-prob of token i and the policy version that sampled it, 0 off the model's
+    tokens), ``policy_version`` (each row's oldest model token's version), ``prompt_uid`` (the row, for group
+    baselines), ``environment_scores`` (each conversation's reward from its environment), ``response_lengths`` (the
+    model's tokens: what ``response/length_*`` counts, as of a single-turn response) and ``observation_lengths``
+    (the environment's tokens between the model's turns: ``response/env_tokens_*``; the two add up to the tokens
+    after the prompt, what ``max_total_tokens`` bounds), ``routed_experts`` when every model turn came with its
+    routing (MoE: int16 ``[rows, width, layers, top_k]``, each token's experts from the call that first fed it,
+    experts 0..k-1 where none fed it); non-tensor ``finish_reasons`` ("length" for a conversation cut by a token
+    budget, :attr:`Conversation.truncated`, else "stop") and ``final_texts`` (the model's last turn, what a reward
+    function scores)."""
     width = max(len(c.trajectory.ids) for c in convs)
 
     def padded(values: list[list], value, dtype) -> torch.Tensor:
@@ -250,24 +276,55 @@ def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Bat
 
     ids = [c.trajectory.ids for c in convs]
     model = [sum(len(s.ids) for s in c.trajectory.segments if s.kind == "model") for c in convs]
-    return Batch.from_dict({
+    versions = [[v for s in c.trajectory.segments if s.kind == "model" for v in s.versions] for c in convs]
+    fields = {
         "input_ids": padded(ids, pad_token_id, torch.long),
         "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
         "response_mask": padded([c.trajectory.loss_mask() for c in convs], 0, torch.float32),
         "rollout_log_probs": padded([c.trajectory.rollout_log_probs() for c in convs], 0.0, torch.float32),
+        "rollout_versions": padded([c.trajectory.rollout_versions() for c in convs], 0, torch.long),
+        "policy_version": torch.tensor([min(v, default=0) for v in versions], dtype=torch.long),
         "prompt_uid": torch.tensor([c.row for c in convs], dtype=torch.long),
         "environment_scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
         "response_lengths": torch.tensor(model, dtype=torch.long),
         "observation_lengths": torch.tensor([len(v) - c.trajectory.prompt_length - m
                                              for c, v, m in zip(convs, ids, model, strict=True)], dtype=torch.long),
-    }, non_tensors={"finish_reasons": [FINISH_STOP if c.finish == FINISH_DONE else FINISH_LENGTH for c in convs],
-                    "final_texts": [c.trajectory.final_text for c in convs]})
+    }
+    if any(s.routing for c in convs for s in c.trajectory.segments):  # the engine records routing: every row has it
+        fields["routed_experts"] = _routing_rows(convs, width)
+    return Batch.from_dict(fields, non_tensors={
+        "finish_reasons": [FINISH_LENGTH if c.truncated else FINISH_STOP for c in convs],
+        "final_texts": [c.trajectory.final_text for c in convs]})
 
 
-def model_turns(rows: Batch) -> list[tuple[list[int], list[float]]]:
-    """Each row's response ids and rollout log-probs, from single-turn training rows
-    (:func:`megarl.rollout.rows.rollout_batch`): the :data:`Generate` contract over a worker group's generate."""
+def _routing_rows(convs: Sequence[Conversation], width: int) -> torch.Tensor:
+    """[rows, width, layers, k]: each conversation's recorded routing (every token but its last, which no call fed,
+    at least), then experts 0..k-1 (the contract of :attr:`megarl.rollout.base.RolloutOutput.routed_experts`)."""
+    rows = [[torch.as_tensor(chunk) for s in c.trajectory.segments for chunk in s.routing] for c in convs]
+    layers, k = next(chunks[0] for chunks in rows if chunks).shape[1:]
+    out = torch.arange(k, dtype=torch.int16).expand(len(rows), width, layers, k).clone()
+    for i, (c, chunks) in enumerate(zip(convs, rows, strict=True)):
+        r = torch.cat(chunks) if chunks else out.new_zeros((0, layers, k))
+        if r.shape[0] < len(c.trajectory.ids) - 1:
+            raise RuntimeError(f"conversation {i} (row {c.row}) has the routed experts of {r.shape[0]} of its "
+                               f"{len(c.trajectory.ids)} tokens; every token but the last was fed to the rollout "
+                               "engine, whose routing must cover it (router replay)")
+        out[i, : r.shape[0]] = r.to(torch.int16)
+    return out
+
+
+def model_turns(rows: Batch) -> list[ModelTurn]:
+    """Each row's response ids, rollout log-probs, policy version and (MoE, when recorded) routing of the tokens
+    it fed (all but its last), from single-turn training rows (:func:`megarl.rollout.rows.rollout_batch`): the
+    :data:`Generate` contract over a worker group's generate."""
     masks = rows["response_mask"].bool().tolist()
-    return [([t for t, m in zip(ids, mask, strict=True) if m], [lp for lp, m in zip(lps, mask, strict=True) if m])
-            for ids, lps, mask in zip(rows["input_ids"].tolist(), rows["rollout_log_probs"].tolist(), masks,
-                                      strict=True)]
+    n = len(masks)
+    versions = rows["policy_version"].tolist() if "policy_version" in rows.tensors else [0] * n
+    routing = rows["routed_experts"] if "routed_experts" in rows.tensors else None
+    fed = (rows["attention_mask"].sum(-1).long() - 1).tolist()
+    return [ModelTurn([t for t, m in zip(ids, mask, strict=True) if m],
+                      [lp for lp, m in zip(lps, mask, strict=True) if m], int(version),
+                      None if routing is None else routing[i, : fed[i]])
+            for i, (ids, lps, mask, version) in enumerate(zip(rows["input_ids"].tolist(),
+                                                              rows["rollout_log_probs"].tolist(), masks, versions,
+                                                              strict=True))]

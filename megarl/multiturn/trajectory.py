@@ -3,9 +3,11 @@ chat template.
 
 A conversation's trajectory is one token sequence: the prompt (the chat template's rendering of the row's
 messages, with the generation prompt), then alternately a *model segment* (the ids the engine sampled, never
-decoded and re-encoded, each with its rollout log-prob; trained) and an *observation segment* (tool results,
-an environment's reply: the ids the chat template puts between the model's last token and the next generation
-prompt; masked out of the loss).
+decoded and re-encoded, each with its rollout log-prob and the policy version that sampled it; trained) and an
+*observation segment* (tool results, an environment's reply: the ids the chat template puts between the model's
+last token and the next generation prompt; masked out of the loss). With a Mixture-of-Experts policy whose rollout
+engine records routing, every segment also keeps the experts each of its tokens was routed to when the engine first
+fed it (router replay: :meth:`Trajectory.record_routing`).
 
 Observation ids come from the template itself, as a text difference: with ``history`` the messages so far and
 the model's turn kept as its decoded text ``t`` (tool calls included, verbatim), the template renders
@@ -39,13 +41,24 @@ class TemplateError(MegarlError):
 
 @dataclasses.dataclass
 class Segment:
-    """A run of trajectory tokens of one kind: ``prompt``, ``model`` (trained; with log-probs) or
-    ``observation``."""
+    """A run of trajectory tokens of one kind: ``prompt``, ``model`` (trained; with log-probs and versions) or
+    ``observation``.
+
+    ``routing`` (MoE, engines that record it): the experts each of the segment's tokens was routed to when the
+    rollout engine first fed it, as chunks ``[tokens, layers, top_k]`` in order; it covers a prefix of the segment
+    (a model turn's last token is fed by the next turn's call, or never)."""
 
     kind: str
     ids: list[int]
     log_probs: list[float] | None = None  # model segments: the rollout engine's log-prob of each id
     messages: int = 0  # observation segments: how many messages they render
+    versions: list[int] | None = None  # model segments: the policy version of the weights that sampled each id
+    routing: list[Any] = dataclasses.field(default_factory=list)  # MoE: chunks of [tokens, layers, top_k]
+
+    @property
+    def routed(self) -> int:
+        """How many of the segment's tokens (from its first) have their routing recorded."""
+        return sum(chunk.shape[0] for chunk in self.routing)
 
 
 class ChatRenderer:
@@ -132,16 +145,43 @@ class Trajectory:
         """The engine's log-prob of every model token, 0 elsewhere (aligned with :attr:`ids`)."""
         return [lp for s in self.segments for lp in (s.log_probs if s.kind == "model" else [0.0] * len(s.ids))]
 
-    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float]) -> str:
-        """Append the sampled ``ids`` (with their rollout log-probs) as they are; returns the turn's text (stop
-        token excluded), which joins :attr:`messages` as the assistant's content."""
+    def rollout_versions(self) -> list[int]:
+        """The policy version of every model token, 0 elsewhere (aligned with :attr:`ids`)."""
+        return [v for s in self.segments for v in (s.versions if s.kind == "model" else [0] * len(s.ids))]
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the model's last turn ended with a stop token (False: a token budget cut it)."""
+        last = next((s.ids for s in reversed(self.segments) if s.kind == "model"), [])
+        return bool(last) and last[-1] in self.stop_ids
+
+    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float], *, version: int = 0,
+                       routing: Any = None) -> str:
+        """Append the sampled ``ids`` (with their rollout log-probs, sampled by weights of policy ``version``) as
+        they are; returns the turn's text (stop token excluded), which joins :attr:`messages` as the assistant's
+        content. ``routing`` (MoE): the call's ``[tokens fed, layers, top_k]`` experts of this conversation's
+        row, from its first token (see :meth:`record_routing`)."""
         ids, log_probs = [int(i) for i in ids], [float(lp) for lp in log_probs]
         if len(ids) != len(log_probs):
             raise ValueError(f"a model turn of {len(ids)} tokens came with {len(log_probs)} log-probs")
-        self.segments.append(Segment("model", ids, log_probs))
+        self.segments.append(Segment("model", ids, log_probs, versions=[int(version)] * len(ids)))
+        if routing is not None:
+            self.record_routing(routing)
         text = self.renderer.decode(self._content_ids(ids))
         self.messages.append({"role": "assistant", "content": text})
         return text
+
+    def record_routing(self, routing: Any) -> None:
+        """Keep the routing of the tokens this call fed first: ``routing`` (``[tokens fed, layers, top_k]``, from
+        the trajectory's first token) fills each segment's positions not recorded yet; positions already recorded
+        keep the routing of the call that first fed them -- the one whose KV every later turn attended to (the
+        embedded engine's kept KV, vLLM's prefix cache) and whose version sampled them."""
+        start = 0
+        for s in self.segments:
+            end = min(start + len(s.ids), routing.shape[0])
+            if start + s.routed < end:
+                s.routing.append(routing[start + s.routed: end])
+            start += len(s.ids)
 
     def add_observation(self, observations: Sequence[Message]) -> list[int]:
         """Append the template's rendering of ``observations`` after the last model turn (and the next generation

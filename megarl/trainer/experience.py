@@ -76,39 +76,52 @@ class Experience:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
         if self.conversations is not None:
-            return self._converse(records, sampling, seed), None
+            return self._converse(records, sampling, seed)
         return self.finish(self.start(records, sampling, seed))
 
-    def _converse(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> Batch:
-        """Multi-turn rollouts: ``sampling.n`` conversations per record, as training rows (see the module doc)."""
-        make_env, renderer = self.conversations
+    def _converse(self, records: list[PromptRecord], sampling: SamplingConfig,
+                  seed: int | None) -> tuple[Batch, Batch | None]:
+        """Multi-turn rollouts: ``sampling.n`` conversations per record, as training rows (see the module doc), and
+        for ReMax (training only) one greedy conversation per record, each with its own environment, after them."""
         call_metrics: dict[str, float] = {}
-        versions: set[int] = set()  # of the weights that generated the turns (one: the engines sync only before)
         reuse = [0, 0]  # prompt tokens the engines did not compute again (kept KV / prefix cache), of all prompt tokens
+        validation = sampling is self.cfg.rollout.validation  # a step trains on version step - 1, validates on step
+        phase = "validation" if validation else "train"
+        batch, metrics = self._talk(records, sampling.n, self._params(sampling, seed), phase, call_metrics, reuse)
+        baseline = None
+        if self.cfg.algorithm.needs_greedy_baseline and not validation:  # ReMax, scored like the sampled ones
+            greedy = self._params(SamplingConfig(temperature=0.0), None)
+            baseline, _ = self._talk(records, 1, greedy, "baseline", call_metrics, reuse)
+            self.stage("baseline", baseline)
+        if reuse[1]:
+            call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
+        batch.meta["metrics"] = call_metrics | metrics | {"timing/to_train_s": self.cluster.to_train()}
+        self.stage("rollout", batch)
+        return batch, baseline
 
-        def generate(prompts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
-            rows = self.cluster.generate(prompt_batch(prompts), params)
+    def _talk(self, records: list[PromptRecord], n: int, params: Any, phase: str, call_metrics: dict[str, float],
+              reuse: list[int]) -> tuple[Batch, dict[str, float]]:
+        """``n`` conversations per record through the policy's rollout engines (:meth:`_converse`): their
+        training rows and the loop's metrics; each call's metrics summed into ``call_metrics``, the prompt tokens the
+        engines reused and were handed into ``reuse``, the environments' errors kept under ``phase``."""
+        make_env, renderer = self.conversations
+        versions: set[int] = set()  # of the weights that generated the turns (one: the engines sync only before)
+
+        def generate(prompts: list[list[int]], turn_params) -> list:
+            rows = self.cluster.generate(prompt_batch(prompts), turn_params)
             for k, v in rows.meta["metrics"].items():  # per call (timings): summed over the turns
                 call_metrics[k] = call_metrics.get(k, 0.0) + v
             if "cached_tokens" in rows.keys():  # noqa: SIM118 (Batch)
                 reuse[0] += int(rows["cached_tokens"].sum())
                 reuse[1] += sum(len(p) for p in prompts)
             versions.update(rows["policy_version"].tolist())
-            return model_turns(rows)
+            return model_turns(rows)  # each turn's ids, log-probs, version and (MoE) routing
 
-        result = run_conversations([{**rec.row, "prompt": rec.prompt} for rec in records], sampling.n, make_env,
-                                   renderer, generate, self._params(sampling, seed), self.cfg.rollout.multi_turn,
-                                   stop_ids=self.stop_token_ids)
-        batch = conversations_batch(result.conversations, self.pad_token_id)
-        batch.tensors["policy_version"] = torch.full((len(batch),), min(versions), dtype=torch.long)
-        validation = sampling is self.cfg.rollout.validation  # a step trains on version step - 1, validates on step
-        self.env_errors.record(min(versions) + (not validation), result.errors(),
-                               phase="validation" if validation else "train")
-        if reuse[1]:
-            call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
-        batch.meta["metrics"] = call_metrics | result.metrics | {"timing/to_train_s": self.cluster.to_train()}
-        self.stage("rollout", batch)
-        return batch
+        result = run_conversations([{**rec.row, "prompt": rec.prompt} for rec in records], n, make_env, renderer,
+                                   generate, params, self.cfg.rollout.multi_turn, stop_ids=self.stop_token_ids)
+        batch = conversations_batch(result.conversations, self.pad_token_id)  # with each token's version
+        self.env_errors.record(min(versions) + (phase != "validation"), result.errors(), phase=phase)
+        return batch, result.metrics
 
     def start(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> Generation:
         prompts = _prompt_batch(records)
@@ -211,8 +224,7 @@ class Experience:
             parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
             total = total + self.cfg.reward_model.weight * parts["model"]
         if r.overlong_buffer:
-            parts["overlong"] = overlong_penalty(batch["response_lengths"], self.cfg.rollout.max_new_tokens,
-                                                 r.overlong_buffer, r.overlong_penalty_factor).float()
+            parts["overlong"] = _overlong_scores(self.cfg, batch)
             total = total + parts["overlong"]
         return total, parts, num_errors
 
@@ -226,6 +238,19 @@ class Experience:
             "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)} | (
             {} if env is None else {"response/env_tokens_mean": env.mean().item(),
                                     "response/env_tokens_max": env.max().item()})
+
+
+def _overlong_scores(cfg: TrainConfig, batch: Batch) -> torch.Tensor:
+    """DAPO's soft overlong penalty of each row: a response's length against ``rollout.max_new_tokens``; a
+    conversation's tokens after the prompt (the model's and the observations', what ``max_total_tokens`` bounds and
+    cuts) against ``rollout.multi_turn.max_total_tokens`` (docs/multiturn.md)."""
+    r = cfg.reward
+    if "observation_lengths" in batch:  # multi-turn rows
+        lengths = batch["response_lengths"] + batch["observation_lengths"]
+        limit = cfg.rollout.multi_turn.max_total_tokens
+    else:
+        lengths, limit = batch["response_lengths"], cfg.rollout.max_new_tokens
+    return overlong_penalty(lengths, limit, r.overlong_buffer, r.overlong_penalty_factor).float()
 
 
 def _prompt_batch(records: list[PromptRecord]) -> Batch:

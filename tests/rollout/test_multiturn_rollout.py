@@ -119,7 +119,12 @@ def test_conversations_spell_the_templates_rendering_and_log_probs_match_transfo
         assert batch["observation_lengths"][i] == len(c.trajectory.ids) - c.trajectory.prompt_length - model > 0 or (
             c.turns == 1)
     assert result.metrics["multiturn/finished_done"] == 6 and result.metrics["multiturn/turns_max"] == 3
-    assert batch.non_tensors["finish_reasons"] == ["stop"] * 6
+    # the environment ended every conversation, but a last turn that no <|im_end|> closed was cut at max_turn_tokens:
+    # truncated, as a single-turn response cut at max_new_tokens (the random model rarely stops)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert batch.non_tensors["finish_reasons"] == ["stop" if c.trajectory.segments[-1].ids[-1] == end else "length"
+                                                   for c in result.conversations]
+    assert "length" in batch.non_tensors["finish_reasons"]
     assert batch.non_tensors["final_texts"] == [c.trajectory.messages[-1]["content"] for c in result.conversations]
 
 
@@ -188,3 +193,54 @@ def test_environment_failures_raise_or_are_scored(setup, mode, match, kind):
         assert tb.endswith('in step\n    raise KeyError("lookup failed")\nKeyError: \'lookup failed\'\n')
     else:
         assert errors[0]["traceback"] == ""
+
+
+def test_moe_conversation_rows_carry_the_routing_of_every_fed_token_and_each_tokens_version():
+    """Router replay with multi-turn rollouts (issue #42): a tiny Qwen3-MoE on the embedded engine (keeping each
+    conversation's KV between turns), generation calls turned into rows the way the trainer's are
+    (:func:`megarl.rollout.rows.rollout_batch`, then :func:`megarl.multiturn.rollout.model_turns`). Every row's
+    ``routed_experts`` at every token but the last (prompt, model turns, observations) equal the top-k experts
+    transformers' router picks in a plain forward over the whole trajectory; the last token and the padding hold
+    experts 0..k-1; ``rollout_versions`` is the call's version on the model's tokens, 0 elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.multiturn.rollout import model_turns
+    from megarl.rollout.embedded import EmbeddedEngine
+    from megarl.rollout.rows import rollout_batch
+
+    tok = make_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, chat_template=CHATML_TOOLS_TEMPLATE,
+                         eos_token="<|im_end|>")
+    config = tiny_config("qwen3_moe", vocab_size=len(tok), num_layers=2, num_experts=4, top_k=2, max_positions=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=5)
+    engine = EmbeddedEngine(config, pad_token_id=tok.pad_token_id, max_batch_size=16, prefix_cache_bytes=8 << 20)
+    engine.update_weights(model.state_dict().items())
+    engine.finish_weight_update()
+    reused = []
+
+    def generate(prompts, p):
+        out = engine.generate(prompts, p)
+        reused.append(int(out.cached_tokens.sum()))
+        rows = rollout_batch(prompts, [out], tok.pad_token_id)
+        rows.tensors["policy_version"] = torch.full((len(rows),), 6)
+        return model_turns(rows)
+
+    config_mt = MultiTurnConfig(max_turns=3, max_total_tokens=200, max_turn_tokens=4)
+    result = run_conversations(ROWS, 2, Scripted, ChatRenderer(tok), generate,
+                               SamplingParams(temperature=1.0, max_new_tokens=1, seed=5), config_mt,
+                               stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:])  # later turns attend to the KV the engine kept
+    batch = conversations_batch(result.conversations, tok.pad_token_id)
+    routed, k = batch["routed_experts"], config.num_experts_per_tok
+    assert routed.dtype == torch.int16 and routed.shape[2:] == (config.num_hidden_layers, k)
+    for row, c in enumerate(result.conversations):
+        ids, fed = c.trajectory.ids, len(c.trajectory.ids) - 1
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # per layer [len, E]
+        for layer in range(config.num_hidden_layers):
+            expected = logits[layer].topk(k, dim=-1).indices.sort(-1).values[:fed]
+            assert torch.equal(routed[row, :fed, layer].long().sort(-1).values, expected), (row, layer)
+        assert (routed[row, fed:] == torch.arange(k, dtype=torch.int16)).all()
+        mask = batch["response_mask"][row].bool()
+        assert (batch["rollout_versions"][row][mask] == 6).all() and (batch["rollout_versions"][row][~mask] == 0).all()
+    assert batch["policy_version"].tolist() == [6] * 6 and max(c.turns for c in result.conversations) == 3

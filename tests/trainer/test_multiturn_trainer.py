@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -136,3 +137,96 @@ def test_ppo_with_a_critic_runs_and_resumes(ray_cluster, task, tmp_path, caplog)
     firsts = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("multi-turn: first"))
     assert [w.split(" (")[0] for w in firsts] == sorted(2 * [f"multi-turn: first {kind}" for kind in kinds])
     assert all(f"every one's text goes to {out / 'env_errors.jsonl'}" in w for w in firsts)
+
+
+class _Rows:
+    """The rows of each step at the stages the checks need (cloned: later stages change them)."""
+
+    def __init__(self) -> None:
+        self.at: dict[tuple[str, int], tuple[dict, dict]] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage in ("baseline", "advantages", "step"):
+            self.at[stage, step] = ({k: batch[k].clone() for k in batch.tensors.keys()},  # noqa: SIM118 (Batch)
+                                    dict(batch.non_tensors))
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def _overlong_by_hand(rows: dict, budget: int, buffer: int, factor: float) -> list[float]:
+    """DAPO's penalty of each row, its length counted from the row: its tokens from the model's first on."""
+    out = []
+    for attention, mask in zip(rows["attention_mask"].tolist(), rows["response_mask"].tolist(), strict=True):
+        length = int(sum(attention)) - mask.index(1.0)
+        out.append(-factor * min(1.0, max(0, length - (budget - buffer)) / buffer))
+    return out
+
+
+def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
+    """Issue #42: DAPO's overlong penalty and filtering, ReMax's greedy conversation, router replay and a
+    distillation teacher, all on, with multi-turn rollouts: two steps of the hidden-digit task on a tiny MoE policy
+    (4 experts, top 2; TP1 x DP2 x EP2) taught by a dense teacher. Every row is checked by hand or against
+    transformers: the overlong penalty against DAPO's formula over the row's tokens after the prompt (budget 8,
+    buffer 4), the masked rows against their endings (a conversation here is cut only when its last turn ran out of
+    tokens before <|end|>), the ReMax baseline against the greedy conversation's own reward, the teacher's log-probs
+    against a transformers forward of the teacher over the whole conversation, the router replay against the
+    rollout's log-probs (the replayed forward reproduces them) and the replay's own count of mismatches."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.train import load_config
+    from megarl.testing.lookup import make_task
+    from megarl.trainer.trainer import run
+
+    task = make_task(tmp_path / "moe", num_experts=4, top_k=2)
+    teacher = make_task(tmp_path / "teacher", seed=1) / "model"
+    budget, buffer, factor = 8, 4, 0.5
+    rows = _Rows()
+
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "rollout.multi_turn.environment": f"{EXAMPLE / 'env.py'}:HiddenDigit",
+                 "trainer.output_dir": tmp_path / "run", "trainer.tensorboard": "false", "trainer.save_every": 0,
+                 "trainer.val_every": 0, "trainer.total_steps": 2, "data.batch_size": 4, "rollout.sampling.n": 4,
+                 "cluster.pools.main.tp": 1, "cluster.pools.main.ep": 2, "policy.router_replay": "true",
+                 "algorithm.advantage.estimator": "remax", "algorithm.mask_truncated": "true",
+                 "algorithm.kl_loss_coef": 0, "reward.overlong_buffer": buffer,
+                 "reward.overlong_penalty_factor": factor, "teacher.model.path": teacher, "teacher.kl_coef": 0.1}
+    history = run(load_config(EXAMPLE / "config.yaml", [f"{k}={v}" for k, v in overrides.items()]), callbacks=(rows,))
+    assert len(history) == 2
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype="float32").eval()
+    cut_rows = kept_rows = 0
+    for step, m in enumerate(history, start=1):
+        b, non = rows.at["advantages", step]
+        greedy, _ = rows.at["baseline", step]
+        stepped, _ = rows.at["step", step]
+        # overlong penalty, by hand; a row's reward is its environment's plus it (reward.function: null)
+        assert b["overlong_scores"].tolist() == pytest.approx(_overlong_by_hand(b, budget, buffer, factor), abs=1e-6)
+        assert b["scores"].tolist() == pytest.approx((b["environment_scores"] + b["overlong_scores"]).tolist())
+        # ReMax: one greedy conversation per prompt, scored the same way; its reward is each sampled row's baseline
+        assert greedy["prompt_uid"].tolist() == [0, 1, 2, 3]
+        greedy_reward = [e + p for e, p in zip(greedy["environment_scores"].tolist(),
+                                               _overlong_by_hand(greedy, budget, buffer, factor), strict=True)]
+        assert b["baseline_scores"].tolist() == pytest.approx([greedy_reward[u] for u in b["prompt_uid"].tolist()])
+        # mask_truncated: cut rows (the last token is not <|end|>, id 1) train on nothing, the others on every model
+        # token
+        for i, (ids, attention) in enumerate(zip(b["input_ids"].tolist(), b["attention_mask"].tolist(), strict=True)):
+            cut = ids[int(sum(attention)) - 1] != 1
+            assert non["finish_reasons"][i] == ("length" if cut else "stop")
+            expected = torch.zeros_like(b["response_mask"][i]) if cut else b["response_mask"][i]
+            assert torch.equal(stepped["response_mask"][i], expected)
+            cut_rows, kept_rows = cut_rows + cut, kept_rows + (not cut)
+        assert m["response/truncated_masked_frac"] == pytest.approx(sum(f == "length" for f in non["finish_reasons"])
+                                                                    / 16)
+        # the teacher's log-prob of every model token given the whole conversation, as transformers computes it
+        mask = b["response_mask"].bool()
+        with torch.no_grad():
+            logits = teacher_model(b["input_ids"], attention_mask=b["attention_mask"].long()).logits.double()
+        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+        assert (b["teacher_log_probs"][:, 1:].double() - expected)[mask[:, 1:]].abs().max() < 1e-5
+        # router replay: the rows carry the rollout's routing of every fed token; replayed, the training forward
+        # reproduces every model token's rollout log-prob, and no token left the rollout's experts
+        assert b["routed_experts"].shape[:2] == b["input_ids"].shape and b["routed_experts"].shape[2:] == (2, 2)
+        assert m["rollout/logprob_abs_diff"] < 1e-5 and m["actor/moe_replay_mismatch"] == 0
+        assert (b["rollout_versions"][mask] == step - 1).all() and (b["rollout_versions"][~mask] == 0).all()
+        assert m["multiturn/turns_mean"] == 2.0 and "distill/reverse_kl" in m
+    assert cut_rows and kept_rows  # both kinds of endings were checked

@@ -297,3 +297,106 @@ def test_grpo_spreads_each_score_over_model_tokens_only():
     a = 1 / (2 ** 0.5 / 2 + 1e-6) / 2  # (s - mean) / (std + eps): mean 0.5, unbiased std sqrt(0.5)
     assert torch.allclose(out.advantages, torch.tensor([[a, a, 0, 0, a], [-a, 0, -a, -a, 0]], dtype=torch.float64),
                           rtol=0, atol=1e-12)
+
+
+def _rows_of(tok, conversations):
+    from megarl.multiturn.rollout import Conversation, conversations_batch
+
+    return conversations_batch([Conversation(0, None, t, finish=f) for t, f in conversations], tok.pad_token_id)
+
+
+def test_rows_carry_each_tokens_version_and_first_fed_routing(tok):
+    """Issue #42, one trajectory: a conversation whose turns were sampled at versions 3 and 4 (as a partial rollout
+    would be) and whose calls recorded MoE routing. By hand: the prompt has P tokens, turn 1 n1, the observation o,
+    turn 2 n2. Call 1 fed P + n1 - 1 tokens (routed to experts (1, 1) in every layer), call 2 fed P + n1 + o + n2 - 1
+    (all routed to (2, 2)): the rows keep call 1's routing where it fed first, call 2's from turn 1's last token
+    on, and experts 0..k-1 at the last token (never fed) and the padding."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    renderer = ChatRenderer(tok)
+    traj = Trajectory(renderer, [{"role": "user", "content": "hi"}], stop_ids=[end])
+    p = traj.prompt_length
+    turn1, turn2 = [*_encode(tok, "ab"), end], [*_encode(tok, "c"), end]
+    n1, n2, layers = len(turn1), len(turn2), 3
+    traj.add_model_turn(turn1, [-1.0] * n1, version=3, routing=torch.full((p + n1 - 1, layers, 2), 1))
+    o = len(traj.add_observation([{"role": "user", "content": "ok"}]))
+    length = p + n1 + o + n2
+    traj.add_model_turn(turn2, [-2.0] * n2, version=4, routing=torch.full((length - 1, layers, 2), 2))
+    short = Trajectory(renderer, [{"role": "user", "content": "hey"}], stop_ids=[end])  # one turn, 2 tokens shorter
+    turn = [*_encode(tok, "a"), end]
+    short.add_model_turn(turn, [-1.0] * len(turn), version=5,
+                         routing=torch.full((short.prompt_length + 1, layers, 2), 7))
+    batch = _rows_of(tok, [(traj, "done"), (short, "done")])
+    assert batch["rollout_versions"][0].tolist() == [0] * p + [3] * n1 + [0] * o + [4] * n2
+    assert batch["policy_version"].tolist() == [3, 5]  # a row's oldest token
+    assert batch["rollout_log_probs"][0].tolist() == [0.0] * p + [-1.0] * n1 + [0.0] * o + [-2.0] * n2
+    routed = batch["routed_experts"]
+    assert routed.dtype == torch.int16 and tuple(routed.shape) == (2, length, layers, 2)
+    unfed = [0, 1]  # experts 0..k-1
+    first = [[1, 1]] * (p + n1 - 1) + [[2, 2]] * (o + n2) + [unfed]
+    second = [[7, 7]] * (short.prompt_length + 1) + [unfed] * (length - short.prompt_length - 1)
+    for row, expected in enumerate((first, second)):
+        assert routed[row].tolist() == [[e] * layers for e in expected], row
+
+
+def test_a_conversations_routing_must_cover_every_fed_token(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    traj = Trajectory(ChatRenderer(tok), [{"role": "user", "content": "hi"}], stop_ids=[end])
+    turn = [*_encode(tok, "ab"), end]
+    traj.add_model_turn(turn, [-1.0] * len(turn), routing=torch.zeros(traj.prompt_length, 2, 2))  # 2 tokens short
+    with pytest.raises(RuntimeError, match=rf"routed experts of {traj.prompt_length} of its {len(traj.ids)} tokens"):
+        _rows_of(tok, [(traj, "done")])
+
+
+def test_truncated_conversations_and_their_overlong_penalty(tok):
+    """Which conversations DAPO's overlong filtering masks (``finish_reasons`` "length"): cut by a token budget --
+    the total budget ended it, or it ended after a model turn no stop token closed -- and the soft overlong penalty
+    of each, from its tokens after the prompt against ``max_total_tokens`` (float64 by hand:
+    ``-factor * min(1, max(0, L - (budget - buffer)) / buffer)``)."""
+    from types import SimpleNamespace
+
+    from megarl.trainer.experience import _overlong_scores
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    renderer = ChatRenderer(tok)
+    a = _encode(tok, "a")[0]
+
+    def conversation(turns: list[int], closed: bool) -> Trajectory:
+        traj = Trajectory(renderer, [{"role": "user", "content": "hi"}], stop_ids=[end])
+        for k, n in enumerate(turns):
+            if k:
+                traj.add_observation([{"role": "user", "content": "ok"}])
+            ids = [a] * n + ([end] if closed or k < len(turns) - 1 else [])
+            traj.add_model_turn(ids, [-1.0] * len(ids))
+        return traj
+
+    cases = [(conversation([2], True), "done", "stop"), (conversation([2], False), "done", "length"),
+             (conversation([1, 3], True), "tokens", "length"), (conversation([1, 1], True), "turns", "stop"),
+             (conversation([1, 2], False), "turns", "length"), (conversation([2], False), "env_error", "stop")]
+    batch = _rows_of(tok, [(t, f) for t, f, _ in cases])
+    assert batch.non_tensors["finish_reasons"] == [reason for _, _, reason in cases]
+    after = [len(t.ids) - t.prompt_length for t, _, _ in cases]
+    assert after == [3, 2, 2 + 20 + 4, 2 + 20 + 2, 2 + 20 + 2, 2]  # the observation: 20 tokens (see above)
+    budget, buffer, factor = 30, 10, 0.5
+    cfg = SimpleNamespace(reward=SimpleNamespace(overlong_buffer=buffer, overlong_penalty_factor=factor),
+                          rollout=SimpleNamespace(max_new_tokens=4,
+                                                  multi_turn=SimpleNamespace(max_total_tokens=budget)))
+    expected = [-factor * min(1.0, max(0, n - (budget - buffer)) / buffer) for n in after]
+    assert expected[2] == -0.5 * 6 / 10 and expected[0] == 0.0
+    assert _overlong_scores(cfg, batch).tolist() == pytest.approx(expected, abs=1e-7)
+
+
+def test_check_config_takes_every_algorithm_feature_with_multi_turn(tmp_path):
+    """Issue #42: DAPO's overlong penalty and filtering, ReMax, router replay and a teacher with multi-turn
+    rollouts pass the config check; the overlong ramp must fit the conversation's budget, not max_new_tokens."""
+    from pathlib import Path
+
+    from megarl.config.train import check_config, load_config
+    from megarl.errors import ConfigError
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "multiturn_lookup_tiny" / "config.yaml"
+    base = {"algorithm.advantage.estimator": "remax", "algorithm.mask_truncated": "true",
+            "reward.overlong_buffer": 6, "rollout.max_new_tokens": 2, "policy.router_replay": "true",
+            "model.path": tmp_path, "teacher.model.path": tmp_path, "trainer.output_dir": tmp_path / "run"}
+    check_config(load_config(example, [f"{k}={v}" for k, v in base.items()]))  # buffer 6 > max_new_tokens 2: fine
+    with pytest.raises(ConfigError, match=r"buffer=9 must lie in \(0, rollout.multi_turn.max_total_tokens=8\]"):
+        check_config(load_config(example, [f"{k}={v}" for k, v in (base | {"reward.overlong_buffer": 9}).items()]))
