@@ -441,7 +441,7 @@ def _check_multi_turn(cfg: TrainConfig) -> None:
         raise ConfigError(f"reward.overlong_buffer={buffer} must lie in (0, rollout.multi_turn.max_total_tokens="
                           f"{r.multi_turn.max_total_tokens}] (or 0: off): with multi-turn rollouts the penalty ramps "
                           "over a conversation's tokens after the prompt up to that budget.")
-    refused = {"rollout.schedule=" + r.schedule.value: r.schedule is not Schedule.SYNC}
+    refused = {"rollout.schedule=async (the producer continues single responses only)": r.schedule is Schedule.ASYNC}
     refused["data.apply_chat_template=false (conversations are rendered with the chat template)"] = (
         not cfg.data.apply_chat_template)
     found = [name for name, on in refused.items() if on]

@@ -18,6 +18,7 @@ the model's tokens, ``response/env_tokens_*`` the environment's between them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -29,7 +30,6 @@ import torch
 from megarl.algos.dapo import overlong_penalty
 from megarl.config.resolve import sampling_params
 from megarl.config.train import TrainConfig
-from megarl.controller.handles import PendingCall
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.multiturn.environment import environment_factory
@@ -48,11 +48,11 @@ Stage = Callable[[str, Batch], None]
 
 @dataclasses.dataclass
 class Generation:
-    """Responses being generated: the prompts, the pending call, and ReMax's pending greedy baseline."""
+    """Responses being generated: the prompts and a wait for the rows and ReMax's greedy baseline (prompt-indexed,
+    or None) once generated."""
 
     records: list[PromptRecord]
-    rows: PendingCall[Batch]
-    baseline: PendingCall[Batch] | None
+    wait: Callable[[], tuple[Batch, Batch | None]]
 
 
 class Experience:
@@ -64,6 +64,7 @@ class Experience:
         self.reward_monitor = RewardMonitor()  # the columns the reward functions need; constant scores warned about
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.conversations = None  # multi-turn: (one environment per conversation, the chat renderer)
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None  # multi-turn generations started ahead
         if cfg.rollout.multi_turn.enabled:
             make_env, schemas = environment_factory(cfg.rollout.multi_turn)
             self.conversations = (make_env, ChatRenderer(tokenizer, tools=schemas))
@@ -75,8 +76,8 @@ class Experience:
                 seed: int | None) -> tuple[Batch, Batch | None]:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
-        if self.conversations is not None:
-            return self._converse(records, sampling, seed)
+        if self.conversations is not None:  # on this thread
+            return self.finish(Generation(records, lambda: self._converse(records, sampling, seed)))
         return self.finish(self.start(records, sampling, seed))
 
     def _converse(self, records: list[PromptRecord], sampling: SamplingConfig,
@@ -92,11 +93,9 @@ class Experience:
         if self.cfg.algorithm.needs_greedy_baseline and not validation:  # ReMax, scored like the sampled ones
             greedy = self._params(SamplingConfig(temperature=0.0), None)
             baseline, _ = self._talk(records, 1, greedy, "baseline", call_metrics, reuse)
-            self.stage("baseline", baseline)
         if reuse[1]:
             call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
-        batch.meta["metrics"] = call_metrics | metrics | {"timing/to_train_s": self.cluster.to_train()}
-        self.stage("rollout", batch)
+        batch.meta["metrics"] = call_metrics | metrics
         return batch, baseline
 
     def _talk(self, records: list[PromptRecord], n: int, params: Any, phase: str, call_metrics: dict[str, float],
@@ -124,20 +123,31 @@ class Experience:
         return batch, result.metrics
 
     def start(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> Generation:
+        """:meth:`rollout`, started: it runs while this thread does other work (the conversations of multi-turn
+        rollouts on a thread of their own, whose generation calls reach the rollout engines in turn)."""
+        if self.conversations is not None:
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-conversations")
+            return Generation(records, self._threads.submit(self._converse, records, sampling, seed).result)
         prompts = _prompt_batch(records)
         rows = self.cluster.generate_async(prompts, self._params(sampling, seed))
         baseline = (self.cluster.generate_async(prompts, self.greedy_params())
                     if self.cfg.algorithm.needs_greedy_baseline else None)  # ReMax
-        return Generation(records, rows, baseline)
+        return Generation(records, lambda: (rows.result(), baseline.result() if baseline is not None else None))
 
     def finish(self, generation: Generation) -> tuple[Batch, Batch | None]:
-        batch = generation.rows.result()
-        baseline = generation.baseline.result() if generation.baseline is not None else None
+        batch, baseline = generation.wait()
         if baseline is not None:
             self.stage("baseline", baseline)
         batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
         self.stage("rollout", batch)
         return batch, baseline
+
+    def close(self) -> None:
+        """Stop waiting for conversations started ahead (their results are not needed any more)."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
     def _params(self, sampling: SamplingConfig, seed: int | None) -> SamplingParams:
         return sampling_params(sampling, self.cfg.rollout, self.stop_token_ids, seed)

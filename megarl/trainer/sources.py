@@ -249,6 +249,7 @@ class OneStepOffSource(RolloutSource):
 
     def close(self) -> None:
         self.ahead = None
+        self.experience.close()
 
 
 class AsyncSource(RolloutSource):
