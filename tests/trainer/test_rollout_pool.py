@@ -354,3 +354,88 @@ def test_async_wait_mode_resumes_with_consistent_versions_and_learns(ray_cluster
     rewards = [m["reward/mean"] for m in _metrics(tmp_path / "run")]
     assert len(rewards) == 60
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.2, rewards
+
+
+class _Stages:
+    """The rows of each step at the stages the checks need (cloned: later stages change them)."""
+
+    def __init__(self) -> None:
+        self.at: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage in ("baseline", "advantages", "step"):
+            self.at.setdefault((stage, step), []).append(
+                ({k: batch[k].clone() for k in batch.tensors.keys()}, dict(batch.non_tensors)))  # noqa: SIM118
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "remax"])
+def test_async_dapo_and_remax_with_partial_rollouts(ray_cluster, tmp_path, estimator):
+    """Issue #42: DAPO's overlong penalty and filtering under the fully asynchronous schedule (wait mode, eta = 1,
+    partial rollouts of one token per call), with DAPO's dynamic sampling (grpo) or ReMax's greedy baseline. No
+    row is older than eta and every token's version lies between its row's and the trained one; the overlong
+    penalty of each row is DAPO's formula by hand; the rows cut at max_new_tokens leave the loss. grpo: each
+    trained group's rewards differ and the counts add up (sampled = kept + dropped over the buffer takes). remax:
+    each row's baseline is the reward (the task's integer_answer rule, applied here) of its prompt's greedy
+    response, generated beside the group."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.rewards.rules import IntegerAnswerReward
+    from megarl.testing.addition import make_task
+
+    task = make_task(tmp_path / "task", train_rows=128, val_rows=8)
+    steps, max_new, buffer, factor = 3, 3, 2, 0.5
+    dapo = {"algorithm.dynamic_sampling.max_extra_rounds": 3, "algorithm.dynamic_sampling.on_short": "train"}
+    cfg = _config(task, tmp_path / "run", ASYNC | (dapo if estimator == "grpo" else {}) | {
+        "rollout.asynchronous.max_staleness": 1, "rollout.asynchronous.partial_chunk_tokens": 1,
+        "rollout.max_new_tokens": max_new, "data.batch_size": 4, "rollout.sampling.n": 4,
+        "algorithm.advantage.estimator": estimator, "algorithm.mask_truncated": "true",
+        "reward.overlong_buffer": buffer, "reward.overlong_penalty_factor": factor,
+        "trainer.total_steps": steps, "trainer.save_every": 0})
+    stages = _Stages()
+    history, _ = _fit(cfg, stages)
+    assert len(history) == steps
+    tokenizer = load_tokenizer(str(task / "model"))
+    rule = IntegerAnswerReward()
+    rows = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
+    truth = {r["prompt"]: r for r in rows}
+
+    def prompt_of(ids, resp_mask):
+        return tokenizer.decode(ids[: int(resp_mask.float().argmax())].tolist(), skip_special_tokens=True)
+    cut = kept = 0
+    for step, m in enumerate(history, start=1):
+        [(b, non)] = stages.at["advantages", step]
+        [(stepped, _)] = stages.at["step", step]
+        assert m["async/version_lag_max"] <= 1
+        if estimator == "grpo":
+            assert m["dynamic/groups_trained"] == min(4, m["dynamic/groups_kept"])
+            assert m["dynamic/groups_sampled"] == m["dynamic/groups_kept"] + m["dynamic/groups_dropped"]
+            for g in b["prompt_uid"].unique():
+                assert b["scores"][b["prompt_uid"] == g].unique().numel() > 1, (step, int(g))
+        lengths = b["response_lengths"].float()
+        by_hand = -factor * ((lengths - (max_new - buffer)).clamp(min=0) / buffer).clamp(max=1)
+        assert torch.allclose(b["overlong_scores"], by_hand)
+        mask = b["response_mask"].bool()
+        for i, reason in enumerate(non["finish_reasons"]):
+            assert reason == "stop" or int(lengths[i]) == max_new  # cut at max_new_tokens (an eos there: stopped)
+            assert reason == "length" or int(b["input_ids"][i][mask[i]][-1]) == tokenizer.eos_token_id
+            assert torch.equal(stepped["response_mask"][i].bool(), mask[i] & (reason != "length"))
+            cut, kept = cut + (reason == "length"), kept + (reason != "length")
+        versions = b["rollout_versions"][mask]
+        row_versions = b["policy_version"][:, None].expand_as(mask)[mask]
+        assert (versions >= row_versions).all() and (versions <= step - 1).all()
+        if estimator == "grpo":
+            continue
+        # ReMax: each group's greedy response, one per group of each take, scored as the sampled ones
+        greedy: dict[str, set[float]] = {}  # a prompt drawn twice in a step may have two greedy responses
+        for g, _ in stages.at["baseline", step]:
+            for ids, resp_mask in zip(g["input_ids"], g["response_mask"].bool(), strict=True):
+                prompt = prompt_of(ids, resp_mask)
+                text = tokenizer.decode(ids[resp_mask].tolist(), skip_special_tokens=True)
+                penalty = -factor * min(1.0, max(0, int(resp_mask.sum()) - (max_new - buffer)) / buffer)
+                greedy.setdefault(prompt, set()).add(round(rule(prompt, text, truth[prompt]) + penalty, 6))
+        for i in range(len(b["scores"])):
+            assert round(b["baseline_scores"][i].item(), 6) in greedy[prompt_of(b["input_ids"][i], mask[i])]
+    assert cut and kept
+    assert estimator != "grpo" or sum(m["dynamic/groups_dropped"] for m in history) > 0
