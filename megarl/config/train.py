@@ -486,9 +486,6 @@ def _check_overlapped(cfg: TrainConfig) -> None:
         if a.partial_chunk_tokens is not None and a.partial_chunk_tokens < 1:
             raise ConfigError(f"rollout.asynchronous.partial_chunk_tokens must be >= 1 or null (whole responses); "
                               f"found {a.partial_chunk_tokens}.")
-        if cfg.policy.router_replay:
-            raise ConfigError("policy.router_replay with rollout.schedule=async: the asynchronous producer's rows do "
-                              "not carry the rollout's expert choices yet; use sync or one_step_off with it.")
 
 
 def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:

@@ -169,7 +169,8 @@ class RolloutRole(Role):
         """Up to ``params.max_new_tokens`` more tokens for each of ``params.n`` rows per prompt, where a prompt
         may end with the start of a response (a partial rollout continued, prefilled under the weights held
         now). Rows grouped by prompt: ``tokens`` [rows, T] (padded), ``log_probs`` [rows, T], ``lengths``,
-        ``stopped`` (a stop token ended the row), ``policy_version``; the per-prompt fields are copied."""
+        ``stopped`` (a stop token ended the row), ``policy_version``, ``routed_experts`` where the engine records
+        routing (as :class:`~megarl.rollout.base.RolloutOutput` has it); the per-prompt fields are copied."""
         if self.version is None:
             raise RuntimeError("extend before the first weight sync: the engine holds no weights")
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
@@ -180,6 +181,8 @@ class RolloutRole(Role):
         fields = {"tokens": out.responses.long(), "log_probs": out.log_probs.float(), "lengths": out.response_lengths,
                   "stopped": torch.tensor([f == FINISH_STOP for f in out.finish_reasons]),
                   "policy_version": torch.full((len(out),), self.version, dtype=torch.long)}
+        if out.routed_experts is not None:  # [rows, W, layers, top_k]: the sequence so far and the new tokens
+            fields["routed_experts"] = out.routed_experts
         fields |= {k: prompts[k][out.prompt_index] for k in prompts.tensors.keys()  # noqa: SIM118
                    if k not in ("prompt_ids", "prompt_lengths")}
         return Batch.from_dict(fields) if self.ctx.is_collect_rank else None

@@ -61,12 +61,12 @@ def rollout_batch(prompts: list[list[int]], outputs: list[RolloutOutput], pad_to
     if all(out.cached_tokens is not None for out in outputs):
         fields["cached_tokens"] = torch.cat([out.cached_tokens.cpu().long() for out in outputs])
     if all(out.routed_experts is not None for out in outputs):
-        fields["routed_experts"] = torch.cat([_pad_routing(out.routed_experts.cpu(), width) for out in outputs])
+        fields["routed_experts"] = torch.cat([pad_routing(out.routed_experts.cpu(), width) for out in outputs])
     return Batch.from_dict(fields,
                            non_tensors={"finish_reasons": [reason for out in outputs for reason in out.finish_reasons]})
 
 
-def _pad_routing(t: torch.Tensor, width: int) -> torch.Tensor:
+def pad_routing(t: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, W, layers, k] -> [rows, width, layers, k]: extra columns take experts 0..k-1 (never fed)."""
     if t.shape[1] >= width:
         return t[:, :width]

@@ -45,7 +45,7 @@ from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
-from megarl.rollout.rows import rollout_batch
+from megarl.rollout.rows import pad_routing, rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class Response:
     log_probs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # of the weights that sampled each token
     finish: str | None = None  # FINISH_STOP / FINISH_LENGTH once finished
+    # MoE, router replay: chunks of [positions, layers, top_k], the experts of each position of prompt + tokens from
+    # the first, as the call that first fed it routed it (the one whose KV every later token attended to)
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    routed: int = 0  # positions whose routing is recorded
 
     @property
     def interrupted(self) -> bool:
@@ -304,8 +308,14 @@ class RolloutProducer:
         """Append each row's new tokens (cut to its remaining budget) and end the finished ones."""
         lengths, stopped, versions = out["lengths"].tolist(), out["stopped"].tolist(), out["policy_version"].tolist()
         tokens, log_probs = out["tokens"].tolist(), out["log_probs"].tolist()
-        for r, k, stop, version, toks, lps in zip(rows, lengths, stopped, versions, tokens, log_probs, strict=True):
+        routing = out["routed_experts"] if "routed_experts" in out.tensors.keys() else None  # noqa: SIM118
+        for i, (r, k, stop, version, toks, lps) in enumerate(zip(rows, lengths, stopped, versions, tokens, log_probs,
+                                                                  strict=True)):
             keep = min(k, self.max_new_tokens - len(r.tokens))
+            if routing is not None:  # this call fed the sequence so far and all but its last new token
+                fed = len(r.prompt) + len(r.tokens) + min(k - 1, keep)
+                r.routing.append(routing[i, r.routed:fed].clone())
+                r.routed = max(r.routed, fed)
             r.tokens += toks[:keep]
             r.log_probs += lps[:keep]
             r.versions += [version] * keep
@@ -347,4 +357,8 @@ def _rows(groups: list[Group], responses: list[list[Response]], pad_token_id: in
     batch.tensors["rollout_versions"] = rollout_batch(prompts, [versions], pad_token_id)["rollout_log_probs"].long()
     batch.tensors["policy_version"] = torch.tensor([min(r.versions) for r in rows])
     batch.tensors["prompt_uid"] = batch["prompt_index"]
+    if rows[0].routing:  # the rows' recorded routing, laid out as the rows (unfed positions: experts 0..k-1)
+        width = batch["input_ids"].shape[1]
+        batch.tensors["routed_experts"] = torch.stack([pad_routing(torch.cat(r.routing)[None], width)[0]
+                                                       for r in rows])
     return batch
