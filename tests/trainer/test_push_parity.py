@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_addition_tiny" / "config.yaml"
 SPLIT = {"cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1, "cluster.pools.gen.devices_per_node": 2,
          "cluster.placement.rollout": "gen", "data.batch_size": 4, "rollout.sampling.n": 4,
-         "trainer.tensorboard": "false", "trainer.val_every": 0, "trainer.save_every": 1}
+         "trainer.tensorboard": "false", "trainer.val_every": 0, "trainer.save_every": 1,
+         "algorithm.kl_loss_coef": 0}  # no reference model: one model less to build at each start
 
 
 def _config(task, out, extra):
