@@ -15,7 +15,8 @@ on a pool of their own; one run of a few steps, two faults:
 
 The sabotage runs inside the rollout worker, installed between steps through the group's call mechanism (a
 function of the role instance, as tests/trainer/test_rollout_pool.py reads the engines' weights); production code
-has no fault hook. The old code trained on past both faults until the 3600 s call limit.
+has no fault hook. Before the probe and the deadline (checked on the parent commit of both): the stale replica
+trained on to the last step (DID NOT RAISE), and the stalled push waited for ``call_s`` (3600 s; 60 s when set so).
 """
 
 from __future__ import annotations
