@@ -98,6 +98,11 @@ class PendingCall(Generic[T]):
             self._results |= self._group.gather(self._role, {r: self._futures[r] for r in done}, 0)
         return len(self._results) == len(self._futures)
 
+    def running(self) -> list[int]:
+        """The ranks not done yet, without waiting."""
+        done = set(self._results) | set(self._group.finished(self._futures))
+        return sorted(set(self._futures) - done)
+
 
 class RoleHandle(Generic[R]):
     """Typed calls on one role of a worker group. ``method`` is the role class's own function, so a type
@@ -166,13 +171,47 @@ class RoleHandle(Generic[R]):
         return self.dp_async(method, batch, *args, **kwargs).result()
 
 
-def wait_all(calls: Sequence[PendingCall[Any]], poll_s: float = 0.02) -> list[Any]:
+def wait_all(calls: Sequence[PendingCall[Any]], poll_s: float = 0.02, *, deadline_s: float | None = None,
+             what: str = "") -> list[Any]:
     """Results of several pending calls (on different groups, running concurrently), in order. The first
     failure in any of them raises at once: the ranks of another call may be blocked in a collective with the
-    failed ones (a weight sync across pools) and would otherwise hold the wait until their own timeout."""
-    deadline = time.monotonic() + max((c._group.options.timeouts.call_s or math.inf) for c in calls)
+    failed ones (a weight sync across pools) and would otherwise hold the wait until their own timeout.
+
+    ``deadline_s``: a deadline of this wait's own (e.g. ``cluster.timeouts.push_s``), shorter than the calls'
+    ``call_s``: past it the calls still running fail as lost workers (:class:`WorkerError` with ``lost=True``, the
+    ranks still running of ``what`` named), their groups torn down."""
+    limit = deadline_s if deadline_s is not None else max((c._group.options.timeouts.call_s or math.inf)
+                                                          for c in calls)
+    deadline = time.monotonic() + limit
     while not all([c.poll() for c in calls]):  # every call polled each round: the first failure raises
         if time.monotonic() > deadline:
+            stalled = _stalled(calls, deadline_s, what) if deadline_s is not None else None
+            if stalled is not None:
+                raise stalled
             break
         time.sleep(poll_s)
     return [c.result() for c in calls]  # past the deadline: the calls' own timeouts tear their groups down
+
+
+def _stalled(calls: Sequence[PendingCall[Any]], deadline_s: float, what: str) -> WorkerError | None:
+    """The lost-worker error of calls past ``deadline_s`` (None if they all finished meanwhile): each still-running
+    call's group is torn down (its own timeout error, raised at once, names the processes and is the cause). The
+    error's ``role`` and ``rank`` are the first call's still running; ``roles``, every role of the groups torn down."""
+    running = [(c, c.running()) for c in calls]
+    if not any(ranks for _, ranks in running):
+        return None
+    causes: list[WorkerError] = []
+    for call, ranks in running:
+        if ranks:
+            try:
+                call.result(timeout_s=0)  # a call still running: its group kills its ranks and raises
+            except WorkerError as e:
+                causes.append(e)
+    stuck = "; ".join(f"{c._role} ranks {ranks}" for c, ranks in running if ranks)
+    first = next((c, ranks) for c, ranks in running if ranks)
+    error = WorkerError(f"{what or 'a call'} did not finish within {deadline_s:g} s (still running: {stuck}): a rank "
+                        "stopped, hung or lost its link; the groups were torn down.",
+                        role=first[0]._role, rank=first[1][0] if len(first[1]) == 1 else None, lost=True,
+                        roles=tuple(dict.fromkeys(r for e in causes for r in e.roles)))
+    error.__cause__ = causes[0] if causes else None
+    return error

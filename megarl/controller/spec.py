@@ -89,6 +89,17 @@ class Timeouts:
     # groups and the weight link; must outlast what a rank may wait through there: a peer's generation,
     # checkpoint or model load (an async weight push waits behind a generation). init_s bounds the rendezvous
     collective_s: float = 3600.0
+    # a weight push to a rollout pool (cluster.placement.rollout), counted from the moment every rollout rank has
+    # run the calls queued before it (under async the generation in flight: one chunk with partial rollouts, else
+    # whole responses; call_s bounds that wait) to the end of the transfer on both pools; past it the push fails as
+    # a lost worker (a rank stopped or its link hung) and the run restarts its workers and resumes
+    # (trainer.max_restarts). Set it above the longest transfer plus load into the engines. null: call_s bounds it
+    push_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        if self.push_s is not None and not self.push_s > 0:
+            raise ConfigError(f"cluster.timeouts.push_s must be > 0 seconds (null: no deadline of its own); found "
+                              f"{self.push_s}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -131,6 +131,11 @@ class RolloutRole(Role):
         """Collective with the policy's :meth:`~megarl.roles.policy.PolicyRole.join_weight_link`."""
         self.member.join(host, port, self.link_rank, size, self.ctx.device, timeouts)
 
+    def ready(self) -> None:
+        """Returns at once: its result tells the driver that this rank has run every call submitted before it (the
+        generation in flight), so the push submitted right after starts now (``cluster.timeouts.push_s`` counts
+        from here)."""
+
     @trace.spanned("receive_weights", cat="weight_sync")
     def receive_weights(self, version: int) -> WeightSync:
         """Collective with the policy's push: load its weights into the engine; they are ``version`` from now."""
@@ -163,6 +168,20 @@ class RolloutRole(Role):
         reset_peaks()
         batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, metrics)
         batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        return batch if self.ctx.is_collect_rank else None
+
+    def probe(self, prompts: Batch, params: SamplingParams) -> Batch | None:
+        """The weight-push probe (:mod:`megarl.rollout.parity`), right after a push: :meth:`generate`'s rows of this
+        replica's one probe prompt, each tagged ``rollout_replica``, with the probe's own seed on every replica
+        (no timing or memory metrics: the window of the next generation's memory peak stays open)."""
+        if self.version is None:
+            raise RuntimeError("probe before the first weight sync: the engine holds no weights")
+        ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
+        with trace.span("probe", cat="weight_sync", prompts=len(prompts)):
+            out = self.engine.generate(ids, params)
+        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, {})
+        batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        batch.tensors["rollout_replica"] = torch.full((len(batch),), self.place.replica, dtype=torch.long)
         return batch if self.ctx.is_collect_rank else None
 
     def extend(self, prompts: Batch, params: SamplingParams) -> Batch | None:

@@ -13,6 +13,7 @@ checkpoints).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,11 +34,13 @@ from megarl.data.batch import Batch
 from megarl.engine.results import StepResult
 from megarl.errors import ClusterError, RunStopped
 from megarl.host import allocator, forkserver
+from megarl.models.spec import spec_from_hf_config
 from megarl.roles.critic import CriticRole, RewardModelRole
 from megarl.roles.policy import PolicyRole, ReferenceRole
 from megarl.roles.results import WeightSync
 from megarl.roles.split import RolloutRole
 from megarl.rollout.base import SamplingParams
+from megarl.rollout.parity import PushParity, compare, make_probe
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +115,14 @@ class Cluster:
         # to all its ranks before the next, so every rank runs them in one order (a vLLM TP group's ranks must)
         self._rollout_calls = threading.Lock()
         if rollout_ranks is not None:
+            hf_config = read_meta(src).hf_config
             self.rollout = self.placement.add_role(
-                Role.ROLLOUT.value, RolloutRole, hf_config=read_meta(src).hf_config, train_layout=c.layout(),
+                Role.ROLLOUT.value, RolloutRole, hf_config=hf_config, train_layout=c.layout(),
                 rollout=cfg.rollout.engine, seed=cfg.trainer.seed, record_routing=cfg.policy.router_replay)
             self._join_weight_link()
+            # every push's parity probe: one row per replica, at the policy's temperature
+            self.probe = make_probe(self.rollout.group.layout.dp, spec_from_hf_config(hf_config).vocab_size,
+                                    temperature, cfg.rollout.engine.max_model_len)
         self.reference = (self.placement.add_role(Role.REFERENCE.value, ReferenceRole, checkpoint_dir=src,
                                                   engine=cfg.policy, temperature=temperature)
                           if Role.REFERENCE in roles else None)
@@ -146,14 +153,37 @@ class Cluster:
     def sync_weights(self, version: int = 0) -> WeightSync:
         """Train -> rollout: the rollout engines hold the policy's current weights, which the rows they generate
         record as ``policy_version`` = ``version``. The slowest rank's transition (its traffic with it);
-        with a rollout pool, the receiving side's (its seconds cover the whole transfer)."""
+        with a rollout pool, the receiving side's (its seconds cover the whole transfer), with the push's parity
+        probe (:meth:`_check_push`). A push stalled past ``cluster.timeouts.push_s`` (counted once the rollout
+        ranks have run the calls ahead of it) fails as a lost worker."""
         if self.rollout is None:
             return max(self.policy.all(PolicyRole.sync_weights, version), key=lambda w: w.seconds)
+        # one submission to each rollout rank, in this order, before any other thread's call: the marker, the
+        # receive, then the probe, which so meets exactly the weights pushed
         with self._rollout_calls:
+            ready = self.rollout.all_async(RolloutRole.ready)
             calls = [self.policy.all_async(PolicyRole.push_weights),
                      self.rollout.all_async(RolloutRole.receive_weights, version)]
-        _, received = wait_all(calls)
-        return max(received, key=lambda w: w.seconds)
+            probed = self.rollout.dp_async(RolloutRole.probe, self.probe.prompts, self.probe.params)
+        ready.result()  # the generation ahead of the push (call_s); the policy's ranks wait in the link
+        _, received = wait_all(calls, deadline_s=self.cfg.cluster.timeouts.push_s,
+                               what=f"the weight push of version {version} to the rollout pool")
+        sync = max(received, key=lambda w: w.seconds)
+        return dataclasses.replace(sync, parity=self._check_push(probed, version))
+
+    def _check_push(self, probed: PendingCall[Batch], version: int) -> PushParity:
+        """The training model's log-probs of every replica's probe tokens, at the version just pushed (the policy
+        is idle meanwhile: it holds exactly the weights it sent); raises over
+        ``rollout.engine.max_logprob_abs_diff``."""
+        start = time.perf_counter()
+        rows = probed.result()
+        fields = ("input_ids", "attention_mask", *(("routed_experts",) if "routed_experts" in rows.tensors else ()))
+        training = self.policy.dp(PolicyRole.compute_log_probs, rows.select(*fields))["log_probs"]
+        result = compare(rows, training, version, replicas=self.rollout.group.layout.dp)
+        result = dataclasses.replace(result, seconds=time.perf_counter() - start)
+        logger.debug("push of version %d: log-prob gap per rollout replica %s", version, result.per_replica)
+        result.check(self.cfg.rollout.engine.max_logprob_abs_diff)
+        return result
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` rows per prompt, grouped by prompt, in prompt order (after :meth:`sync_weights`)."""

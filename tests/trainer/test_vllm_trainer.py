@@ -63,7 +63,7 @@ def test_grpo_on_vllm_learns_addition(ray_cluster, task, tmp_path):
 def test_ppo_with_critic_on_a_vllm_rollout_pool(ray_cluster, task, tmp_path):
     """Two vLLM replicas (rollout tp 1) on a pool of their own, fed by the TP2 policy over the weight link
     (full-shape tensors, each rank's slice filled); the training model's log-probs equal vLLM's after every
-    update."""
+    update, on the step's rows and on every push's parity probe."""
     history = _run(task, tmp_path / "ppo", **{"rollout.engine.tp": 1, "algorithm.advantage.estimator": "gae",
                                                "algorithm.kl_loss_coef": 0, "trainer.total_steps": 5,
                                                "trainer.val_every": 0, "cluster.pools.gen.devices_per_node": 2,
@@ -71,3 +71,5 @@ def test_ppo_with_critic_on_a_vllm_rollout_pool(ray_cluster, task, tmp_path):
     assert len(history) == 5 and "critic/vf_loss" in history[0]
     assert all(m["rollout/logprob_abs_diff"] < 1e-5 for m in history)
     assert all(m["reshard/bytes_received"] > 0 and m["reshard/bytes_kept"] == 0 for m in history)
+    # every push's probe (megarl/rollout/parity.py) on both vLLM replicas, at the sampling temperature
+    assert all(m["rollout/push_logprob_abs_diff"] < 1e-5 for m in history)
