@@ -164,15 +164,15 @@ def _overlong_by_hand(rows: dict, budget: int, buffer: int, factor: float) -> li
 
 
 def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
-    """Issue #42: DAPO's overlong penalty and filtering, ReMax's greedy conversation, router replay and a
-    distillation teacher, all on, with multi-turn rollouts under the one-step-off schedule (the conversations of
-    step 2 talk with the rollout pool while step 1 trains): two steps of the hidden-digit task on a tiny MoE policy
-    (4 experts, top 2; TP1 x DP2 x EP2, its rollout engine on a pool of its own) taught by a dense teacher. Every
-    row is checked by hand or against transformers: the overlong penalty against DAPO's formula over the row's
-    tokens after the prompt (budget 8, buffer 4), the masked rows against their endings (a conversation here is cut only when its last turn ran out of
-    tokens before <|end|>), the ReMax baseline against the greedy conversation's own reward, the teacher's log-probs
-    against a transformers forward of the teacher over the whole conversation, the router replay against the
-    rollout's log-probs (the replayed forward reproduces them) and the replay's own count of mismatches."""
+    """Issue #42: DAPO's overlong penalty and filtering, ReMax's greedy conversation, router replay and a distillation
+    teacher, all on, with multi-turn rollouts under the one-step-off schedule (the conversations of step 2 talk with
+    the rollout pool while step 1 trains): two steps of the hidden-digit task on a tiny MoE policy (4 experts, top
+    2; TP1 x DP2 x EP2, its rollout engine on a pool of its own) taught by a dense teacher. Every row is checked by
+    hand or against transformers: the overlong penalty against DAPO's formula over the row's tokens after the prompt
+    (budget 8, buffer 4), the masked rows against their endings (a conversation here is cut only when its last turn
+    ran out of tokens before <|end|>), the ReMax baseline against the greedy conversation's own reward, the
+    teacher's log-probs against a transformers forward of the teacher over the whole conversation, the router replay
+    against the rollout's log-probs (the replayed forward reproduces them) and the replay's own count of mismatches."""
     from transformers import AutoModelForCausalLM
 
     from megarl.config.train import load_config
