@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from megarl.config.train import AsyncConfig, OnStale
+from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
 from megarl.roles.results import WeightSync
@@ -128,7 +129,7 @@ class RolloutProducer:
         self.counters = collections.Counter()  # since the last take: interrupted responses, waits
         self.dropped_total = 0
         self._sampler_state = sampler.state_dict()  # before the next wave's draw
-        self._push(version)  # the engines need weights before the first call
+        self.first_push = self._push(version)  # the engines need weights before the first call
         self.thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
         self.thread.start()
 
@@ -147,8 +148,9 @@ class RolloutProducer:
     def _push(self, version: int) -> WeightSync:
         try:
             sync = self.cluster.sync_weights(version)
-        except Exception:
-            self._raise_error()  # the producer saw the failure first: its error is the cause
+        except Exception as e:
+            if not (isinstance(e, WorkerError) and e.lost):  # a lost worker is the cause whatever the producer saw
+                self._raise_error()  # the producer saw the failure first: its error is the cause
             raise
         with self.cond:
             self.engine_version = version

@@ -268,6 +268,7 @@ class AsyncSource(RolloutSource):
         if self.producer is None:
             with timer("weight_sync"):
                 self.producer = self._producer(step)
+            rounds.metrics |= self.producer.first_push.metrics()
         elif version != self.producer.engine_version and version % self.cfg.rollout.asynchronous.push_every == 0:
             with timer("weight_sync"):
                 rounds.metrics |= self.producer.push(version).metrics()
