@@ -371,80 +371,81 @@ class _Stages:
         pass
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "remax"])
-def test_async_dapo_and_remax_with_partial_rollouts(ray_cluster, tmp_path, estimator):
-    """Issue #42: DAPO's overlong penalty and filtering under the fully asynchronous schedule (wait mode, eta = 1,
-    partial rollouts of one token per call), with DAPO's dynamic sampling (grpo) or ReMax's greedy baseline. No
-    row is older than eta and every token's version lies between its row's and the trained one; the overlong
-    penalty of each row is DAPO's formula by hand; the rows cut at max_new_tokens leave the loss. grpo: each
-    trained group's rewards differ and the counts add up (sampled = kept + dropped over the buffer takes). remax:
-    each row's baseline is the reward (the task's integer_answer rule, applied here) of its prompt's greedy
-    response, generated beside the group."""
+def _greedy_baselines_check(stages: _Stages, step: int, b: dict, task: Path, penalty=lambda length: 0.0) -> None:
+    """ReMax: each row's baseline is the reward of its prompt's greedy response (one per group of each take,
+    generated beside it): the task's integer_answer rule applied here, plus ``penalty(length)``."""
     from megarl.data.tokenizer import load_tokenizer
     from megarl.rewards.rules import IntegerAnswerReward
+
+    tokenizer, rule = load_tokenizer(str(task / "model")), IntegerAnswerReward()
+    truth = {r["prompt"]: r for r in map(json.loads, (task / "train.jsonl").read_text().splitlines())}
+
+    def prompt_of(ids, resp_mask):
+        return tokenizer.decode(ids[: int(resp_mask.float().argmax())].tolist(), skip_special_tokens=True)
+
+    greedy: dict[str, set[float]] = {}  # a prompt drawn twice in a step may have two greedy responses
+    for g, _ in stages.at["baseline", step]:
+        for ids, resp_mask in zip(g["input_ids"], g["response_mask"].bool(), strict=True):
+            prompt = prompt_of(ids, resp_mask)
+            text = tokenizer.decode(ids[resp_mask].tolist(), skip_special_tokens=True)
+            score = rule(prompt, text, truth[prompt]) + penalty(int(resp_mask.sum()))
+            greedy.setdefault(prompt, set()).add(round(score, 6))
+    mask = b["response_mask"].bool()
+    for i in range(len(b["baseline_scores"])):
+        assert round(b["baseline_scores"][i].item(), 6) in greedy[prompt_of(b["input_ids"][i], mask[i])], (step, i)
+
+
+def test_async_dapo_with_partial_rollouts(ray_cluster, tmp_path):
+    """Issue #42: DAPO under the fully asynchronous schedule (wait mode, eta = 1, partial rollouts of one token per
+    call): dynamic sampling, the overlong penalty and overlong filtering. No row is older than eta and every
+    token's version lies between its row's and the trained one; each trained group's rewards differ and the counts
+    add up (sampled = kept + dropped over the buffer takes); the overlong penalty of each row is DAPO's formula by
+    hand; the rows cut at max_new_tokens leave the loss."""
+    from megarl.data.tokenizer import load_tokenizer
     from megarl.testing.addition import make_task
 
     task = make_task(tmp_path / "task", train_rows=128, val_rows=8)
     steps, max_new, buffer, factor = 3, 3, 2, 0.5
-    dapo = {"algorithm.dynamic_sampling.max_extra_rounds": 3, "algorithm.dynamic_sampling.on_short": "train"}
-    cfg = _config(task, tmp_path / "run", ASYNC | (dapo if estimator == "grpo" else {}) | {
+    cfg = _config(task, tmp_path / "run", ASYNC | {
         "rollout.asynchronous.max_staleness": 1, "rollout.asynchronous.partial_chunk_tokens": 1,
         "rollout.max_new_tokens": max_new, "data.batch_size": 4, "rollout.sampling.n": 4,
-        "algorithm.advantage.estimator": estimator, "algorithm.mask_truncated": "true",
-        "reward.overlong_buffer": buffer, "reward.overlong_penalty_factor": factor,
-        "trainer.total_steps": steps, "trainer.save_every": 0})
+        "algorithm.dynamic_sampling.max_extra_rounds": 3, "algorithm.dynamic_sampling.on_short": "train",
+        "algorithm.mask_truncated": "true", "reward.overlong_buffer": buffer,
+        "reward.overlong_penalty_factor": factor, "trainer.total_steps": steps, "trainer.save_every": 0})
     stages = _Stages()
     history, _ = _fit(cfg, stages)
     assert len(history) == steps
-    tokenizer = load_tokenizer(str(task / "model"))
-    rule = IntegerAnswerReward()
-    rows = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
-    truth = {r["prompt"]: r for r in rows}
-
-    def prompt_of(ids, resp_mask):
-        return tokenizer.decode(ids[: int(resp_mask.float().argmax())].tolist(), skip_special_tokens=True)
+    eos = load_tokenizer(str(task / "model")).eos_token_id
     cut = kept = 0
     for step, m in enumerate(history, start=1):
         [(b, non)] = stages.at["advantages", step]
         [(stepped, _)] = stages.at["step", step]
         assert m["async/version_lag_max"] <= 1
-        if estimator == "grpo":
-            assert m["dynamic/groups_trained"] == min(4, m["dynamic/groups_kept"])
-            assert m["dynamic/groups_sampled"] == m["dynamic/groups_kept"] + m["dynamic/groups_dropped"]
-            for g in b["prompt_uid"].unique():
-                assert b["scores"][b["prompt_uid"] == g].unique().numel() > 1, (step, int(g))
+        assert m["dynamic/groups_trained"] == min(4, m["dynamic/groups_kept"])
+        assert m["dynamic/groups_sampled"] == m["dynamic/groups_kept"] + m["dynamic/groups_dropped"]
+        for g in b["prompt_uid"].unique():
+            assert b["scores"][b["prompt_uid"] == g].unique().numel() > 1, (step, int(g))
         lengths = b["response_lengths"].float()
         by_hand = -factor * ((lengths - (max_new - buffer)).clamp(min=0) / buffer).clamp(max=1)
         assert torch.allclose(b["overlong_scores"], by_hand)
         mask = b["response_mask"].bool()
         for i, reason in enumerate(non["finish_reasons"]):
             assert reason == "stop" or int(lengths[i]) == max_new  # cut at max_new_tokens (an eos there: stopped)
-            assert reason == "length" or int(b["input_ids"][i][mask[i]][-1]) == tokenizer.eos_token_id
+            assert reason == "length" or int(b["input_ids"][i][mask[i]][-1]) == eos
             assert torch.equal(stepped["response_mask"][i].bool(), mask[i] & (reason != "length"))
             cut, kept = cut + (reason == "length"), kept + (reason != "length")
         versions = b["rollout_versions"][mask]
         row_versions = b["policy_version"][:, None].expand_as(mask)[mask]
         assert (versions >= row_versions).all() and (versions <= step - 1).all()
-        if estimator == "grpo":
-            continue
-        # ReMax: each group's greedy response, one per group of each take, scored as the sampled ones
-        greedy: dict[str, set[float]] = {}  # a prompt drawn twice in a step may have two greedy responses
-        for g, _ in stages.at["baseline", step]:
-            for ids, resp_mask in zip(g["input_ids"], g["response_mask"].bool(), strict=True):
-                prompt = prompt_of(ids, resp_mask)
-                text = tokenizer.decode(ids[resp_mask].tolist(), skip_special_tokens=True)
-                penalty = -factor * min(1.0, max(0, int(resp_mask.sum()) - (max_new - buffer)) / buffer)
-                greedy.setdefault(prompt, set()).add(round(rule(prompt, text, truth[prompt]) + penalty, 6))
-        for i in range(len(b["scores"])):
-            assert round(b["baseline_scores"][i].item(), 6) in greedy[prompt_of(b["input_ids"][i], mask[i])]
     assert cut and kept
-    assert estimator != "grpo" or sum(m["dynamic/groups_dropped"] for m in history) > 0
+    assert sum(m["dynamic/groups_dropped"] for m in history) > 0
 
 
-def test_async_moe_router_replay_with_partial_rollouts(ray_cluster, tmp_path):
-    """Issue #42: router replay under the fully asynchronous schedule (tiny Qwen3-MoE, 4 experts top 2, policy at
-    EP2, its rollout engine on a pool of its own; wait mode, eta = 1, partial rollouts of one token per call, so
-    each response is continued twice and may span a push). Every row of version 0 carries, at every position the
+def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tmp_path):
+    """Issue #42: router replay and ReMax under the fully asynchronous schedule (tiny Qwen3-MoE, 4 experts top 2,
+    policy at EP2, its rollout engine on a pool of its own; wait mode, eta = 1, partial rollouts of one token per
+    call, so each response is continued twice and may span a push). Each row's ReMax baseline is the reward of its
+    prompt's greedy response, generated (and continued) beside its group. Every row of version 0 carries, at every position the
     engine fed, the top-2 experts transformers' router picks for the initial model over the whole row (the last
     position: experts 0..k-1, never fed); the replay routes every token of every step to the rollout's experts
     (``actor/moe_replay_mismatch`` 0); at step 1 (every row fresh) the replayed training forward reproduces the
@@ -461,7 +462,7 @@ def test_async_moe_router_replay_with_partial_rollouts(ray_cluster, tmp_path):
                  "cluster.placement.rollout": "gen", "rollout.schedule": "async",
                  "rollout.asynchronous.max_staleness": 1, "rollout.asynchronous.partial_chunk_tokens": 1,
                  "rollout.max_new_tokens": 3, "rollout.stop_at_eos": "false", "data.batch_size": 4,
-                 "rollout.sampling.n": 4, "algorithm.kl_loss_coef": 0}
+                 "rollout.sampling.n": 4, "algorithm.kl_loss_coef": 0, "algorithm.advantage.estimator": "remax"}
     example = EXAMPLE.parents[1] / "grpo_addition_moe" / "config.yaml"
     cfg = load_config(example, [f"{k}={v}" for k, v in overrides.items()])
     stages = _Stages()
@@ -475,6 +476,7 @@ def test_async_moe_router_replay_with_partial_rollouts(ray_cluster, tmp_path):
         [(b, _)] = stages.at["advantages", step]
         routed, mask = b["routed_experts"], b["response_mask"].bool()
         assert routed.shape[:2] == b["input_ids"].shape and routed.shape[2:] == (2, 2)
+        _greedy_baselines_check(stages, step, b, task)
         for i in range(len(routed)):
             if (b["rollout_versions"][i][mask[i]] != 0).any():
                 continue
