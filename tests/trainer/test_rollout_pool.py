@@ -445,11 +445,11 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
     """Issue #42: router replay and ReMax under the fully asynchronous schedule (tiny Qwen3-MoE, 4 experts top 2,
     policy at EP2, its rollout engine on a pool of its own; wait mode, eta = 1, partial rollouts of one token per
     call, so each response is continued twice and may span a push). Each row's ReMax baseline is the reward of its
-    prompt's greedy response, generated (and continued) beside its group. Every row of version 0 carries, at every position the
-    engine fed, the top-2 experts transformers' router picks for the initial model over the whole row (the last
-    position: experts 0..k-1, never fed); the replay routes every token of every step to the rollout's experts
-    (``actor/moe_replay_mismatch`` 0); at step 1 (every row fresh) the replayed training forward reproduces the
-    rollout's log-probs (< 1e-5), and every push's probe on the rollout replica is within 1e-5."""
+    prompt's greedy response, generated (and continued) beside its group. Every row of version 0 carries, at every
+    position the engine fed, the top-2 experts transformers' router picks for the initial model over the whole row
+    (the last position: experts 0..k-1, never fed); the replay routes every token of every step to the rollout's
+    experts (``actor/moe_replay_mismatch`` 0); at step 1 (every row fresh) the replayed training forward reproduces
+    the rollout's log-probs (< 1e-5), and every push's probe on the rollout replica is within 1e-5."""
     from transformers import AutoModelForCausalLM
 
     from megarl.config.train import load_config
