@@ -434,20 +434,16 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 
 def _check_multi_turn(cfg: TrainConfig) -> None:
-    """What multi-turn rollouts do not combine with yet. DAPO's overlong penalty and filtering, ReMax, router replay
-    and a distillation teacher do (docs/multiturn.md); the penalty's ramp lies within the conversation's budget."""
+    """Multi-turn rollouts combine with every schedule and algorithm feature (docs/multiturn.md); the overlong
+    penalty's ramp lies within the conversation's budget, and conversations are rendered with the chat template."""
     r, buffer = cfg.rollout, cfg.reward.overlong_buffer
     if buffer and not 0 < buffer <= r.multi_turn.max_total_tokens:
         raise ConfigError(f"reward.overlong_buffer={buffer} must lie in (0, rollout.multi_turn.max_total_tokens="
                           f"{r.multi_turn.max_total_tokens}] (or 0: off): with multi-turn rollouts the penalty ramps "
                           "over a conversation's tokens after the prompt up to that budget.")
-    refused = {"rollout.schedule=async (the producer continues single responses only)": r.schedule is Schedule.ASYNC}
-    refused["data.apply_chat_template=false (conversations are rendered with the chat template)"] = (
-        not cfg.data.apply_chat_template)
-    found = [name for name, on in refused.items() if on]
-    if found:
-        raise ConfigError(f"rollout.multi_turn does not work with {', '.join(found)} yet; use single-turn rollouts "
-                          "for those, or turn them off.")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("rollout.multi_turn renders conversations with the chat template: data.apply_chat_template "
+                          "must be true (it is false).")
 
 
 def _check_rollout_pool(cfg: TrainConfig) -> None:

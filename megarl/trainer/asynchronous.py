@@ -50,6 +50,8 @@ from megarl.rollout.rows import pad_routing, rollout_batch
 
 logger = logging.getLogger(__name__)
 
+Converse = Callable[[list[PromptRecord], int], tuple[Batch, Batch | None]]
+
 
 @dataclasses.dataclass
 class Response:
@@ -78,6 +80,9 @@ class Group:
     record: PromptRecord
     responses: list[Response]
     baseline: Response | None = None  # ReMax: the prompt's greedy response
+    # multi-turn: the rows of its conversations (and ReMax's greedy one) as built once the wave's conversations ended
+    rows_built: Batch | None = None
+    baseline_built: Batch | None = None
 
     @property
     def done(self) -> bool:
@@ -90,6 +95,8 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
+        if self.rows_built is not None:
+            return int(self.rows_built["policy_version"].min())
         return min(v for r in self.responses for v in r.versions)
 
 
@@ -108,15 +115,17 @@ class _Wave:
 class RolloutProducer:
     """The generating thread and its buffer (module docstring). ``params(n, max_new_tokens, seed)`` gives a
     call's sampling parameters; ``skip``: per wave from the first, prompts a checkpoint says were consumed;
-    ``greedy``: how ReMax's greedy baseline of each prompt samples (None: no baseline)."""
+    ``greedy``: how ReMax's greedy baseline of each prompt samples (None: no baseline); ``converse``: multi-turn
+    rollouts, a wave's conversations run to their end (``(records, seed) -> (rows, ReMax's greedy rows or None)``,
+    :meth:`megarl.trainer.experience.Experience.converse`), one generation call per turn."""
 
     def __init__(self, *, cluster: Any, data: PromptDataset, sampler: PromptSampler, batch_size: int, n: int,
                  max_new_tokens: int, config: AsyncConfig, params: Callable[[int, int, int], SamplingParams],
                  version: int, seed: int, skip: list[list[int]] | None = None,
-                 greedy: SamplingParams | None = None) -> None:
+                 greedy: SamplingParams | None = None, converse: Converse | None = None) -> None:
         self.cluster, self.data, self.sampler, self.config = cluster, data, sampler, config
         self.batch_size, self.n, self.max_new_tokens = batch_size, n, max_new_tokens
-        self.params, self.seed, self.greedy = params, seed, greedy
+        self.params, self.seed, self.greedy, self.converse = params, seed, greedy, converse
         self.skip = collections.deque(set(s) for s in skip or [])
         self.chunk = config.partial_chunk_tokens or max_new_tokens
         self.cond = threading.Condition()
@@ -128,6 +137,7 @@ class RolloutProducer:
         self.error: BaseException | None = None
         self.counters = collections.Counter()  # since the last take: interrupted responses, waits
         self.dropped_total = 0
+        self.wave_metrics: dict[str, float] = {}  # multi-turn: the conversation metrics of the latest wave finished
         self._sampler_state = sampler.state_dict()  # before the next wave's draw
         self.first_push = self._push(version)  # the engines need weights before the first call
         self.thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
@@ -187,7 +197,7 @@ class RolloutProducer:
                    "async/interrupted_responses": float(counters["interrupted"]),
                    "async/trainer_wait_s": time.perf_counter() - start,
                    "async/rollout_wait_s": counters["rollout_wait_s"], "async/push_s": counters["push_s"],
-                   "async/engine_version": float(self.engine_version)}
+                   "async/engine_version": float(self.engine_version)} | self.wave_metrics
         return taken, metrics
 
     def discard(self, count: int) -> None:
@@ -273,6 +283,8 @@ class RolloutProducer:
 
     def _generate(self, groups: list[Group], wave: int) -> None:
         """Generate the wave call by call; each finished group goes to the buffer at once."""
+        if self.converse is not None:
+            return self._talk(groups, wave)
         pending = list(groups)
         call = 0
         while pending and not self.stopping:
@@ -292,6 +304,20 @@ class RolloutProducer:
                     self.buffer.extend(finished)
                     self.counters["interrupted"] += sum(r.interrupted for g in finished for r in g.rows)
                     self.cond.notify_all()
+
+    def _talk(self, groups: list[Group], wave: int) -> None:
+        """Multi-turn: the wave's conversations, turn by turn (a push lands between two turns' calls; each model
+        token keeps its version); its groups go to the buffer when they all ended."""
+        rows, baseline = self.converse([g.record for g in groups], self.seed + 7_919 * wave)
+        for i, g in enumerate(groups):
+            g.rows_built = rows.index((rows["prompt_uid"] == i).nonzero().flatten())
+            if baseline is not None:
+                g.baseline_built = baseline.index([i])
+        with self.cond:
+            self.buffer.extend(groups)
+            self.counters["interrupted"] += int((rows["rollout_versions"].amax(-1) > rows["policy_version"]).sum())
+            self.wave_metrics = {k: v for k, v in rows.meta.get("metrics", {}).items() if k.startswith("multiturn/")}
+            self.cond.notify_all()
 
     def _extend(self, responses: list[list[Response]], n: int, wave: int, call: int,
                 params: Callable[[int, int, int], SamplingParams]) -> tuple[list[Response] | None, Any]:
@@ -328,14 +354,25 @@ class RolloutProducer:
 
 
 def groups_batch(groups: list[Group], pad_token_id: int) -> Batch:
-    """Training rows of ``groups`` (as :func:`megarl.rollout.rows.rollout_batch` builds them; ``prompt_uid``
-    numbers the groups), with each token's ``rollout_versions`` and each row's ``policy_version`` (its oldest)."""
+    """Training rows of ``groups`` (as :func:`megarl.rollout.rows.rollout_batch` builds them, or the conversations'
+    rows; ``prompt_uid`` numbers the groups), with each token's ``rollout_versions`` and each row's
+    ``policy_version`` (its oldest)."""
+    if groups[0].rows_built is not None:
+        return _numbered([g.rows_built for g in groups])
     return _rows(groups, [g.responses for g in groups], pad_token_id)
 
 
 def baseline_batch(groups: list[Group], pad_token_id: int) -> Batch:
     """ReMax: each group's greedy response, one row per group in group order (fields as :func:`groups_batch`)."""
+    if groups[0].baseline_built is not None:
+        return _numbered([g.baseline_built for g in groups])
     return _rows(groups, [[g.baseline] for g in groups], pad_token_id)
+
+
+def _numbered(parts: list[Batch]) -> Batch:
+    batch = Batch.concat(parts)
+    batch.tensors["prompt_uid"] = torch.cat([torch.full((len(p),), i, dtype=torch.long) for i, p in enumerate(parts)])
+    return batch
 
 
 def _rows(groups: list[Group], responses: list[list[Response]], pad_token_id: int) -> Batch:

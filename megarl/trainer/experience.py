@@ -77,10 +77,10 @@ class Experience:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
         if self.conversations is not None:  # on this thread
-            return self.finish(Generation(records, lambda: self._converse(records, sampling, seed)))
+            return self.finish(Generation(records, lambda: self.converse(records, sampling, seed)))
         return self.finish(self.start(records, sampling, seed))
 
-    def _converse(self, records: list[PromptRecord], sampling: SamplingConfig,
+    def converse(self, records: list[PromptRecord], sampling: SamplingConfig,
                   seed: int | None) -> tuple[Batch, Batch | None]:
         """Multi-turn rollouts: ``sampling.n`` conversations per record, as training rows (see the module doc), and
         for ReMax (training only) one greedy conversation per record, each with its own environment, after them."""
@@ -100,7 +100,7 @@ class Experience:
 
     def _talk(self, records: list[PromptRecord], n: int, params: Any, phase: str, call_metrics: dict[str, float],
               reuse: list[int]) -> tuple[Batch, dict[str, float]]:
-        """``n`` conversations per record through the policy's rollout engines (:meth:`_converse`): their
+        """``n`` conversations per record through the policy's rollout engines (:meth:`converse`): their
         training rows and the loop's metrics; each call's metrics summed into ``call_metrics``, the prompt tokens the
         engines reused and were handed into ``reuse``, the environments' errors kept under ``phase``."""
         make_env, renderer = self.conversations
@@ -128,7 +128,7 @@ class Experience:
         if self.conversations is not None:
             if self._threads is None:
                 self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-conversations")
-            return Generation(records, self._threads.submit(self._converse, records, sampling, seed).result)
+            return Generation(records, self._threads.submit(self.converse, records, sampling, seed).result)
         prompts = _prompt_batch(records)
         rows = self.cluster.generate_async(prompts, self._params(sampling, seed))
         baseline = (self.cluster.generate_async(prompts, self.greedy_params())
