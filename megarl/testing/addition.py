@@ -1,7 +1,8 @@
 """The tiny single-digit addition task, built offline with megarl.toy's helpers: a character tokenizer, a random
 Qwen2-shaped model (or, with ``num_experts``, a Qwen3-MoE-shaped one) and ``a+b=`` prompt datasets with their
 answers (``a + b <= 9``). Used by ``make demo`` (examples/grpo_addition_tiny), the MoE variant
-(examples/grpo_addition_moe), the end-to-end trainer tests and the CPU GRPO benchmark.
+(examples/grpo_addition_moe), the end-to-end trainer tests and the CPU GRPO benchmark; ``make_reward_model``: a
+random sequence classifier over the task's tokenizer (the reward-model tests).
 
 A random policy answers correctly a few percent of the time; learning to emit one digit and stop,
 then the right digit, is the curve GRPO has to climb.
@@ -69,3 +70,24 @@ def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], 
     task_reward = [m.get("reward/function_mean", m["reward/mean"]) for m in history]  # distillation: weight 0
     logger.info("mean task reward per step: %s", " ".join(f"{r:.2f}" for r in task_reward))
     return 0
+
+
+def make_reward_model(out: str | Path, seed: int = 3) -> Path:
+    """A random Qwen2ForSequenceClassification (one label) over the addition task's tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    from megarl.testing.tiny import randomize_
+
+    config = Qwen2Config(
+        vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, num_labels=1, use_sliding_window=False,
+        architectures=["Qwen2ForSequenceClassification"],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)  # norms, biases and the score head random too
+    model.save_pretrained(str(out))
+    make_tokenizer(out)
+    return out

@@ -139,6 +139,8 @@ class Experience:
         batch, baseline = generation.wait()
         if baseline is not None:
             self.stage("baseline", baseline)
+        if "rollout_versions" not in batch:  # one call's rows: every token of a row has the row's version
+            batch.tensors["rollout_versions"] = batch["policy_version"][:, None] * batch["response_mask"].long()
         batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
         self.stage("rollout", batch)
         return batch, baseline

@@ -39,31 +39,10 @@ class Recorder:
         self.metrics[step] = dict(metrics)
 
 
-def make_reward_model(out: Path, seed: int = 3) -> Path:
-    """A random Qwen2ForSequenceClassification (one label) over the addition task's tokenizer."""
-    from transformers import AutoModelForSequenceClassification, Qwen2Config
-
-    from megarl.testing.addition import CHARS, SPECIALS, make_tokenizer
-    from megarl.testing.tiny import randomize_
-
-    config = Qwen2Config(
-        vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, num_labels=1, use_sliding_window=False,
-        architectures=["Qwen2ForSequenceClassification"],
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    randomize_(model, seed)  # norms, biases and the score head random too
-    model.save_pretrained(str(out))
-    make_tokenizer(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from megarl.config.train import load_config
-    from megarl.testing.addition import make_task
+    from megarl.testing.addition import make_reward_model, make_task
     from megarl.trainer.trainer import run as train
 
     root = tmp_path_factory.mktemp("rm_remax")
