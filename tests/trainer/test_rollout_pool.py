@@ -405,7 +405,7 @@ def test_overlapped_dapo(ray_cluster, tmp_path, schedule):
     from megarl.testing.addition import make_task
 
     task = make_task(tmp_path / "task", train_rows=256, val_rows=8)
-    steps, max_new, buffer, factor = 8, 3, 2, 0.5
+    steps, max_new, buffer, factor = 5, 3, 2, 0.5
     cfg = _config(task, tmp_path / "run", ASYNC | {
         "rollout.schedule": schedule, "rollout.asynchronous.max_staleness": 2,
         "rollout.asynchronous.partial_chunk_tokens": 1,
