@@ -17,7 +17,10 @@ Staleness (``max_staleness`` = eta, versions between a sample's oldest token and
 * ``on_stale: wait``: a wave starts only while every group of it will be trained at most eta versions after
   the weights the engines hold now: with ``S`` groups started so far, ``B`` per step and engine version
   ``w``, a wave of ``k`` groups starts when ``S + k <= (w + eta + 1) * B``. The trainer takes groups in the
-  order they were started, so group ``i`` trains at version ``floor(i / B) <= w + eta``. (Pushing every
+  order they were started, so group ``i`` trains at version ``floor(i / B) <= w + eta``. Groups the trainer takes
+  and does not train (dynamic sampling) are not counted. A step that trains fewer than ``B`` groups (dynamic
+  sampling short of informative groups, ``on_short: train``) breaks the promise: with dynamic sampling a group
+  found staler than eta is dropped and counted, as in drop mode. (Pushing every
   ``K`` updates, this waits forever unless ``K <= eta + 1``: the config check says so.)
 * ``on_stale: drop``: generation runs on while the buffer has room; a group found staler than eta when the
   trainer takes it is dropped and counted.
@@ -122,10 +125,14 @@ class RolloutProducer:
     def __init__(self, *, cluster: Any, data: PromptDataset, sampler: PromptSampler, batch_size: int, n: int,
                  max_new_tokens: int, config: AsyncConfig, params: Callable[[int, int, int], SamplingParams],
                  version: int, seed: int, skip: list[list[int]] | None = None,
-                 greedy: SamplingParams | None = None, converse: Converse | None = None) -> None:
+                 greedy: SamplingParams | None = None, converse: Converse | None = None,
+                 short_steps: bool = False) -> None:
         self.cluster, self.data, self.sampler, self.config = cluster, data, sampler, config
         self.batch_size, self.n, self.max_new_tokens = batch_size, n, max_new_tokens
         self.params, self.seed, self.greedy, self.converse = params, seed, greedy, converse
+        # a step may train fewer than batch_size groups (dynamic sampling, on_short: train): the wait rule's promise
+        # then slips, and a group found staler than max_staleness is dropped and counted, as with on_stale: drop
+        self.short_steps = short_steps
         self.skip = collections.deque(set(s) for s in skip or [])
         self.chunk = config.partial_chunk_tokens or max_new_tokens
         self.cond = threading.Condition()
@@ -182,7 +189,7 @@ class RolloutProducer:
                 group = self.buffer.popleft()
                 self._consume(group)
                 if version - group.oldest_version > eta:
-                    if self.config.on_stale is OnStale.WAIT:
+                    if self.config.on_stale is OnStale.WAIT and not self.short_steps:
                         raise RuntimeError(f"a prompt group sampled at version {group.oldest_version} reached the "
                                            f"trainer at version {version} (max_staleness={eta}, on_stale=wait): a bug "
                                            "in megarl's staleness rule")

@@ -273,6 +273,7 @@ class AsyncSource(RolloutSource):
             with timer("weight_sync"):
                 rounds.metrics |= self.producer.push(version).metrics()
         taken_metrics: dict[str, float] = {}
+        taken_groups = discarded = 0
         while not rounds.done:
             with timer("rollout"):  # the trainer's wait for the buffer
                 groups, taken = self.producer.take(version, rounds.needed)
@@ -283,8 +284,12 @@ class AsyncSource(RolloutSource):
             baseline = self.experience.baseline_rows(groups)
             self.experience.stage("rollout", batch)
             dropped = self.score(rounds, batch, [g.record for g in groups], baseline, timer)
-            self.producer.discard(dropped)
+            self.producer.discard(dropped)  # at once: the producer may be waiting for room under the wait rule
+            taken_groups, discarded = taken_groups + len(groups), discarded + dropped
         batch, metrics = rounds.result()
+        trained = int(batch["prompt_uid"].max()) + 1 if len(batch) else 0
+        # informative groups past data.batch_size (or trimmed to the mini-batches) are not trained either
+        self.producer.discard(taken_groups - discarded - trained)
         return batch, metrics | taken_metrics
 
     def _producer(self, step: int) -> RolloutProducer:
@@ -298,6 +303,7 @@ class AsyncSource(RolloutSource):
             greedy=exp.greedy_params() if self.cfg.algorithm.needs_greedy_baseline else None,
             converse=None if exp.conversations is None else lambda records, seed: exp.converse(
                 records, r.sampling, seed),
+            short_steps=self.cfg.algorithm.dynamic_sampling is not None,
             seed=self.seed(step), skip=self.skip)
 
     def state(self) -> dict[str, Any]:
