@@ -172,6 +172,11 @@ def prompt_batch(prompts: Sequence[Sequence[int]]) -> Batch:
     return Batch.from_dict({"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts])})
 
 
+def prompt_lists(prompts: Batch) -> list[list[int]]:
+    """The token-id prompts of a :func:`prompt_batch`, without padding."""
+    return [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
+
+
 def _pack(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     t = t.detach().cpu().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)

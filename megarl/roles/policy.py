@@ -21,7 +21,7 @@ from megarl.checkpoint.format import read_meta
 from megarl.checkpoint.training import load_training_checkpoint, save_training_checkpoint
 from megarl.controller.role import Role, WorkerContext
 from megarl.controller.spec import Timeouts
-from megarl.data.batch import Batch
+from megarl.data.batch import Batch, prompt_lists
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import Extreme, MegatronEngine
 from megarl.engine.results import StepResult
@@ -119,7 +119,7 @@ class PolicyRole(Role):
         Returns training rows (:func:`megarl.rollout.rows.rollout_batch`) grouped by prompt, with
         ``rollout/*`` metrics in ``meta["metrics"]``, on each DP rank's owner (None elsewhere).
         """
-        ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
+        ids = prompt_lists(prompts)
         outputs, metrics = self._hybrid().generate(ids, params)
         batch = generation_rows(prompts, ids, outputs, self.rollout.rollout.pad_token_id, metrics)
         batch.tensors["policy_version"] = torch.full((len(batch),), self.rollout.version, dtype=torch.long)

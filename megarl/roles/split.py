@@ -23,7 +23,7 @@ import torch
 
 from megarl.controller.role import Role, WorkerContext
 from megarl.controller.spec import Timeouts
-from megarl.data.batch import Batch
+from megarl.data.batch import Batch, prompt_lists
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
@@ -160,8 +160,7 @@ class RolloutRole(Role):
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
         start = time.perf_counter()
         with trace.span("generate", cat="rollout", prompts=len(prompts), n=params.n):
-            ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
-                                                            strict=True)]
+            ids = prompt_lists(prompts)
             out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
         # this process's memory peak since the previous generation rides along (no call that would wait for it)
         metrics = {"timing/generate_s": time.perf_counter() - start} | peaks().metrics("memory/rollout_pool/")
@@ -176,7 +175,7 @@ class RolloutRole(Role):
         (no timing or memory metrics: the window of the next generation's memory peak stays open)."""
         if self.version is None:
             raise RuntimeError("probe before the first weight sync: the engine holds no weights")
-        ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"], strict=True)]
+        ids = prompt_lists(prompts)
         with trace.span("probe", cat="weight_sync", prompts=len(prompts)):
             out = self.engine.generate(ids, params)
         batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, {})
@@ -194,8 +193,7 @@ class RolloutRole(Role):
             raise RuntimeError("extend before the first weight sync: the engine holds no weights")
         seed = None if params.seed is None else params.seed + 1_000_003 * self.place.replica
         with trace.span("extend", cat="rollout", prompts=len(prompts), n=params.n):
-            ids = [row[: int(n)].tolist() for row, n in zip(prompts["prompt_ids"], prompts["prompt_lengths"],
-                                                            strict=True)]
+            ids = prompt_lists(prompts)
             out = self.engine.generate(ids, dataclasses.replace(params, seed=seed))
         fields = {"tokens": out.responses.long(), "log_probs": out.log_probs.float(), "lengths": out.response_lengths,
                   "stopped": torch.tensor([f == FINISH_STOP for f in out.finish_reasons]),

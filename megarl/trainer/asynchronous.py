@@ -295,8 +295,7 @@ class RolloutProducer:
         pending = list(groups)
         call = 0
         while pending and not self.stopping:
-            sampled = self._extend([g.responses for g in pending], self.n, wave, call,
-                                   lambda n, budget, seed: self.params(n, budget, seed))
+            sampled = self._extend([g.responses for g in pending], self.n, wave, call, self.params)
             greedy = None if self.greedy is None else self._extend(
                 [[g.baseline] for g in pending], 1, wave, call,
                 lambda n, budget, seed: dataclasses.replace(self.greedy, n=n, max_new_tokens=budget))

@@ -91,8 +91,7 @@ class Experience:
         batch, metrics = self._talk(records, sampling.n, self._params(sampling, seed), phase, call_metrics, reuse)
         baseline = None
         if self.cfg.algorithm.needs_greedy_baseline and not validation:  # ReMax, scored like the sampled ones
-            greedy = self._params(SamplingConfig(temperature=0.0), None)
-            baseline, _ = self._talk(records, 1, greedy, "baseline", call_metrics, reuse)
+            baseline, _ = self._talk(records, 1, self.greedy_params(), "baseline", call_metrics, reuse)
         if reuse[1]:
             call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
         batch.meta["metrics"] = call_metrics | metrics

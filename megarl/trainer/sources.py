@@ -178,12 +178,6 @@ class RolloutSource(abc.ABC):
         with timer("weight_sync"):
             rounds.metrics |= self.cluster.sync_weights(version).metrics()
 
-    def score_round(self, rounds: Rounds, generation: Generation, timer: Timer) -> None:
-        """Finish ``generation``, score it and add it to ``rounds``."""
-        with timer("rollout"):
-            batch, baseline = self.experience.finish(generation)
-        self.score(rounds, batch, generation.records, baseline, timer)
-
     def score(self, rounds: Rounds, batch: Batch, records: list[PromptRecord], baseline: Batch | None,
               timer: Timer) -> int:
         with timer("reward"):
@@ -225,13 +219,12 @@ class OneStepOffSource(RolloutSource):
             self.sync(rounds, step - 1, timer)
             self.ahead = self._start(self.seed(step))
         current, self.ahead = self.ahead, None
-        if rounds.filter is not None:  # its rounds are known only once scored
-            self.score_round(rounds, current, timer)
+        with timer("rollout"):
+            batch, baseline = self.experience.finish(current)
+        if rounds.filter is not None:  # its rounds are known only once scored: before the next push
+            self.score(rounds, batch, current.records, baseline, timer)
             while not rounds.done:
                 self.sample_round(rounds, step, timer)
-        else:
-            with timer("rollout"):
-                batch, baseline = self.experience.finish(current)
         self.sync(rounds, step - 1, timer)
         self.ahead = self._start(self.seed(step + 1))
         if rounds.filter is None:
@@ -273,7 +266,7 @@ class AsyncSource(RolloutSource):
             with timer("weight_sync"):
                 rounds.metrics |= self.producer.push(version).metrics()
         taken_metrics: dict[str, float] = {}
-        taken_groups = discarded = 0
+        discarded = 0
         while not rounds.done:
             with timer("rollout"):  # the trainer's wait for the buffer
                 groups, taken = self.producer.take(version, rounds.needed)
@@ -285,11 +278,11 @@ class AsyncSource(RolloutSource):
             self.experience.stage("rollout", batch)
             dropped = self.score(rounds, batch, [g.record for g in groups], baseline, timer)
             self.producer.discard(dropped)  # at once: the producer may be waiting for room under the wait rule
-            taken_groups, discarded = taken_groups + len(groups), discarded + dropped
+            discarded += dropped
         batch, metrics = rounds.result()
         trained = int(batch["prompt_uid"].max()) + 1 if len(batch) else 0
         # informative groups past data.batch_size (or trimmed to the mini-batches) are not trained either
-        self.producer.discard(taken_groups - discarded - trained)
+        self.producer.discard(rounds.groups - discarded - trained)
         return batch, metrics | taken_metrics
 
     def _producer(self, step: int) -> RolloutProducer:
