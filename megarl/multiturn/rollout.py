@@ -35,7 +35,8 @@ from megarl.multiturn.environment import Environment, EnvironmentFailure, Step, 
 from megarl.multiturn.errors import EnvError, traceback_tail
 from megarl.multiturn.trajectory import ChatRenderer, Trajectory
 from megarl.rewards.base import OnError
-from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from megarl.rollout.rows import rollout_batch
 
 
 class ModelTurn(NamedTuple):
@@ -43,7 +44,7 @@ class ModelTurn(NamedTuple):
 
     ids: list[int]  # the sampled ids
     log_probs: list[float]  # the rollout engine's log-prob of each
-    version: int = 0  # the policy version of the weights that sampled them
+    version: int | list[int] = 0  # the policy version of the weights that sampled them (or of each token)
     routing: Any = None  # MoE engines that record routing: [tokens fed, layers, top_k] of the row, from its first
 
 
@@ -98,10 +99,11 @@ class MultiTurnResult:
 
 def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Callable[[], Environment],
                       renderer: ChatRenderer, generate: Generate, params: SamplingParams, config: MultiTurnConfig,
-                      *, stop_ids: Sequence[int] = ()) -> MultiTurnResult:
+                      *, stop_ids: Sequence[int] = (), chunk_tokens: int | None = None) -> MultiTurnResult:
     """Run ``n`` conversations per row to their end (module docstring). ``params``: how each model turn samples
     (``n`` and ``max_new_tokens`` are set per turn; a seed advances per turn); ``stop_ids``: the tokens that end
-    a model turn (eos, ``<|im_end|>``), added to ``params.stop_token_ids``."""
+    a model turn (eos, ``<|im_end|>``), added to ``params.stop_token_ids``; ``chunk_tokens``: partial rollouts, a
+    model turn generated ``chunk_tokens`` at a time (:func:`_generate`)."""
     stop = tuple(sorted({*params.stop_token_ids, *(int(i) for i in stop_ids)}))
     waited = {"env_s": 0.0, "generate_s": 0.0}
     with concurrent.futures.ThreadPoolExecutor(config.env_workers, thread_name_prefix="megarl-env") as pool:
@@ -116,7 +118,7 @@ def run_conversations(rows: Sequence[Mapping[str, Any]], n: int, make_env: Calla
             if not active:
                 break
             start = time.perf_counter()
-            outputs = _generate(generate, active, params, turn, stop, config, budget)
+            outputs = _generate(generate, active, params, turn, stop, config, budget, chunk_tokens)
             waited["generate_s"] += time.perf_counter() - start
             texts = [c.trajectory.add_model_turn(t.ids, t.log_probs, version=t.version, routing=t.routing)
                      for c, t in zip(active, outputs, strict=True)]
@@ -150,20 +152,57 @@ def _open(rows, n, make_env, renderer, stop, config, pool, waited) -> list[Conve
 
 
 def _generate(generate: Generate, active: list[Conversation], params: SamplingParams, turn: int,
-              stop: tuple[int, ...], config: MultiTurnConfig, budget: dict[int, int]) -> list[ModelTurn]:
-    """One model turn for every active conversation (one engine call; each prompt its trajectory so far)."""
+              stop: tuple[int, ...], config: MultiTurnConfig, budget: dict[int, int],
+              chunk: int | None) -> list[ModelTurn]:
+    """One model turn for every active conversation (each prompt its trajectory so far): one engine call, or with
+    ``chunk`` one call per ``chunk`` tokens (partial rollouts: a weight push may land between two of them; the
+    next call continues the turn under the new weights, each token keeping its version)."""
     new = min(config.max_turn_tokens, max(budget[id(c)] for c in active))
-    turn_params = dataclasses.replace(params, n=1, max_new_tokens=new, stop_token_ids=stop,
-                                      seed=None if params.seed is None else params.seed + 7_919 * turn)
-    out = generate([c.trajectory.ids for c in active], turn_params)
-    if len(out) != len(active):
-        raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(active)} conversations")
-    result = []
-    for c, turn in zip(active, out, strict=True):
-        turn = ModelTurn(*turn)
-        keep = min(len(turn.ids), budget[id(c)])  # a row may not pass its own budget (the call took the largest)
-        result.append(turn._replace(ids=turn.ids[:keep], log_probs=turn.log_probs[:keep]))
-    return result
+    limit = [min(new, budget[id(c)]) for c in active]  # a row may not pass its own budget (a call takes the largest)
+    turns = [_Turn() for _ in active]
+    call = 0
+    while pending := [k for k, t in enumerate(turns) if not t.ended(limit[k], stop)]:
+        size = max(limit[k] - len(turns[k].ids) for k in pending)
+        seed = None if params.seed is None else params.seed + 7_919 * turn + 104_729 * call
+        call_params = dataclasses.replace(params, n=1, max_new_tokens=size if chunk is None else min(chunk, size),
+                                          stop_token_ids=stop, seed=seed)
+        out = generate([active[k].trajectory.ids + turns[k].ids for k in pending], call_params)
+        if len(out) != len(pending):
+            raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(pending)} conversations")
+        for k, got in zip(pending, out, strict=True):
+            turns[k].add(ModelTurn(*got), limit[k], len(active[k].trajectory.ids))
+        call += 1
+    return [t.merged() for t in turns]
+
+
+@dataclasses.dataclass
+class _Turn:
+    """A model turn as its calls return it (several with partial rollouts)."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routing: list[Any] = dataclasses.field(default_factory=list)  # chunks from the trajectory's first token
+    routed: int = 0
+
+    def ended(self, limit: int, stop: tuple[int, ...]) -> bool:
+        return len(self.ids) >= limit or (bool(self.ids) and self.ids[-1] in stop)
+
+    def add(self, got: ModelTurn, limit: int, before: int) -> None:
+        """A call's tokens (cut to the turn's ``limit``); ``before``: the trajectory's tokens before the turn."""
+        keep = min(len(got.ids), limit - len(self.ids))
+        if got.routing is not None:  # this call fed the sequence so far and all but its last kept token
+            fed = min(before + len(self.ids) + keep - 1, got.routing.shape[0])
+            if fed > self.routed:
+                self.routing.append(got.routing[self.routed:fed])
+                self.routed = fed
+        self.ids += got.ids[:keep]
+        self.log_probs += got.log_probs[:keep]
+        self.versions += [got.version] * keep
+
+    def merged(self) -> ModelTurn:
+        routing = torch.cat(self.routing) if self.routing else None
+        return ModelTurn(self.ids, self.log_probs, self.versions, routing)
 
 
 def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dict, *, rows=None) -> list[Any]:
@@ -257,44 +296,47 @@ def _metrics(convs: list[Conversation], waited: dict) -> dict[str, float]:
 
 
 def conversations_batch(convs: Sequence[Conversation], pad_token_id: int) -> Batch:
-    """Training rows ``[trajectory | pad]``: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the
-    model's tokens only: observations are context, not trained), ``rollout_log_probs`` and ``rollout_versions``
-    (token-aligned: entry i is the log-prob of token i and the policy version that sampled it, 0 off the model's
-    tokens), ``policy_version`` (each row's oldest model token's version), ``prompt_uid`` (the row, for group
-    baselines), ``environment_scores`` (each conversation's reward from its environment), ``response_lengths`` (the
-    model's tokens: what ``response/length_*`` counts, as of a single-turn response) and ``observation_lengths``
-    (the environment's tokens between the model's turns: ``response/env_tokens_*``; the two add up to the tokens
-    after the prompt, what ``max_total_tokens`` bounds), ``routed_experts`` when every model turn came with its
-    routing (MoE: int16 ``[rows, width, layers, top_k]``, each token's experts from the call that first fed it,
-    experts 0..k-1 where none fed it); non-tensor ``finish_reasons`` ("length" for a conversation cut by a token
-    budget, :attr:`Conversation.truncated`, else "stop") and ``final_texts`` (the model's last turn, what a reward
-    function scores)."""
-    width = max(len(c.trajectory.ids) for c in convs)
+    """Training rows ``[trajectory | pad]``, laid out by :func:`megarl.rollout.rows.rollout_batch` (the prompt
+    segment, then the model's and the observations' segments as the continuation): ``input_ids``,
+    ``attention_mask``, ``response_mask`` (1 on the model's tokens only: observations are context, not trained),
+    ``rollout_log_probs`` and ``rollout_versions`` (token-aligned: entry i is the log-prob of token i and the policy
+    version that sampled it, 0 off the model's tokens), ``policy_version`` (each row's oldest model token's
+    version), ``prompt_uid`` (the row, for group baselines), ``environment_scores`` (each conversation's reward from
+    its environment), ``response_lengths`` (the model's tokens: what ``response/length_*`` counts, as of a
+    single-turn response) and ``observation_lengths`` (the environment's tokens between the model's turns:
+    ``response/env_tokens_*``; the two add up to the tokens after the prompt, what ``max_total_tokens`` bounds),
+    ``routed_experts`` when every model turn came with its routing (MoE: int16 ``[rows, width, layers, top_k]``,
+    each token's experts from the call that first fed it, experts 0..k-1 where none fed it); non-tensor
+    ``finish_reasons`` ("length" for a conversation cut by a token budget, :attr:`Conversation.truncated`, else
+    "stop") and ``final_texts`` (the model's last turn, what a reward function scores)."""
+    prompts = [c.trajectory.segments[0].ids for c in convs]
+    after = [c.trajectory.segments[1:] for c in convs]  # each conversation's segments after its prompt
+    width = max(sum(len(s.ids) for s in segments) for segments in after)
 
-    def padded(values: list[list], value, dtype) -> torch.Tensor:
+    def padded(per_segment: Callable[[Any], list], value, dtype) -> torch.Tensor:
+        values = [[x for s in segments for x in per_segment(s)] for segments in after]
         return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
 
-    ids = [c.trajectory.ids for c in convs]
-    model = [sum(len(s.ids) for s in c.trajectory.segments if s.kind == "model") for c in convs]
-    versions = [[v for s in c.trajectory.segments if s.kind == "model" for v in s.versions] for c in convs]
-    fields = {
-        "input_ids": padded(ids, pad_token_id, torch.long),
-        "attention_mask": padded([[1] * len(v) for v in ids], 0, torch.float32),
-        "response_mask": padded([c.trajectory.loss_mask() for c in convs], 0, torch.float32),
-        "rollout_log_probs": padded([c.trajectory.rollout_log_probs() for c in convs], 0.0, torch.float32),
-        "rollout_versions": padded([c.trajectory.rollout_versions() for c in convs], 0, torch.long),
-        "policy_version": torch.tensor([min(v, default=0) for v in versions], dtype=torch.long),
-        "prompt_uid": torch.tensor([c.row for c in convs], dtype=torch.long),
-        "environment_scores": torch.tensor([c.reward for c in convs], dtype=torch.float32),
-        "response_lengths": torch.tensor(model, dtype=torch.long),
-        "observation_lengths": torch.tensor([len(v) - c.trajectory.prompt_length - m
-                                             for c, v, m in zip(convs, ids, model, strict=True)], dtype=torch.long),
-    }
-    if any(s.routing for c in convs for s in c.trajectory.segments):  # the engine records routing: every row has it
-        fields["routed_experts"] = _routing_rows(convs, width)
-    return Batch.from_dict(fields, non_tensors={
-        "finish_reasons": [FINISH_LENGTH if c.truncated else FINISH_STOP for c in convs],
-        "final_texts": [c.trajectory.final_text for c in convs]})
+    def model(field: str, other) -> Callable[[Any], list]:  # a model segment's field, ``other`` on observations
+        return lambda s: getattr(s, field) if s.kind == "model" else [other] * len(s.ids)
+
+    span = torch.tensor([sum(len(s.ids) for s in segments) for segments in after])
+    routing = None
+    if any(s.routing for c in convs for s in c.trajectory.segments):  # the engine records it: every row has it
+        routing = _routing_rows(convs, max(len(c.trajectory.ids) for c in convs))
+    out = RolloutOutput(prompt_index=torch.arange(len(convs)),
+                        responses=padded(lambda s: s.ids, pad_token_id, torch.long),
+                        response_mask=padded(lambda s: [s.kind == "model"] * len(s.ids), False, torch.bool),
+                        log_probs=padded(model("log_probs", 0.0), 0.0, torch.float32), response_lengths=span,
+                        finish_reasons=[FINISH_LENGTH if c.truncated else FINISH_STOP for c in convs],
+                        versions=padded(model("versions", 0), 0, torch.long), routed_experts=routing)
+    batch = rollout_batch(prompts, [out], pad_token_id)
+    del batch.tensors["prompt_index"]
+    batch.tensors["prompt_uid"] = torch.tensor([c.row for c in convs], dtype=torch.long)
+    batch.tensors["environment_scores"] = torch.tensor([c.reward for c in convs], dtype=torch.float32)
+    batch.tensors["observation_lengths"] = span - batch["response_lengths"]
+    batch.non_tensors["final_texts"] = [c.trajectory.final_text for c in convs]
+    return batch
 
 
 def _routing_rows(convs: Sequence[Conversation], width: int) -> torch.Tensor:

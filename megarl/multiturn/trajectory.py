@@ -155,16 +155,20 @@ class Trajectory:
         last = next((s.ids for s in reversed(self.segments) if s.kind == "model"), [])
         return bool(last) and last[-1] in self.stop_ids
 
-    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float], *, version: int = 0,
+    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float], *, version: int | Sequence[int] = 0,
                        routing: Any = None) -> str:
-        """Append the sampled ``ids`` (with their rollout log-probs, sampled by weights of policy ``version``) as
-        they are; returns the turn's text (stop token excluded), which joins :attr:`messages` as the assistant's
-        content. ``routing`` (MoE): the call's ``[tokens fed, layers, top_k]`` experts of this conversation's
-        row, from its first token (see :meth:`record_routing`)."""
+        """Append the sampled ``ids`` (with their rollout log-probs, sampled by weights of policy ``version``,
+        or of each token's version where the turn spans a weight push) as they are; returns the turn's text
+        (stop token excluded), which joins :attr:`messages` as the assistant's content. ``routing`` (MoE): the
+        call's ``[tokens fed, layers, top_k]`` experts of this conversation's row, from its first token (see
+        :meth:`record_routing`)."""
         ids, log_probs = [int(i) for i in ids], [float(lp) for lp in log_probs]
         if len(ids) != len(log_probs):
             raise ValueError(f"a model turn of {len(ids)} tokens came with {len(log_probs)} log-probs")
-        self.segments.append(Segment("model", ids, log_probs, versions=[int(version)] * len(ids)))
+        versions = [int(version)] * len(ids) if isinstance(version, int) else [int(v) for v in version]
+        if len(versions) != len(ids):
+            raise ValueError(f"a model turn of {len(ids)} tokens came with {len(versions)} versions")
+        self.segments.append(Segment("model", ids, log_probs, versions=versions))
         if routing is not None:
             self.record_routing(routing)
         text = self.renderer.decode(self._content_ids(ids))

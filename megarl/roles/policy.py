@@ -121,8 +121,7 @@ class PolicyRole(Role):
         """
         ids = prompt_lists(prompts)
         outputs, metrics = self._hybrid().generate(ids, params)
-        batch = generation_rows(prompts, ids, outputs, self.rollout.rollout.pad_token_id, metrics)
-        batch.tensors["policy_version"] = torch.full((len(batch),), self.rollout.version, dtype=torch.long)
+        batch = generation_rows(prompts, ids, outputs, self.rollout.rollout.pad_token_id, metrics, self.rollout.version)
         return batch if self.ctx.is_collect_rank else None
 
     def to_train(self) -> float:

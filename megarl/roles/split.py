@@ -165,8 +165,7 @@ class RolloutRole(Role):
         # this process's memory peak since the previous generation rides along (no call that would wait for it)
         metrics = {"timing/generate_s": time.perf_counter() - start} | peaks().metrics("memory/rollout_pool/")
         reset_peaks()
-        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, metrics)
-        batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, metrics, self.version)
         return batch if self.ctx.is_collect_rank else None
 
     def probe(self, prompts: Batch, params: SamplingParams) -> Batch | None:
@@ -178,8 +177,7 @@ class RolloutRole(Role):
         ids = prompt_lists(prompts)
         with trace.span("probe", cat="weight_sync", prompts=len(prompts)):
             out = self.engine.generate(ids, params)
-        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, {})
-        batch.tensors["policy_version"] = torch.full((len(batch),), self.version, dtype=torch.long)
+        batch = generation_rows(prompts, ids, [out], self.engine.pad_token_id, {}, self.version)
         batch.tensors["rollout_replica"] = torch.full((len(batch),), self.place.replica, dtype=torch.long)
         return batch if self.ctx.is_collect_rank else None
 

@@ -95,10 +95,13 @@ class RolloutOutput:
     """Sampled responses, one row per sample, rows grouped by prompt (prompt 0's ``n`` samples first).
 
     ``responses`` is right-padded with the engine's pad token to the longest response ``R``;
-    ``response_mask`` is True on real tokens; ``log_probs`` (float32) is 0 on padding. ``routed_experts``
-    (MoE models, engines that record routing): each row's ``top_k`` experts per token of its whole sequence
-    (prompt then response, left-aligned like a training row) and MoE layer, [rows, W, layers, top_k];
-    positions the engine never fed (padding, each row's last token) hold experts ``0..top_k-1``.
+    ``response_mask`` is True on the model's tokens (an engine's: every real token; a conversation's rows, built
+    by :func:`megarl.multiturn.rollout.conversations_batch`, hold observation tokens between model turns, False
+    here); ``log_probs`` (float32) is 0 on padding. ``versions`` (long [rows, R]): the policy version of the
+    weights that sampled each token, set by the training side (:mod:`megarl.rollout.rows`); engines leave None.
+    ``routed_experts`` (MoE models, engines that record routing): each row's ``top_k`` experts per token of its
+    whole sequence (prompt then response, left-aligned like a training row) and MoE layer, [rows, W, layers,
+    top_k]; positions the engine never fed (padding, each row's last token) hold experts ``0..top_k-1``.
     ``cached_tokens`` (engines that report it): per row, how many leading prompt tokens the engine did not
     compute again because it kept their KV cache from an earlier call (or, vLLM, found them in its prefix cache).
     """
@@ -111,6 +114,7 @@ class RolloutOutput:
     finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH per row
     routed_experts: torch.Tensor | None = None  # int16 [rows, W, layers, top_k] (MoE), else None
     cached_tokens: torch.Tensor | None = None  # long [rows], else None
+    versions: torch.Tensor | None = None  # long [rows, R] (the training side's; module docstring)
 
     def __len__(self) -> int:
         return len(self.finish_reasons)

@@ -389,21 +389,17 @@ def _rows(groups: list[Group], responses: list[list[Response]], pad_token_id: in
         return torch.tensor([v + [value] * (width - len(v)) for v in values], dtype=dtype)
 
     lengths = torch.tensor([len(r.tokens) for r in rows])
+    routing = None
+    if rows[0].routing:  # recorded from each row's first prompt token: laid out as the rows (unfed: experts 0..k-1)
+        seq = max(len(r.prompt) + len(r.tokens) for r in rows)
+        routing = torch.cat([pad_routing(torch.cat(r.routing)[None], seq) for r in rows])
     out = RolloutOutput(
         prompt_index=torch.tensor([i for i, group in enumerate(responses) for _ in group]),
         responses=padded([r.tokens for r in rows], pad_token_id, torch.long),
         response_mask=torch.arange(width)[None, :] < lengths[:, None],
         log_probs=padded([r.log_probs for r in rows], 0.0, torch.float32), response_lengths=lengths,
-        finish_reasons=[r.finish for r in rows])
-    prompts = [g.record.input_ids for g in groups]
-    batch = rollout_batch(prompts, [out], pad_token_id)
-    # the versions, laid out as the log-probs are (rollout_batch places a per-token float field)
-    versions = dataclasses.replace(out, log_probs=padded([r.versions for r in rows], 0, torch.float32))
-    batch.tensors["rollout_versions"] = rollout_batch(prompts, [versions], pad_token_id)["rollout_log_probs"].long()
-    batch.tensors["policy_version"] = torch.tensor([min(r.versions) for r in rows])
+        finish_reasons=[r.finish for r in rows], versions=padded([r.versions for r in rows], 0, torch.long),
+        routed_experts=routing)
+    batch = rollout_batch([g.record.input_ids for g in groups], [out], pad_token_id)
     batch.tensors["prompt_uid"] = batch["prompt_index"]
-    if rows[0].routing:  # the rows' recorded routing, laid out as the rows (unfed positions: experts 0..k-1)
-        width = batch["input_ids"].shape[1]
-        batch.tensors["routed_experts"] = torch.stack([pad_routing(torch.cat(r.routing)[None], width)[0]
-                                                       for r in rows])
     return batch

@@ -80,25 +80,28 @@ class Experience:
             return self.finish(Generation(records, lambda: self.converse(records, sampling, seed)))
         return self.finish(self.start(records, sampling, seed))
 
-    def converse(self, records: list[PromptRecord], sampling: SamplingConfig,
-                  seed: int | None) -> tuple[Batch, Batch | None]:
+    def converse(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None,
+                 chunk_tokens: int | None = None) -> tuple[Batch, Batch | None]:
         """Multi-turn rollouts: ``sampling.n`` conversations per record, as training rows (see the module doc), and
-        for ReMax (training only) one greedy conversation per record, each with its own environment, after them."""
+        for ReMax (training only) one greedy conversation per record, each with its own environment, after them.
+        ``chunk_tokens`` (partial rollouts): each model turn is generated that many tokens per call, so that a
+        weight push can land inside a turn (:func:`megarl.multiturn.rollout.run_conversations`)."""
         call_metrics: dict[str, float] = {}
         reuse = [0, 0]  # prompt tokens the engines did not compute again (kept KV / prefix cache), of all prompt tokens
         validation = sampling is self.cfg.rollout.validation  # a step trains on version step - 1, validates on step
         phase = "validation" if validation else "train"
-        batch, metrics = self._talk(records, sampling.n, self._params(sampling, seed), phase, call_metrics, reuse)
+        batch, metrics = self._talk(records, sampling.n, self._params(sampling, seed), phase, call_metrics, reuse,
+                                    chunk_tokens)
         baseline = None
         if self.cfg.algorithm.needs_greedy_baseline and not validation:  # ReMax, scored like the sampled ones
-            baseline, _ = self._talk(records, 1, self.greedy_params(), "baseline", call_metrics, reuse)
+            baseline, _ = self._talk(records, 1, self.greedy_params(), "baseline", call_metrics, reuse, chunk_tokens)
         if reuse[1]:
             call_metrics["multiturn/prompt_tokens_reused"] = reuse[0] / reuse[1]
         batch.meta["metrics"] = call_metrics | metrics
         return batch, baseline
 
     def _talk(self, records: list[PromptRecord], n: int, params: Any, phase: str, call_metrics: dict[str, float],
-              reuse: list[int]) -> tuple[Batch, dict[str, float]]:
+              reuse: list[int], chunk_tokens: int | None) -> tuple[Batch, dict[str, float]]:
         """``n`` conversations per record through the policy's rollout engines (:meth:`converse`): their
         training rows and the loop's metrics; each call's metrics summed into ``call_metrics``, the prompt tokens the
         engines reused and were handed into ``reuse``, the environments' errors kept under ``phase``."""
@@ -116,7 +119,8 @@ class Experience:
             return model_turns(rows)  # each turn's ids, log-probs, version and (MoE) routing
 
         result = run_conversations([{**rec.row, "prompt": rec.prompt} for rec in records], n, make_env, renderer,
-                                   generate, params, self.cfg.rollout.multi_turn, stop_ids=self.stop_token_ids)
+                                   generate, params, self.cfg.rollout.multi_turn, stop_ids=self.stop_token_ids,
+                                   chunk_tokens=chunk_tokens)
         batch = conversations_batch(result.conversations, self.pad_token_id)  # with each token's version
         self.env_errors.record(min(versions) + (phase != "validation"), result.errors(), phase=phase)
         return batch, result.metrics
@@ -138,8 +142,6 @@ class Experience:
         batch, baseline = generation.wait()
         if baseline is not None:
             self.stage("baseline", baseline)
-        if "rollout_versions" not in batch:  # one call's rows: every token of a row has the row's version
-            batch.tensors["rollout_versions"] = batch["policy_version"][:, None] * batch["response_mask"].long()
         batch.meta["metrics"]["timing/to_train_s"] = self.cluster.to_train()
         self.stage("rollout", batch)
         return batch, baseline

@@ -295,7 +295,7 @@ class AsyncSource(RolloutSource):
                 sampling_params(r.sampling, r, exp.stop_token_ids, seed), n=n, max_new_tokens=max_new),
             greedy=exp.greedy_params() if self.cfg.algorithm.needs_greedy_baseline else None,
             converse=None if exp.conversations is None else lambda records, seed: exp.converse(
-                records, r.sampling, seed),
+                records, r.sampling, seed, chunk_tokens=r.asynchronous.partial_chunk_tokens),
             short_steps=self.cfg.algorithm.dynamic_sampling is not None,
             seed=self.seed(step), skip=self.skip)
 

@@ -244,3 +244,96 @@ def test_moe_conversation_rows_carry_the_routing_of_every_fed_token_and_each_tok
         mask = batch["response_mask"][row].bool()
         assert (batch["rollout_versions"][row][mask] == 6).all() and (batch["rollout_versions"][row][~mask] == 0).all()
     assert batch["policy_version"].tolist() == [6] * 6 and max(c.turns for c in result.conversations) == 3
+
+
+def test_partial_rollouts_continue_a_turn_under_new_weights(setup):
+    """Issue #42: with ``chunk_tokens`` a model turn is generated two tokens per call; a weight push after the second
+    call (here: the next calls go to an engine holding other weights, version 1) lands inside the turns in flight.
+    Every model token's rollout log-prob equals a transformers forward over the whole trajectory under the weights
+    of the version recorded for it; the rows' ``rollout_versions`` and ``policy_version`` say the same."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.embedded import EmbeddedEngine
+
+    tok, model, engine = setup
+    newer = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    randomize_(newer, seed=4)
+    pushed = EmbeddedEngine(model.config, pad_token_id=tok.pad_token_id, max_batch_size=16)
+    pushed.update_weights(newer.state_dict().items())
+    pushed.finish_weight_update()
+    calls = []
+
+    def generate(prompts, p):
+        version = int(len(calls) >= 2)
+        calls.append(p.max_new_tokens)
+        out = (pushed if version else engine).generate(prompts, p)
+        return [(ids, lps, version) for ids, lps in zip(out.token_lists(), out.log_prob_lists(), strict=True)]
+
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=200, max_turn_tokens=5)
+    result = run_conversations(ROWS, 2, Scripted, ChatRenderer(tok), generate,
+                               SamplingParams(temperature=1.0, max_new_tokens=1, seed=5), config,
+                               stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], chunk_tokens=2)
+    assert set(calls) <= {1, 2} and len(calls) >= 6  # 5 tokens a turn: calls of 2, 2, 1 (fewer where a turn stopped)
+    models, mixed = {0: model, 1: newer}, 0
+    for c in result.conversations:
+        t = c.trajectory
+        ids = torch.tensor([t.ids])
+        mask = torch.tensor(t.loss_mask()[1:], dtype=torch.bool)
+        versions = torch.tensor(t.rollout_versions()[1:])
+        got = torch.tensor(t.rollout_log_probs()[1:], dtype=torch.float64)
+        for v, m in models.items():
+            with torch.no_grad():
+                logp = torch.log_softmax(m(ids).logits[0, :-1].double(), dim=-1)
+            sel = mask & (versions == v)
+            gap = (got - logp.gather(-1, ids[0, 1:, None])[:, 0])[sel].abs()
+            assert gap.numel() == 0 or gap.max() < 1e-5, (v, gap.max())
+        model_segments = [s for s in t.segments if s.kind == "model"]
+        mixed += any(len(set(s.versions)) > 1 for s in model_segments)
+        assert all(len(s.ids) <= 5 for s in model_segments)
+    assert mixed  # a push landed inside a turn
+    batch = conversations_batch(result.conversations, tok.pad_token_id)
+    for i, c in enumerate(result.conversations):
+        n = len(c.trajectory.ids)
+        assert batch["rollout_versions"][i, :n].tolist() == c.trajectory.rollout_versions()
+        assert batch["policy_version"][i] == min(v for s in c.trajectory.segments if s.kind == "model"
+                                                 for v in s.versions)
+
+
+def test_partial_rollouts_keep_the_routing_of_every_fed_token():
+    """Issue #42, router replay with partial rollouts in conversations: a tiny Qwen3-MoE policy, model turns of up to
+    five tokens generated two per call; every position a call fed (each conversation's tokens but its last) holds
+    the top-2 experts transformers' router picks in a plain forward over the whole trajectory (one set of weights:
+    the first call to feed a position routes it as any later one would)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.embedded import EmbeddedEngine
+
+    tok = make_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, chat_template=CHATML_TOOLS_TEMPLATE,
+                         eos_token="<|im_end|>")
+    config = tiny_config("qwen3_moe", vocab_size=len(tok), num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
+                         num_layers=2, max_positions=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed=3)
+    engine = EmbeddedEngine(config, pad_token_id=tok.pad_token_id, max_batch_size=16)
+    engine.update_weights(model.state_dict().items())
+    engine.finish_weight_update()
+
+    def generate(prompts, p):
+        out = engine.generate(prompts, p)
+        fed = [len(q) + n - 1 for q, n in zip(prompts, out.response_lengths.tolist(), strict=True)]
+        return [(ids, lps, 0, out.routed_experts[i, : fed[i]])
+                for i, (ids, lps) in enumerate(zip(out.token_lists(), out.log_prob_lists(), strict=True))]
+
+    result = run_conversations(ROWS, 2, Scripted, ChatRenderer(tok), generate,
+                               SamplingParams(temperature=1.0, max_new_tokens=1, seed=5),
+                               MultiTurnConfig(max_turns=3, max_total_tokens=200, max_turn_tokens=5),
+                               stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")], chunk_tokens=2)
+    batch = conversations_batch(result.conversations, tok.pad_token_id)
+    for i, c in enumerate(result.conversations):
+        ids = c.trajectory.ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # per layer [len, E]
+        for layer in range(2):
+            expected = logits[layer].topk(2, dim=-1).indices.sort(-1).values[: len(ids) - 1]
+            got = batch["routed_experts"][i, : len(ids) - 1, layer].long().sort(-1).values
+            assert torch.equal(got, expected), (i, layer)

@@ -107,8 +107,8 @@ def test_probe_log_probs_equal_transformers_at_the_training_temperature_on_every
         for r, e in enumerate(engines):
             prompts = probe.prompts.slice(r, r + 1)
             ids = [prompts["prompt_ids"][0, : int(prompts["prompt_lengths"][0])].tolist()]
-            b = generation_rows(prompts, ids, [e.generate(ids, params)], 0, {})
-            b.tensors["policy_version"], b.tensors["rollout_replica"] = torch.tensor([3]), torch.tensor([r])
+            b = generation_rows(prompts, ids, [e.generate(ids, params)], 0, {}, 3)
+            b.tensors["rollout_replica"] = torch.tensor([r])
             parts.append(b)
         return Batch.concat(parts)
 
