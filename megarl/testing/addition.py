@@ -72,15 +72,19 @@ def run_example(config: str | Path, task_dir: str | Path, overrides: list[str], 
     return 0
 
 
-def make_reward_model(out: str | Path, seed: int = 3) -> Path:
-    """A random Qwen2ForSequenceClassification (one label) over the addition task's tokenizer."""
+def make_reward_model(out: str | Path, seed: int = 3,
+                      tokenizer: Callable[[str | Path | None], Any] | None = None) -> Path:
+    """A random Qwen2ForSequenceClassification (one label) over the addition task's tokenizer (``tokenizer``:
+    another task's character tokenizer maker, e.g. :func:`megarl.testing.lookup.make_tokenizer`, whose vocabulary
+    the model then has and whose files are saved beside it)."""
     import torch
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
     from megarl.testing.tiny import randomize_
 
+    make = tokenizer or make_tokenizer
     config = Qwen2Config(
-        vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        vocab_size=len(make(None)), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, num_labels=1, use_sliding_window=False,
         architectures=["Qwen2ForSequenceClassification"],
@@ -89,5 +93,5 @@ def make_reward_model(out: str | Path, seed: int = 3) -> Path:
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     randomize_(model, seed)  # norms, biases and the score head random too
     model.save_pretrained(str(out))
-    make_tokenizer(out)
+    make(out)
     return out

@@ -149,23 +149,28 @@ def _overlong_by_hand(rows: dict, budget: int, buffer: int, factor: float) -> li
 
 
 def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
-    """Issue #42: DAPO's overlong penalty and filtering, ReMax's greedy conversation, router replay and a distillation
-    teacher, all on, with multi-turn rollouts under the one-step-off schedule (the conversations of step 2 talk with
-    the rollout pool while step 1 trains): two steps of the hidden-digit task on a tiny MoE policy (4 experts, top
-    2; TP1 x DP2 x EP2, its rollout engine on a pool of its own) taught by a dense teacher. Every row is checked by
-    hand or against transformers: the overlong penalty against DAPO's formula over the row's tokens after the prompt
-    (budget 8, buffer 4), the masked rows against their endings (a conversation here is cut only when its last turn
-    ran out of tokens before <|end|>), the ReMax baseline against the greedy conversation's own reward, the
-    teacher's log-probs against a transformers forward of the teacher over the whole conversation, the router replay
-    against the rollout's log-probs (the replayed forward reproduces them) and the replay's own count of mismatches."""
-    from transformers import AutoModelForCausalLM
+    """Issue #42: DAPO's overlong penalty and filtering, ReMax's greedy conversation, router replay, a distillation
+    teacher and a reward model, all on, with multi-turn rollouts under the one-step-off schedule (the conversations
+    of step 2 talk with the rollout pool while step 1 trains): two steps of the hidden-digit task on a tiny MoE
+    policy (4 experts, top 2; TP1 x DP2 x EP2, its rollout engine on a pool of its own) taught by a dense teacher and
+    scored by a tiny random Qwen2 classifier. Every row is checked by hand or against transformers: the reward
+    model's score against a transformers forward of the classifier over the whole conversation (its last token's),
+    each row's reward against environment + weight x model + overlong, the overlong penalty against DAPO's formula
+    over the row's tokens after the prompt (budget 8, buffer 4), the masked rows against their endings (a
+    conversation here is cut only when its last turn ran out of tokens before <|end|>), the ReMax baseline against
+    the greedy conversation's own reward (the reward model's score of it included), the teacher's log-probs against
+    a transformers forward of the teacher over the whole conversation, the router replay against the rollout's
+    log-probs (the replayed forward reproduces them) and the replay's own count of mismatches."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from megarl.config.train import load_config
-    from megarl.testing.lookup import make_task
+    from megarl.testing.addition import make_reward_model
+    from megarl.testing.lookup import make_task, make_tokenizer
     from megarl.trainer.trainer import run
 
     task = make_task(tmp_path / "moe", num_experts=4, top_k=2)
     teacher = make_task(tmp_path / "teacher", seed=1) / "model"
+    rm_dir, mw = make_reward_model(tmp_path / "rm", tokenizer=make_tokenizer), 0.3
     budget, buffer, factor = 8, 4, 0.5
     rows = _Rows()
 
@@ -177,24 +182,37 @@ def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
                  "algorithm.advantage.estimator": "remax", "algorithm.mask_truncated": "true",
                  "algorithm.kl_loss_coef": 0, "reward.overlong_buffer": buffer,
                  "reward.overlong_penalty_factor": factor, "teacher.model.path": teacher, "teacher.kl_coef": 0.1,
+                 "reward_model.model.path": rm_dir, "reward_model.weight": mw,
                  "cluster.pools.gen.devices_per_node": 1, "cluster.placement.rollout": "gen",
                  "rollout.schedule": "one_step_off"}
     history = run(load_config(EXAMPLE / "config.yaml", [f"{k}={v}" for k, v in overrides.items()]), callbacks=(rows,))
     assert len(history) == 2
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype="float32").eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype="float32").eval()
+
+    def rm_scores(rows: dict) -> list[float]:  # the classifier over each whole conversation: its last token's score
+        with torch.no_grad():  # (the head by hand: HF's would stop at a sampled pad id)
+            return [rm.score(rm.model(ids[None, : int(n)]).last_hidden_state)[0, -1, 0].item()
+                    for ids, n in zip(rows["input_ids"], rows["attention_mask"].sum(-1), strict=True)]
+
     cut_rows = kept_rows = 0
     for step, m in enumerate(history, start=1):
         b, non = rows.at["advantages", step]
         greedy, _ = rows.at["baseline", step]
         stepped, _ = rows.at["step", step]
-        # overlong penalty, by hand; a row's reward is its environment's plus it (reward.function: null)
+        # the reward model reads the whole conversation (prompt, model turns, observations); overlong penalty by
+        # hand; a row's reward is its environment's + weight x the model's + the penalty (reward.function: null)
+        assert b["model_scores"].tolist() == pytest.approx(rm_scores(b), abs=1e-5)
         assert b["overlong_scores"].tolist() == pytest.approx(_overlong_by_hand(b, budget, buffer, factor), abs=1e-6)
-        assert b["scores"].tolist() == pytest.approx((b["environment_scores"] + b["overlong_scores"]).tolist())
+        assert b["scores"].tolist() == pytest.approx((b["environment_scores"] + mw * b["model_scores"]
+                                                      + b["overlong_scores"]).tolist(), abs=1e-6)
         # ReMax: one greedy conversation per prompt, scored the same way; its reward is each sampled row's baseline
         assert greedy["prompt_uid"].tolist() == [0, 1, 2, 3]
-        greedy_reward = [e + p for e, p in zip(greedy["environment_scores"].tolist(),
-                                               _overlong_by_hand(greedy, budget, buffer, factor), strict=True)]
-        assert b["baseline_scores"].tolist() == pytest.approx([greedy_reward[u] for u in b["prompt_uid"].tolist()])
+        greedy_reward = [e + mw * r + p for e, r, p in zip(greedy["environment_scores"].tolist(), rm_scores(greedy),
+                                                           _overlong_by_hand(greedy, budget, buffer, factor),
+                                                           strict=True)]
+        assert b["baseline_scores"].tolist() == pytest.approx([greedy_reward[u] for u in b["prompt_uid"].tolist()],
+                                                              abs=1e-5)
         # mask_truncated: cut rows (the last token is not <|end|>, id 1) train on nothing, the others on every model
         # token
         for i, (ids, attention) in enumerate(zip(b["input_ids"].tolist(), b["attention_mask"].tolist(), strict=True)):
@@ -220,6 +238,7 @@ def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
         assert (b["rollout_versions"][mask] == version).all() and (b["rollout_versions"][~mask] == 0).all()
         assert m["async/version_lag_max"] == step - 1 - version
         assert m["multiturn/turns_mean"] == 2.0 and "distill/reverse_kl" in m
+        assert m["reward/model_mean"] == pytest.approx(b["model_scores"].mean().item(), abs=1e-6)
     assert cut_rows and kept_rows  # both kinds of endings were checked
 
 

@@ -449,29 +449,35 @@ def test_overlapped_dapo(ray_cluster, tmp_path, schedule):
 def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tmp_path):
     """Issue #42: router replay and ReMax under the fully asynchronous schedule (tiny Qwen3-MoE, 4 experts top 2,
     policy at EP2, its rollout engine on a pool of its own; wait mode, eta = 1, partial rollouts of one token per
-    call, so each response is continued twice and may span a push). Each row's reward-model score equals
+    call over responses of 12, generated one row at a time, so that a wave outlasts a step and a push lands in the
+    middle of the wave in flight). Each row's reward-model score equals
     transformers' (a tiny random Qwen2 classifier, its last token); each row's ReMax baseline is the reward (rule
     and reward model) of its prompt's greedy response, generated (and continued) beside its group. Every row of
     version 0 carries, at every position the engine fed, the top-2 experts transformers' router picks for the
     initial model over the whole row (the last position: experts 0..k-1, never fed); the replay routes every token
     of every step to the rollout's experts (``actor/moe_replay_mismatch`` 0); at step 1 (every row fresh) the
     replayed training forward reproduces the rollout's log-probs (< 1e-5), and every push's probe on the rollout
-    replica is within 1e-5."""
+    replica is within 1e-5. A dense distillation teacher scores every row: its log-prob of every response token
+    equals a transformers forward of the teacher over the row (1e-5), on rows whose tokens span several versions
+    too."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from megarl.config.train import load_config
     from megarl.testing.addition import make_reward_model, make_task
 
     task = make_task(tmp_path / "task", train_rows=64, val_rows=8, num_experts=4, top_k=2)
+    teacher = make_task(tmp_path / "teacher", train_rows=1, val_rows=1, seed=1) / "model"
     rm_dir, fw, mw = make_reward_model(tmp_path / "rm"), 0.5, 0.3
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
                  "trainer.output_dir": tmp_path / "run", "trainer.tensorboard": "false", "trainer.val_every": 0,
                  "trainer.save_every": 0, "trainer.total_steps": 3, "cluster.pools.gen.devices_per_node": 1,
                  "cluster.placement.rollout": "gen", "rollout.schedule": "async",
                  "rollout.asynchronous.max_staleness": 1, "rollout.asynchronous.partial_chunk_tokens": 1,
-                 "rollout.max_new_tokens": 3, "rollout.stop_at_eos": "false", "data.batch_size": 4,
+                 "rollout.max_new_tokens": 12, "rollout.stop_at_eos": "false", "data.batch_size": 4,
                  "rollout.sampling.n": 4, "algorithm.kl_loss_coef": 0, "algorithm.advantage.estimator": "remax",
-                 "reward.function_weight": fw, "reward_model.model.path": rm_dir, "reward_model.weight": mw}
+                 "reward.function_weight": fw, "reward_model.model.path": rm_dir, "reward_model.weight": mw,
+                 "teacher.model.path": teacher, "teacher.kl_coef": 0.1,
+                 "rollout.engine.max_batch_size": 1}  # slow generation: each push interrupts the wave in flight
     example = EXAMPLE.parents[1] / "grpo_addition_moe" / "config.yaml"
     cfg = load_config(example, [f"{k}={v}" for k, v in overrides.items()])
     stages = _Stages()
@@ -479,12 +485,13 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
     assert len(history) == 3
     model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
 
     def rm_score(seq):  # the reward model's score of a sequence: its last token's
         with torch.no_grad():
             return rm.score(rm.model(seq[None]).last_hidden_state)[0, -1, 0].item()
 
-    checked = 0
+    checked = spanning = 0
     for step, m in enumerate(history, start=1):
         assert m["actor/moe_replay_mismatch"] == 0 and m["rollout/push_logprob_abs_diff"] < 1e-5
         assert step > 1 or m["rollout/logprob_abs_diff"] < 1e-5
@@ -495,6 +502,13 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
         lengths = b["attention_mask"].sum(-1).long().tolist()
         model_scores = [rm_score(b["input_ids"][i, :n]) for i, n in enumerate(lengths)]
         assert b["model_scores"].tolist() == pytest.approx(model_scores, abs=1e-5)
+        # the teacher's log-prob of every response token given the row before it, as transformers computes it
+        with torch.no_grad():
+            logits = teacher_model(b["input_ids"], attention_mask=b["attention_mask"].long()).logits.double()
+        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+        assert (b["teacher_log_probs"][:, 1:].double() - expected)[mask[:, 1:]].abs().max() < 1e-5
+        assert "distill/reverse_kl" in m
+        spanning += sum(len(set(v[r].tolist())) > 1 for v, r in zip(b["rollout_versions"], mask, strict=True))
         for i in range(len(routed)):
             if (b["rollout_versions"][i][mask[i]] != 0).any():
                 continue
@@ -507,3 +521,4 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
             assert (routed[i, fed] == torch.arange(2, dtype=routed.dtype)).all()
             checked += 1
     assert checked >= 16  # step 1's rows at least
+    assert spanning  # rows continued across a push were among those the teacher's log-probs were checked on
