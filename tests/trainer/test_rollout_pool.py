@@ -453,8 +453,9 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
     middle of the wave in flight). Each row's reward-model score equals
     transformers' (a tiny random Qwen2 classifier, its last token); each row's ReMax baseline is the reward (rule
     and reward model) of its prompt's greedy response, generated (and continued) beside its group. Every row of
-    version 0 carries, at every position the engine fed, the top-2 experts transformers' router picks for the
-    initial model over the whole row (the last position: experts 0..k-1, never fed); the replay routes every token
+    every step carries, at every position the engine fed, the top-2 experts transformers' router picks over the row
+    under the weights of the version that first fed that position (the initial model or the policy's checkpoint of
+    that version, converted; the last position: experts 0..k-1, never fed); the replay routes every token
     of every step to the rollout's experts (``actor/moe_replay_mismatch`` 0); at step 1 (every row fresh) the
     replayed training forward reproduces the rollout's log-probs (< 1e-5), and every push's probe on the rollout
     replica is within 1e-5. A dense distillation teacher scores every row: its log-prob of every response token
@@ -470,7 +471,8 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
     rm_dir, fw, mw = make_reward_model(tmp_path / "rm"), 0.5, 0.3
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
                  "trainer.output_dir": tmp_path / "run", "trainer.tensorboard": "false", "trainer.val_every": 0,
-                 "trainer.save_every": 0, "trainer.total_steps": 3, "cluster.pools.gen.devices_per_node": 1,
+                 "trainer.save_every": 1, "trainer.keep_checkpoints": 3, "trainer.total_steps": 3,
+                 "cluster.pools.gen.devices_per_node": 1,
                  "cluster.placement.rollout": "gen", "rollout.schedule": "async",
                  "rollout.asynchronous.max_staleness": 1, "rollout.asynchronous.partial_chunk_tokens": 1,
                  "rollout.max_new_tokens": 12, "rollout.stop_at_eos": "false", "data.batch_size": 4,
@@ -483,7 +485,6 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
     stages = _Stages()
     history, _ = _fit(cfg, stages)
     assert len(history) == 3
-    model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
 
@@ -491,7 +492,14 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
         with torch.no_grad():
             return rm.score(rm.model(seq[None]).last_hidden_state)[0, -1, 0].item()
 
-    checked = spanning = 0
+    # the policy's weights of each version: the initial model, then its checkpoints of steps 1 and 2, converted
+    ckpts = tmp_path / "run" / "checkpoints"
+    pairs = [(str(ckpts / f"step_{v:06d}" / "policy"), str(tmp_path / f"hf_v{v}")) for v in (1, 2)]
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        pool.submit(_convert_all, pairs).result()
+    models = {v: AutoModelForCausalLM.from_pretrained(task / "model" if v == 0 else tmp_path / f"hf_v{v}",
+                                                      dtype=torch.float32).eval() for v in (0, 1, 2)}
+    checked = spanning = mixed = 0
     for step, m in enumerate(history, start=1):
         assert m["actor/moe_replay_mismatch"] == 0 and m["rollout/push_logprob_abs_diff"] < 1e-5
         assert step > 1 or m["rollout/logprob_abs_diff"] < 1e-5
@@ -509,16 +517,20 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
         assert (b["teacher_log_probs"][:, 1:].double() - expected)[mask[:, 1:]].abs().max() < 1e-5
         assert "distill/reverse_kl" in m
         spanning += sum(len(set(v[r].tolist())) > 1 for v, r in zip(b["rollout_versions"], mask, strict=True))
+        # every fed position's experts: transformers' router under the weights of the call that first fed it (the
+        # prompt's: the call that sampled the first token; response token j's: the one that sampled token j + 1)
         for i in range(len(routed)):
-            if (b["rollout_versions"][i][mask[i]] != 0).any():
-                continue
-            fed = int(b["attention_mask"][i].sum()) - 1
-            with torch.no_grad():
-                logits = model(b["input_ids"][i:i + 1, : fed + 1], output_router_logits=True).router_logits
-            for layer in range(2):
-                expected = logits[layer].topk(2, dim=-1).indices.sort(-1).values[:fed]
-                assert torch.equal(routed[i, :fed, layer].long().sort(-1).values, expected), (step, i, layer)
+            fed, start = int(b["attention_mask"][i].sum()) - 1, int(mask[i].nonzero()[0])
+            first_fed = b["rollout_versions"][i, torch.clamp(torch.arange(fed) + 1, min=start)]
+            for v in first_fed.unique().tolist():
+                with torch.no_grad():
+                    logits = models[v](b["input_ids"][i:i + 1, : fed + 1], output_router_logits=True).router_logits
+                for layer in range(2):
+                    expected = logits[layer].topk(2, dim=-1).indices.sort(-1).values[:fed][first_fed == v]
+                    got = routed[i, :fed, layer].long().sort(-1).values[first_fed == v]
+                    assert torch.equal(got, expected), (step, i, layer, v)
             assert (routed[i, fed] == torch.arange(2, dtype=routed.dtype)).all()
             checked += 1
-    assert checked >= 16  # step 1's rows at least
+            mixed += first_fed.unique().numel() > 1
+    assert checked == 3 * 16 and mixed  # every row; some routed by two versions
     assert spanning  # rows continued across a push were among those the teacher's log-probs were checked on
