@@ -302,7 +302,7 @@ def test_async_grpo_learns_to_use_the_observation(ray_cluster, task, tmp_path):
     from megarl.config.train import load_config
     from megarl.trainer.trainer import Trainer
 
-    out, steps, checked_steps = tmp_path / "grpo", 50, 8
+    out, steps, checked_steps = tmp_path / "grpo", 40, 8
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
                  "rollout.multi_turn.environment": f"{EXAMPLE / 'env.py'}:HiddenDigit", "trainer.output_dir": out,
                  "trainer.tensorboard": "false", "trainer.save_every": 0, "trainer.val_every": 0,
