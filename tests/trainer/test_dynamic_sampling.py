@@ -98,7 +98,9 @@ class StepRecorder:
         if stage == "step":  # after the updates: the mask the policy loss saw
             self.batches[step] = {"response_mask": batch["response_mask"].clone(),
                                   "advantages": batch["advantages"].clone(),
-                                  "finish_reasons": list(batch["finish_reasons"])}
+                                  "finish_reasons": list(batch["finish_reasons"]),
+                                  **{k: batch[k].clone() for k in ("overlong_scores", "scores", "function_scores",
+                                                                   "response_lengths") if k in batch}}
 
     def on_step_end(self, step, metrics):
         pass
@@ -106,7 +108,9 @@ class StepRecorder:
 
 def test_truncated_responses_leave_the_policy_loss(tmp_path):
     """One mini-batch (the update's own forward is pi_old: ratio 1), so PPO-clip's token-mean loss is
-    ``-sum(A) / N`` over the tokens left; the random model ends a few responses with EOS ("stop")."""
+    ``-sum(A) / N`` over the tokens left; the random model ends a few responses with EOS ("stop"). With DAPO's soft
+    overlong penalty on as well (responses of up to 3 tokens, buffer 2, factor 0.5; the sync schedule's cell of
+    #42's combinations): each row's penalty by hand, -0.5 x min(1, max(0, length - 1) / 2), added to its reward."""
     from megarl.config.train import load_config
     from megarl.testing.addition import make_task
     from megarl.trainer.trainer import run as train
@@ -116,7 +120,8 @@ def test_truncated_responses_leave_the_policy_loss(tmp_path):
                  "trainer.tensorboard": "false", "trainer.total_steps": 3, "trainer.save_every": 0,
                  "trainer.val_every": 0, "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1,
                  "cluster.pools.main.tp": 1, "trainer.output_dir": tmp_path / "out", "algorithm.mask_truncated": "true",
-                 "algorithm.dynamic_sampling": "null", "algorithm.mini_batches": 1, "rollout.sampling.temperature": 3.0}
+                 "algorithm.dynamic_sampling": "null", "algorithm.mini_batches": 1, "rollout.sampling.temperature": 3.0,
+                 "rollout.max_new_tokens": 3, "reward.overlong_buffer": 2, "reward.overlong_penalty_factor": 0.5}
     cfg = load_config(EXAMPLE, [f"{k}={v}" for k, v in overrides.items()])
     recorder = StepRecorder()
     history = train(cfg, callbacks=(recorder,))
@@ -130,6 +135,11 @@ def test_truncated_responses_leave_the_policy_loss(tmp_path):
         expected = -(b["advantages"].double() * mask).sum().item() / mask.sum().item()
         assert m["actor/pg_loss"] == pytest.approx(expected, abs=1e-5)
         stopped += int((~cut).sum())
+        lengths = b["response_lengths"].double()
+        by_hand = -0.5 * torch.clamp((lengths - 1) / 2, 0, 1)
+        assert torch.allclose(b["overlong_scores"].double(), by_hand)
+        assert torch.allclose(b["scores"], b["function_scores"] + b["overlong_scores"])
+        assert set(lengths.tolist()) > {3.0}  # penalised and unpenalised lengths both occur
     assert stopped > 0  # some responses ended with EOS, so the loss had tokens
 
 
