@@ -419,6 +419,7 @@ def test_overlapped_dapo(ray_cluster, tmp_path, schedule):
     cut = kept = 0
     for step, m in enumerate(history, start=1):
         assert m["dynamic/groups_sampled"] == m["dynamic/groups_kept"] + m["dynamic/groups_dropped"]
+        assert m["rollout/push_logprob_abs_diff"] < 1e-5  # parity at every version: each push probed on arrival
         if not m["dynamic/groups_trained"]:  # no group with differing rewards in any take: the update is skipped
             continue
         [(b, non)] = stages.at["advantages", step]
