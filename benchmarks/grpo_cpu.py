@@ -300,16 +300,14 @@ def trl_args(cfg, case: Case) -> dict:
     1e-4 on the std, no importance weights without vLLM, one optimizer step per generation, ...) must be
     what ``cfg`` asks for. Not covered here: ``case.stop_at_eos=False`` also needs the TRL worker to count
     tokens after a sampled eos (:func:`trl_worker`, ``ignore_eos`` in its spec)."""
-    from megarl.algos.advantages import AdvantageEstimator
     from megarl.algos.kl import KLEstimator
-    from megarl.algos.losses import PolicyLoss
     from megarl.algos.ops import LossAggregation
     from megarl.engine.config import LRDecay, OptimizerName, Precision
 
     a, o, r, mb = cfg.algorithm, cfg.policy.optim, cfg.rollout.sampling, cfg.policy.micro_batch
-    fixed = {"advantage.estimator": (a.advantage.estimator, AdvantageEstimator.GRPO),
+    fixed = {"advantage.estimator": (a.advantage.estimator, "grpo"),
              "advantage.eps": (a.advantage.eps, TRL_ADVANTAGE_EPS),
-             "policy_loss.loss": (a.policy_loss.loss, PolicyLoss.PPO_CLIP),
+             "policy_loss.loss": (a.policy_loss.loss, "ppo_clip"),
              "kl_estimator": (a.kl_estimator, KLEstimator.K3), "aggregation": (a.policy_loss.aggregation,
              LossAggregation.TOKEN_MEAN), "optimizer": (o.optimizer, OptimizerName.ADAM), "lr_decay": (o.lr_decay,
              LRDecay.CONSTANT), "lr_warmup_steps": (o.lr_warmup_steps, 0), "ppo_epochs": (a.ppo_epochs, 1),

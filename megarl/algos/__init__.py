@@ -1,13 +1,16 @@
 """RL algorithm math: advantage estimators, policy/value losses, KL terms and controllers, loss aggregation.
 
-Pure functions of tensors, chosen through explicit registries keyed by enums (an unknown key raises
-``ConfigError`` listing the valid ones). Token tensors are ``[batch, response_len]`` with a mask of the
+Pure functions of tensors. Advantage estimators and policy losses are plug-ins (:mod:`megarl.algos.plugins`):
+the built-ins are registered by name with the decorators users mark their own with, and a config names either
+(an unknown name raises ``ConfigError`` listing the registered ones); KL estimators and controllers are chosen
+through registries keyed by enums. Token tensors are ``[batch, response_len]`` with a mask of the
 same shape (1 for response tokens that count). No I/O, no process groups, no Ray, no megatron:
 the driver and the workers call into this package, never the other way round.
 
 - :mod:`megarl.algos.ops`        masked reductions, whitening, :class:`LossAggregation`, :class:`LossNormalizer`
-- :mod:`megarl.algos.advantages` ``ADVANTAGE_ESTIMATORS``: GAE, GRPO, RLOO, REINFORCE++, ReMax
-- :mod:`megarl.algos.losses`     ``POLICY_LOSSES``: PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
+- :mod:`megarl.algos.plugins`    :func:`advantage_estimator`, :func:`policy_loss`: the plug-in seam, its checks
+- :mod:`megarl.algos.advantages` GAE, GRPO, RLOO, REINFORCE++, ReMax
+- :mod:`megarl.algos.losses`     PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 - :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
 - :mod:`megarl.algos.objective`  what an update optimises: token-level reward shaping (:func:`token_rewards`) and
@@ -15,9 +18,7 @@ the driver and the workers call into this package, never the other way round.
 """
 
 from megarl.algos.advantages import (
-    ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
-    AdvantageEstimator,
     AdvantageInputs,
     Advantages,
     RewardScale,
@@ -46,8 +47,6 @@ from megarl.algos.kl import (
     kl_loss,
 )
 from megarl.algos.losses import (
-    POLICY_LOSSES,
-    PolicyLoss,
     PolicyLossConfig,
     PolicyLossOutput,
     ValueLossOutput,
@@ -81,15 +80,13 @@ from megarl.algos.ops import (
     masked_whiten,
     zero_masked,
 )
+from megarl.algos.plugins import Plugin, advantage_estimator, check_plugins, policy_loss
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
-    "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageConfig",
-    "AdvantageEstimator",
     "AdvantageInputs",
     "Advantages",
     "CorrectionOutput",
@@ -104,7 +101,7 @@ __all__ = [
     "LossNormalizer",
     "ObjectiveInputs",
     "ObjectiveOutput",
-    "PolicyLoss",
+    "Plugin",
     "PolicyLossConfig",
     "PolicyLossOutput",
     "RewardKLPenalty",
@@ -113,10 +110,12 @@ __all__ = [
     "TeacherKL",
     "TokenRewards",
     "ValueLossOutput",
+    "advantage_estimator",
     "aggregate_entropy",
     "aggregate_loss",
     "apply_kl_penalty",
     "build_kl_controller",
+    "check_plugins",
     "cispo_loss",
     "compute_advantages",
     "compute_policy_loss",
@@ -133,6 +132,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_loss",
     "policy_objective",
     "ppo_clip_loss",
     "reinforce_plus_plus",

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ and ReMax as pure tensor functions in one registry.
+"""Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ and ReMax as pure tensor functions, registered as plug-ins
+(:mod:`megarl.algos.plugins`) under the names a config uses.
 
 Owns how per-token rewards (and critic values, group ids, baseline rewards where an estimator
 needs them) become ``(advantages, returns)``, both ``[batch, response_len]`` and exactly 0 at
@@ -14,22 +15,14 @@ The driver calls :func:`compute_advantages` once per batch; nothing here keeps s
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 
-from megarl.algos.ops import as_member, lookup, masked_sum, masked_whiten, zero_masked
+from megarl.algos.ops import as_member, masked_sum, masked_whiten, zero_masked
+from megarl.algos.plugins import ESTIMATOR, Plugin, advantage_estimator, resolve
 from megarl.errors import ConfigError
-
-
-class AdvantageEstimator(enum.Enum):
-    GAE = "gae"
-    GRPO = "grpo"
-    RLOO = "rloo"
-    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
-    REMAX = "remax"
 
 
 class Advantages(NamedTuple):
@@ -50,8 +43,9 @@ class AdvantageConfig:
     """Which estimator and its hyper-parameters; each field is read only by the estimators named."""
 
     # gae (a critic's values, PPO), grpo (group-normalised outcome), rloo (leave-one-out baseline), reinforce_plus_plus
-    # (batch-normalised returns), remax (the greedy response's reward as baseline)
-    estimator: AdvantageEstimator = AdvantageEstimator.GAE
+    # (batch-normalised returns), remax (the greedy response's reward as baseline), or a user's estimator given as
+    # 'path/to/file.py:function' (docs/programming.md §2)
+    estimator: str = "gae"
     gamma: float = 1.0  # discount: GAE, REINFORCE++
     lam: float = 1.0  # GAE lambda
     scale_rewards: RewardScale = RewardScale.GROUP  # GRPO: divide by the std of the group | batch | none (Dr. GRPO)
@@ -217,7 +211,7 @@ def remax(rewards: torch.Tensor, baseline_rewards: torch.Tensor, mask: torch.Ten
 def _need(inputs: AdvantageInputs, field: str, cfg: AdvantageConfig, why: str) -> torch.Tensor:
     value = getattr(inputs, field)
     if value is None:
-        raise ConfigError(f"advantage estimator {cfg.estimator.value!r} needs inputs.{field} ({why}), found None")
+        raise ConfigError(f"advantage estimator {cfg.estimator!r} needs inputs.{field} ({why}), found None")
     return value
 
 
@@ -225,47 +219,64 @@ def _scores(inputs: AdvantageInputs) -> torch.Tensor:
     return masked_sum(inputs.token_rewards, inputs.mask, dim=-1)
 
 
+@advantage_estimator("gae", needs=("values",))
 def _gae_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
+    """GAE, then batch whitening of the advantages."""
     values = _need(inputs, "values", cfg, "critic values per token")
     adv, ret = gae(inputs.token_rewards, values, inputs.mask, cfg.gamma, cfg.lam)
     return Advantages(masked_whiten(adv, inputs.mask), ret)
 
 
+@advantage_estimator("grpo", needs=("group_ids",))
 def _grpo_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
     ids = _need(inputs, "group_ids", cfg, "the prompt index of each response")
     return grpo(_scores(inputs), ids, inputs.mask, cfg.scale_rewards, cfg.eps)
 
 
+@advantage_estimator("rloo", needs=("group_ids",))
 def _rloo_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
     ids = _need(inputs, "group_ids", cfg, "the prompt index of each response")
     return rloo(_scores(inputs), ids, inputs.mask)
 
 
+@advantage_estimator("reinforce_plus_plus")
 def _reinforce_pp_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
     return reinforce_plus_plus(inputs.token_rewards, inputs.mask, cfg.gamma)
 
 
+@advantage_estimator("remax", needs=("baseline_rewards",))
 def _remax_entry(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advantages:
     baseline = _need(inputs, "baseline_rewards", cfg, "the reward of the greedy response per prompt")
     return remax(inputs.token_rewards, baseline, inputs.mask)
 
 
-AdvantageFn = Callable[[AdvantageInputs, AdvantageConfig], Advantages]
-
-ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, AdvantageFn] = {
-    AdvantageEstimator.GAE: _gae_entry,  # GAE, then batch whitening of the advantages
-    AdvantageEstimator.GRPO: _grpo_entry,
-    AdvantageEstimator.RLOO: _rloo_entry,
-    AdvantageEstimator.REINFORCE_PLUS_PLUS: _reinforce_pp_entry,
-    AdvantageEstimator.REMAX: _remax_entry,
-}
+def estimator(cfg: AdvantageConfig) -> Plugin:
+    """The plug-in ``cfg.estimator`` names (:mod:`megarl.algos.plugins`)."""
+    return resolve(ESTIMATOR, cfg.estimator)
 
 
 def compute_advantages(cfg: AdvantageConfig, inputs: AdvantageInputs) -> Advantages:
-    """Run the estimator ``cfg.estimator`` on ``inputs``; a missing input raises naming the field."""
+    """Run the estimator ``cfg.estimator`` on ``inputs``; a missing input raises naming the field. Positions
+    outside the mask are 0 in the result whatever the estimator wrote there."""
     if inputs.mask.shape != inputs.token_rewards.shape:
         raise ValueError(
             f"mask shape {tuple(inputs.mask.shape)} does not match token_rewards {tuple(inputs.token_rewards.shape)}"
         )
-    fn = lookup(ADVANTAGE_ESTIMATORS, cfg.estimator, AdvantageEstimator, "advantage estimator")
-    return fn(inputs, cfg)
+    plugin = estimator(cfg)
+    return checked_advantages(plugin(inputs, cfg), inputs.mask, plugin.name)
+
+
+def checked_advantages(out: object, mask: torch.Tensor, name: str) -> Advantages:
+    """An estimator's return as :class:`Advantages`, zero outside ``mask``; a ConfigError if it is not a pair of
+    floating tensors of the mask's shape."""
+    where = f"advantage estimator {name!r}"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ConfigError(f"{where} returned {type(out).__name__}; expected Advantages(advantages, returns) or a "
+                          f"pair of [batch, response_len] tensors")
+    for field, value in zip(("advantages", "returns"), out, strict=True):
+        if not isinstance(value, torch.Tensor) or value.shape != mask.shape or not value.is_floating_point():
+            found = (f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, torch.Tensor)
+                     else type(value).__name__)
+            raise ConfigError(f"{where}: its {field} must be a floating tensor of shape {tuple(mask.shape)} (the "
+                              f"mask's), found {found}")
+    return Advantages(zero_masked(out[0], mask), zero_masked(out[1], mask))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megarl.algos.advantages import AdvantageConfig, AdvantageEstimator
+from megarl.algos.advantages import AdvantageConfig, estimator
 from megarl.algos.correction import RolloutCorrectionConfig
 from megarl.algos.dapo import DynamicSamplingConfig
 from megarl.algos.kl import KLControllerConfig, KLEstimator
@@ -17,7 +17,7 @@ from megarl.algos.losses import PolicyLossConfig
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage: AdvantageConfig = AdvantageConfig(estimator=AdvantageEstimator.GRPO)
+    advantage: AdvantageConfig = AdvantageConfig(estimator="grpo")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     entropy_coef: float = 0.0  # subtract coef x entropy from the policy loss
     kl_penalty: KLControllerConfig | None = None  # KL to the reference subtracted from the reward
@@ -69,9 +69,9 @@ class AlgorithmConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.advantage.estimator is AdvantageEstimator.GAE
+        return "values" in estimator(self.advantage).needs
 
     @property
     def needs_greedy_baseline(self) -> bool:
         """ReMax: each step also samples one greedy response per prompt; its reward is the baseline."""
-        return self.advantage.estimator is AdvantageEstimator.REMAX
+        return "baseline_rewards" in estimator(self.advantage).needs

@@ -1,4 +1,5 @@
-"""Policy losses (registry ``POLICY_LOSSES``), the clipped value loss and entropy, as pure tensor functions.
+"""Policy losses (plug-ins registered by name, :mod:`megarl.algos.plugins`), the clipped value loss and entropy,
+as pure tensor functions.
 
 Owns the per-token surrogate objectives of PPO-family updates (PPO clip, GSPO, CISPO, SAPO) and their
 diagnostics (clip fractions, approximate KL between the sampling and the current policy). Losses are returned
@@ -12,30 +13,23 @@ Vocab-parallel entropy (logits sharded over tensor-parallel ranks) is the engine
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from megarl.algos.ops import LossAggregation, LossNormalizer, aggregate_loss, lookup, masked_mean, zero_masked
+from megarl.algos.ops import LossAggregation, LossNormalizer, aggregate_loss, masked_mean, zero_masked
+from megarl.algos.plugins import POLICY_LOSS, is_spec, policy_loss, resolve
 from megarl.errors import ConfigError
 
 # exp() of a log-ratio beyond this is inf in float32 and meaningless anyway (verl clamps the same way).
 _LOG_RATIO_LIMIT = 20.0
 
 
-class PolicyLoss(enum.Enum):
-    PPO_CLIP = "ppo_clip"  # token-level ratio, clipped (Schulman et al. 2017), optional dual-clip
-    GSPO = "gspo"  # sequence-level ratio, clipped (Zheng et al. 2025, GSPO-token form)
-    CISPO = "cispo"  # clipped, stop-gradient IS weight times log pi (MiniMax-M1, arXiv 2506.13585)
-    SAPO = "sapo"  # soft sigmoid gate instead of the clip (Gao et al. 2025, arXiv 2511.20347)
-
-
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss: PolicyLoss = PolicyLoss.PPO_CLIP  # ppo_clip, gspo (sequence-level ratio), cispo or sapo
+    loss: str = "ppo_clip"  # ppo_clip, gspo (sequence-level ratio), cispo, sapo, or 'file.py:function' (a user's)
     clip_low: float = 0.2  # ppo_clip, gspo: ratio kept >= 1 - clip_low
     clip_high: float = 0.2  # ppo_clip, gspo: ratio kept <= 1 + clip_high (DAPO "clip-higher": 0.28)
     clip_ratio_c: float | None = None  # ppo_clip only: dual-clip bound for A < 0 (Ye et al. 2020: 3.0); None = off
@@ -60,14 +54,9 @@ class PolicyLossConfig:
         if not (self.sapo_tau_pos > 0.0 and self.sapo_tau_neg > 0.0):
             raise ConfigError(f"SAPO temperatures must be > 0, found sapo_tau_pos={self.sapo_tau_pos}, "
                               f"sapo_tau_neg={self.sapo_tau_neg}")
-        if isinstance(self.loss, PolicyLoss):  # a string key is checked where the registry looks it up
-            _refuse_dual_clip(self.loss, self.clip_ratio_c)
-
-
-def _refuse_dual_clip(loss: PolicyLoss, clip_ratio_c: float | None) -> None:
-    """Dual-clip bounds PPO's clipped surrogate; the other losses have no such term to bound."""
-    if loss is not PolicyLoss.PPO_CLIP and clip_ratio_c is not None:
-        raise ConfigError(f"{loss.value} has no dual-clip; set clip_ratio_c to None, found {clip_ratio_c}")
+        if self.clip_ratio_c is not None and not is_spec(self.loss) and not resolve(POLICY_LOSS, self.loss).dual_clip:
+            raise ConfigError(f"{self.loss} has no dual-clip (only ppo_clip bounds its clipped surrogate); set "
+                              f"clip_ratio_c to None, found {self.clip_ratio_c}")
 
 
 @dataclass(frozen=True)
@@ -252,6 +241,7 @@ def sapo_loss(
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, PolicyLossConfig, LossNormalizer | None], PolicyLossOutput]
 
 
+@policy_loss("ppo_clip", dual_clip=True)
 def _ppo_clip_entry(
     lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
 ) -> PolicyLossOutput:
@@ -260,37 +250,29 @@ def _ppo_clip_entry(
     )
 
 
+@policy_loss("gspo", sequence_ratio=True)
 def _gspo_entry(
     lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
 ) -> PolicyLossOutput:
-    _refuse_dual_clip(PolicyLoss.GSPO, cfg.clip_ratio_c)
     return gspo_loss(lp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high, cfg.aggregation, norm, cfg.norm_constant)
 
 
+@policy_loss("cispo")
 def _cispo_entry(
     lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
 ) -> PolicyLossOutput:
-    _refuse_dual_clip(PolicyLoss.CISPO, cfg.clip_ratio_c)
     return cispo_loss(
         lp, old_lp, adv, mask, cfg.cispo_clip_low, cfg.cispo_clip_high, cfg.aggregation, norm, cfg.norm_constant
     )
 
 
+@policy_loss("sapo")
 def _sapo_entry(
     lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNormalizer | None
 ) -> PolicyLossOutput:
-    _refuse_dual_clip(PolicyLoss.SAPO, cfg.clip_ratio_c)
     return sapo_loss(
         lp, old_lp, adv, mask, cfg.sapo_tau_pos, cfg.sapo_tau_neg, cfg.aggregation, norm, cfg.norm_constant
     )
-
-
-POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
-    PolicyLoss.PPO_CLIP: _ppo_clip_entry,
-    PolicyLoss.GSPO: _gspo_entry,
-    PolicyLoss.CISPO: _cispo_entry,
-    PolicyLoss.SAPO: _sapo_entry,
-}
 
 
 def compute_policy_loss(
@@ -305,8 +287,7 @@ def compute_policy_loss(
     shapes = {t.shape for t in (log_prob, old_log_prob, advantages, mask)}
     if len(shapes) != 1:
         raise ValueError(f"log_prob, old_log_prob, advantages and mask must share one shape, found {shapes}")
-    fn = lookup(POLICY_LOSSES, cfg.loss, PolicyLoss, "policy loss")
-    return fn(log_prob, old_log_prob, advantages, mask, cfg, normalizer)
+    return resolve(POLICY_LOSS, cfg.loss)(log_prob, old_log_prob, advantages, mask, cfg, normalizer)
 
 
 @dataclass(frozen=True)

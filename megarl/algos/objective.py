@@ -29,8 +29,9 @@ import torch
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.correction import rollout_correction
 from megarl.algos.kl import KLEstimator, apply_kl_penalty, kl_divergence, kl_loss
-from megarl.algos.losses import PolicyLoss, aggregate_entropy, compute_policy_loss, high_entropy_mask
+from megarl.algos.losses import aggregate_entropy, compute_policy_loss, high_entropy_mask
 from megarl.algos.ops import LossNormalizer, masked_mean, zero_masked
+from megarl.algos.plugins import POLICY_LOSS, resolve
 
 # ---------------------------------------------------------------------------------------- token rewards
 
@@ -157,7 +158,7 @@ def _kl_term(a: AlgorithmConfig, x: ObjectiveInputs, mask: torch.Tensor, old: to
     loss_cfg = a.policy_loss
     kl = kl_loss(x.log_probs, x.ref_log_probs, mask, a.kl_estimator, loss_cfg.aggregation, normalizer,
                  loss_cfg.norm_constant, a.kl_clamp, old if a.kl_loss_bias_correction else None,
-                 sequence_ratio=loss_cfg.loss is PolicyLoss.GSPO)
+                 sequence_ratio=resolve(POLICY_LOSS, loss_cfg.loss).sequence_ratio)
     metrics = {"kl_loss": kl.detach()}
     if x.old_log_probs is None:
         per_token = kl_divergence(x.log_probs.detach(), x.ref_log_probs, a.kl_estimator, a.kl_clamp)

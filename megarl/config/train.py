@@ -26,9 +26,10 @@ from typing import Any, ClassVar
 
 import yaml
 
-from megarl.algos.advantages import AdvantageEstimator, RewardScale
+from megarl.algos.advantages import RewardScale, estimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
+from megarl.algos.plugins import check_plugins, is_spec
 from megarl.config.loader import from_dict, read_data
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
@@ -333,6 +334,8 @@ def check_config(cfg: TrainConfig) -> None:
     if not cfg.data.train:
         raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
     d, r, a = cfg.data, cfg.rollout, cfg.algorithm
+    # the plug-ins first: every later check reads what the estimator needs (a user's is called once here)
+    check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss)
     if d.batch_size % layout.dp:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
                           f"({layout}); change one of them.")
@@ -343,8 +346,8 @@ def check_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"batch_size*n = {rows} responses per step must split into algorithm.mini_batches="
                               f"{a.mini_batches} x dp={dp} ({role.value}'s pool {cfg.cluster.pool_name(role)!r}) "
                               "equal parts.")
-    if a.advantage.estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and r.sampling.n < 2:
-        raise ConfigError(f"{a.advantage.estimator.value} compares responses to the same prompt; set "
+    if "group_ids" in estimator(a.advantage).needs and r.sampling.n < 2:
+        raise ConfigError(f"advantage estimator {a.advantage.estimator} compares responses to the same prompt; set "
                           "rollout.sampling.n >= 2.")
     _check_rollout(cfg, layout)
     if r.multi_turn.enabled:
@@ -386,18 +389,17 @@ def _check_loss_terms(a: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.top_entropy_quantile must lie in [0, 1] (the share of highest-entropy tokens "
                           f"trained on; 1 = all, the paper's 0.2), found {a.top_entropy_quantile}.")
     adv = a.advantage
-    if adv.scale_rewards is not RewardScale.GROUP and adv.estimator is not AdvantageEstimator.GRPO:
+    if adv.scale_rewards is not RewardScale.GROUP and adv.estimator != "grpo" and not is_spec(adv.estimator):
         raise ConfigError(f"algorithm.advantage.scale_rewards={adv.scale_rewards.value} scales GRPO's advantages, "
-                          f"but the estimator is {adv.estimator.value}; use estimator=grpo or remove scale_rewards.")
+                          f"but the estimator is {adv.estimator}; use estimator=grpo or remove scale_rewards.")
 
 
 def _check_dapo(cfg: TrainConfig) -> None:
     a, r = cfg.algorithm, cfg.reward
-    if a.dynamic_sampling is not None and a.advantage.estimator not in (AdvantageEstimator.GRPO,
-                                                                        AdvantageEstimator.RLOO):
-        raise ConfigError(f"algorithm.dynamic_sampling keeps prompt groups whose rewards differ, which matters to the "
-                          f"group-relative estimators (grpo, rloo); found {a.advantage.estimator.value}. Unset it or "
-                          "use one of those.")
+    if a.dynamic_sampling is not None and "group_ids" not in estimator(a.advantage).needs:
+        raise ConfigError(f"algorithm.dynamic_sampling keeps prompt groups whose rewards differ, which matters to "
+                          f"group-relative estimators (grpo, rloo, or a plug-in declaring needs=('group_ids',)); "
+                          f"found {a.advantage.estimator}. Unset it or use one of those.")
     if r.overlong_buffer and not cfg.rollout.multi_turn.enabled and not (  # multi-turn: _check_multi_turn
             0 < r.overlong_buffer <= cfg.rollout.max_new_tokens):
         raise ConfigError(f"reward.overlong_buffer={r.overlong_buffer} must lie in (0, rollout.max_new_tokens="

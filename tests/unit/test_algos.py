@@ -14,13 +14,10 @@ import pytest
 import torch
 
 from megarl.algos import (
-    ADVANTAGE_ESTIMATORS,
     KL_CONTROLLERS,
     KL_ESTIMATORS,
-    POLICY_LOSSES,
     AdaptiveKLController,
     AdvantageConfig,
-    AdvantageEstimator,
     AdvantageInputs,
     FixedKLController,
     KLControllerConfig,
@@ -28,7 +25,6 @@ from megarl.algos import (
     KLEstimator,
     LossAggregation,
     LossNormalizer,
-    PolicyLoss,
     PolicyLossConfig,
     RewardScale,
     aggregate_entropy,
@@ -53,6 +49,7 @@ from megarl.algos import (
     rloo,
     value_loss,
 )
+from megarl.algos.plugins import ESTIMATOR, POLICY_LOSS, registered
 from megarl.config import from_dict
 from megarl.errors import ConfigError
 
@@ -268,7 +265,7 @@ def test_grpo_against_per_group_statistics(scale):
         diff = s - statistics.mean(groups[gid])
         std = {"group": statistics.stdev(groups[gid]), "batch": statistics.stdev(scores), "none": None}[scale]
         expected.append(diff if std is None else diff / (std + 1e-6))
-    cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO, scale_rewards=RewardScale(scale))
+    cfg = AdvantageConfig(estimator="grpo", scale_rewards=RewardScale(scale))
     out = compute_advantages(cfg, AdvantageInputs(r2, mask2, group_ids=ids))
     exp_grid = [[expected[i] if mask2[i, t] else 0.0 for t in range(T)] for i in range(2 * B)]
     _close(out.advantages, exp_grid)
@@ -294,7 +291,7 @@ def test_rloo_leave_one_out():
     for i in range(B):
         others = [scores[j] for j in range(B) if GROUP_IDS[j] == GROUP_IDS[i] and j != i]
         expected.append(scores[i] - statistics.mean(others) if others else 0.0)
-    out = compute_advantages(AdvantageConfig(AdvantageEstimator.RLOO), AdvantageInputs(r, _mask(), group_ids=ids))
+    out = compute_advantages(AdvantageConfig("rloo"), AdvantageInputs(r, _mask(), group_ids=ids))
     _close(out.advantages, _broadcast_ref(expected))
     # Hand-worked: group scores [1, 2, 6]: baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5 -> A = [-3, -1.5, 4.5].
     adv, _ = rloo(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([4, 4, 4]), torch.ones(3, 1))
@@ -305,7 +302,7 @@ def test_reinforce_plus_plus_discounted_and_whitened():
     r = _rand(9)
     for gamma in (1.0, 0.9):
         out = compute_advantages(
-            AdvantageConfig(AdvantageEstimator.REINFORCE_PLUS_PLUS, gamma=gamma), AdvantageInputs(r, _mask())
+            AdvantageConfig("reinforce_plus_plus", gamma=gamma), AdvantageInputs(r, _mask())
         )
         ref_ret = ref_discounted(r, gamma)
         _close(out.returns, ref_ret)
@@ -319,7 +316,7 @@ def test_remax_reward_minus_greedy_baseline():
     r = _rand(10)
     base = torch.tensor([0.5, -1.0, 2.0, 0.0, 3.0], dtype=torch.float64)
     out = compute_advantages(
-        AdvantageConfig(AdvantageEstimator.REMAX), AdvantageInputs(r, _mask(), baseline_rewards=base)
+        AdvantageConfig("remax"), AdvantageInputs(r, _mask(), baseline_rewards=base)
     )
     ref_ret = ref_discounted(r, 1.0)
     _close(out.returns, ref_ret)
@@ -333,15 +330,15 @@ def test_remax_reward_minus_greedy_baseline():
 
 
 def test_advantage_inputs_missing_and_registry_complete():
-    assert set(ADVANTAGE_ESTIMATORS) == set(AdvantageEstimator)
+    assert registered(ESTIMATOR) == ["gae", "grpo", "reinforce_plus_plus", "remax", "rloo"]
     inputs = AdvantageInputs(_rand(11), _mask())
     with pytest.raises(ConfigError, match=r"'grpo' needs inputs.group_ids"):
-        compute_advantages(AdvantageConfig(AdvantageEstimator.GRPO), inputs)
+        compute_advantages(AdvantageConfig("grpo"), inputs)
     with pytest.raises(ConfigError, match=r"'gae' needs inputs.values"):
         compute_advantages(AdvantageConfig(), inputs)
     with pytest.raises(ConfigError, match="gamma must lie in"):
         AdvantageConfig(gamma=1.5)
-    assert from_dict(AdvantageConfig, {"estimator": "rloo", "gamma": 0.9}).estimator is AdvantageEstimator.RLOO
+    assert from_dict(AdvantageConfig, {"estimator": "rloo", "gamma": 0.9}).estimator == "rloo"
 
 
 # --------------------------------------------------------------------------------------------- policy / value loss
@@ -546,15 +543,16 @@ def test_adaptive_kl_controller_hand_worked():
 def test_unknown_registry_keys_list_the_valid_ones():
     x = torch.zeros(2, 3)
     with pytest.raises(
-        ConfigError, match=r"did you mean 'grpo'.*\['gae', 'grpo', 'rloo', 'reinforce_plus_plus', 'remax'\]"
+        ConfigError, match=r"did you mean 'grpo'.*\['gae', 'grpo', 'reinforce_plus_plus', 'remax', 'rloo'\]"
     ):
         compute_advantages(AdvantageConfig(estimator="gpro"), AdvantageInputs(x, x))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"\['kl', 'mse', 'low_var_kl', 'abs'\]"):
         kl_divergence(x, x, "k3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"did you mean 'token-mean'"):
         aggregate_loss(x, x, "token_mean")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"\['ppo_clip', 'gspo', 'cispo', 'sapo'\]"):
+    with pytest.raises(ConfigError, match=r"unknown policy loss 'ppo'.*\['cispo', 'gspo', 'ppo_clip', 'sapo'\]"):
         compute_policy_loss(PolicyLossConfig(loss="ppo"), x, x, x, x)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"\['fixed', 'adaptive'\]"):
         build_kl_controller(KLControllerConfig(kind="pid"))  # type: ignore[arg-type]
-    assert set(POLICY_LOSSES) == set(PolicyLoss) and set(KL_CONTROLLERS) == set(KLControllerType)
+    assert registered(POLICY_LOSS) == ["cispo", "gspo", "ppo_clip", "sapo"]
+    assert set(KL_CONTROLLERS) == set(KLControllerType)

@@ -19,7 +19,6 @@ import torch
 from megarl.algos import (
     LossAggregation,
     LossNormalizer,
-    PolicyLoss,
     PolicyLossConfig,
     cispo_loss,
     compute_policy_loss,
@@ -245,22 +244,19 @@ def test_registry_reads_each_loss_own_knobs():
     lp = torch.tensor([[-1.0]], dtype=torch.float64)
     old = lp - math.log(1.5)
     adv, mask = torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1)
-    _close(compute_policy_loss(PolicyLossConfig(loss=PolicyLoss.CISPO), lp, old, adv, mask).loss, 1.5)
+    _close(compute_policy_loss(PolicyLossConfig(loss="cispo"), lp, old, adv, mask).loss, 1.5)
     cfg = from_dict(PolicyLossConfig, {"loss": "cispo", "cispo_clip_high": 0.28})
-    assert cfg.loss is PolicyLoss.CISPO and cfg.cispo_clip_low is None
+    assert cfg.loss == "cispo" and cfg.cispo_clip_low is None
     _close(compute_policy_loss(cfg, lp, old, adv, mask).loss, 1.28)
     cfg = from_dict(PolicyLossConfig, {"loss": "sapo", "sapo_tau_pos": 2.0})
     _close(compute_policy_loss(cfg, lp, old, adv, mask).loss, -2 / (1 + math.exp(-1.0)))
 
 
 def test_dual_clip_and_bad_knobs_are_refused():
-    for loss in (PolicyLoss.CISPO, PolicyLoss.SAPO, PolicyLoss.GSPO):
-        with pytest.raises(ConfigError, match=f"{loss.value} has no dual-clip"):
+    for loss in ("cispo", "sapo", "gspo"):
+        with pytest.raises(ConfigError, match=f"{loss} has no dual-clip"):
             PolicyLossConfig(loss=loss, clip_ratio_c=3.0)
-    x = torch.zeros(1, 2)
-    with pytest.raises(ConfigError, match="cispo has no dual-clip"):  # a string key, checked at the lookup
-        compute_policy_loss(PolicyLossConfig(loss="cispo", clip_ratio_c=3.0), x, x, x, x)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="SAPO temperatures must be > 0"):
-        PolicyLossConfig(loss=PolicyLoss.SAPO, sapo_tau_neg=0.0)
+        PolicyLossConfig(loss="sapo", sapo_tau_neg=0.0)
     with pytest.raises(ConfigError, match="cispo_clip_low >= 0"):
-        PolicyLossConfig(loss=PolicyLoss.CISPO, cispo_clip_high=-0.1)
+        PolicyLossConfig(loss="cispo", cispo_clip_high=-0.1)

@@ -35,7 +35,7 @@ def _overrides(task, **extra):
 def test_example_config_loads_with_overrides(task):
     cfg = load_config(EXAMPLE, _overrides(task, **{"policy.optim.lr": "1e-4", "rollout.sampling.n": "4"}))
     assert cfg.policy.optim.lr == 1e-4 and cfg.rollout.sampling.n == 4  # "1e-4" parsed as a float, not a string
-    assert cfg.algorithm.advantage.estimator.value == "grpo" and cfg.cluster.pool().tp == 2
+    assert cfg.algorithm.advantage.estimator == "grpo" and cfg.cluster.pool().tp == 2
     check_config(cfg)
 
 
@@ -49,7 +49,7 @@ def test_resolved_config_round_trips(task, tmp_path):
     ("policy.optim.lrr=1", ConfigError, "did you mean 'lr'"),
     ("rollout.sampling.temprature=1", ConfigError, "did you mean 'temperature'"),
     ("rollout.n=4", ConfigError, "unknown config key 'rollout.n'"),
-    ("algorithm.advantage.estimator=ppo", ConfigError, "is not one of"),
+    ("algorithm.advantage.estimator=ppo", ConfigError, "unknown advantage estimator .ppo."),
     ("cluster.pools.main.tp=3", LayoutError, "not divisible by tp"),
     ("cluster.pools.main.tp=1 data.batch_size=3", ConfigError, "divisible by the data-parallel size 2"),
     ("rollout.sampling.n=1", ConfigError, "rollout.sampling.n >= 2"),
@@ -96,17 +96,21 @@ def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
-    """Unknown key, invalid layout, missing dataset column, missing model dir, unknown allocator: exit 2 with
+    """Unknown key, invalid layout, missing dataset column, missing model dir, unknown allocator, an advantage
+    estimator plug-in that returns the wrong thing: exit 2 with
     one paragraph, no traceback, no Ray, no conversion output. The command re-executes itself with Ray's
     jemalloc preloaded before it imports torch (Python's import log: torch once, the CLI twice)."""
     bad_rows = tmp_path / "bad.jsonl"
     bad_rows.write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "algo.py").write_text("def estimate(inputs, config):\n    return inputs.token_rewards\n")
     cases = [
         (["policy.optim.lrr=1"], "did you mean 'lr'"),
         (["cluster.pools.main.tp=3"], "not divisible by tp"),
         ([f"data.train={bad_rows}"], "prompt"),
         (["model.path=/nonexistent/model"], "is not a directory"),
         (["cluster.allocator=mimalloc"], "expected one of auto, system, tcmalloc, jemalloc, found 'mimalloc'"),
+        ([f"algorithm.advantage.estimator={tmp_path / 'algo.py'}:estimate"],  # a plug-in (#43): called once here
+         f"advantage estimator '{tmp_path / 'algo.py'}:estimate' returned Tensor; expected Advantages"),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")} | {"RAY_ADDRESS": ""}
     for i, (extra, match) in enumerate(cases):

@@ -15,7 +15,6 @@ import torch
 
 from megarl.algos import (
     AdvantageConfig,
-    AdvantageEstimator,
     AdvantageInputs,
     KLEstimator,
     LossAggregation,
@@ -138,7 +137,7 @@ def test_grpo_scale_rewards_equals_trl(scale, eps):
     mask = torch.tensor([[1, 1, 0]] * len(rewards), dtype=torch.float32)
     token_rewards = torch.zeros(mask.shape)
     token_rewards[:, 1] = torch.tensor(rewards)  # the outcome on the last counted token
-    cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO, scale_rewards=RewardScale(scale), eps=eps)
+    cfg = AdvantageConfig(estimator="grpo", scale_rewards=RewardScale(scale), eps=eps)
     out = compute_advantages(cfg, AdvantageInputs(token_rewards.double(), mask.double(),
                                                   group_ids=torch.arange(len(rewards)) // n))
     expected = _trl_advantages(rewards, n, scale, eps)
@@ -147,7 +146,7 @@ def test_grpo_scale_rewards_equals_trl(scale, eps):
 
 
 def test_grpo_default_scale_is_group_with_megarl_eps():
-    cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO)
+    cfg = AdvantageConfig(estimator="grpo")
     assert cfg.scale_rewards is RewardScale.GROUP and cfg.eps == 1e-6
 
 
