@@ -385,23 +385,27 @@ def round_ratios(runs: list[RunResult], mode: str) -> list[float]:
     return out
 
 
-def groups(runs: list[RunResult]) -> str:
+def groups(runs: list[RunResult], step_s: float) -> str:
     """Groups sampled per group trained over all measured steps of ``runs`` (a ratio of sums: a step may train
-    none) and the median of the groups trained per step; ``-`` where the runs did not record them."""
+    none), the median of the groups trained per step and the seconds per group trained (``step_s``, the mode's
+    median step, over the mean groups trained per step: with dynamic sampling a step may train fewer than
+    ``data.batch_size``); ``-`` where the runs did not record them."""
     steps = [s for r in runs for s in r.steps]
     if any(s.groups_sampled is None for s in steps):
-        return "- | -"
+        return "- | - | -"
     trained = sum(s.groups_trained for s in steps)
-    ratio = f"{sum(s.groups_sampled for s in steps) / trained:.2f}" if trained else "inf (none trained)"
-    return f"{ratio} | {_med(s.groups_trained for s in steps):.0f}"
+    if not trained:
+        return "inf (none trained) | 0 | -"
+    return (f"{sum(s.groups_sampled for s in steps) / trained:.2f} | {_med(s.groups_trained for s in steps):.0f} | "
+            f"{step_s * len(steps) / trained:.3g}")
 
 
 def case_table(case: str, runs: list[RunResult]) -> tuple[list[str], dict[str, tuple[float, float]]]:
     pred, base = predictions(runs), _stages([r for r in runs if r.mode == "sync"])
     lines = [f"### {case}", "", "| mode | runs | step s | tokens/s | training pool busy | rollout pool busy | "
              "ideal = planner s | measured / ideal | ideal from own stages s | measured / that | lag max | "
-             "groups sampled / trained | groups trained / step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "groups sampled / trained | groups trained / step | s / group trained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for mode, (ideal, own) in pred.items():
         rs = [r for r in runs if r.mode == mode]
@@ -416,7 +420,7 @@ def case_table(case: str, runs: list[RunResult]) -> tuple[list[str], dict[str, t
         ratios[mode] = (step / ideal, step / own)
         lag = max(s.lag_max for r in rs for s in r.steps)
         lines.append(f"| {mode} | {len(rs)} | {step:.3f} | {tps:.0f} | {train_busy:.0%} | {gen_busy} | {ideal:.3f} | "
-                     f"{step / ideal:.2f}x | {own:.3f} | {step / own:.2f}x | {lag:.0f} | {groups(rs)} |")
+                     f"{step / ideal:.2f}x | {own:.3f} | {step / own:.2f}x | {lag:.0f} | {groups(rs, step)} |")
     lines += ["", "Stage times, median seconds per measured step (median over runs). *gen wait*: `timing/rollout_s`; "
               "*decode*: the engine's own `timing/generate_s`; *train*: old log-probs + reference + advantages + "
               "update; *other*: step - (gen wait + reward + train + sync + bookkeeping).", "",
@@ -476,7 +480,8 @@ def report(runs: list[RunResult], meta: dict) -> str:
               "groups generated and scored (`dynamic/groups_sampled`, all rounds; `data.batch_size` without dynamic "
               "sampling) plus those dropped as too stale (`async/dropped_groups`) over the groups trained "
               "(`dynamic/groups_trained`), summed over all measured steps of all runs; *groups trained / step*: their "
-              "median.", ""]
+              "median; *s / group trained*: the step (its median, the column *step s*) over the mean groups "
+              "trained per step (with dynamic sampling a step can train fewer than 16 groups: `on_short: train`).", ""]
     verdicts = []
     for c in cases:
         table, ratios = case_table(c, [r for r in runs if r.case == c])
