@@ -1,7 +1,8 @@
 """The rollout schedules on the same processes: sync, one_step_off and async against their ideal step (#23).
 
-    .venv/bin/python benchmarks/schedules.py [--cases tiny,30m] [--modes sync,one_step_off,async]
-        [--repeats tiny=3,30m=1] [--steps tiny=30,30m=10] [--warmup tiny=5,30m=2] [--wait-load 1.5] [--results FILE]
+    .venv/bin/python benchmarks/schedules.py [--algorithm grpo|dapo] [--cases tiny,30m]
+        [--modes sync,one_step_off,async[,async_partial]] [--repeats tiny=3,30m=1] [--steps tiny=30,30m=10]
+        [--warmup tiny=5,30m=2] [--wait-load 1.5] [--results FILE]
     .venv/bin/python benchmarks/schedules.py --report-from outputs/bench_schedules/results-<date>.json
 
 The addition task of ``examples/grpo_addition_tiny`` with the models of ``benchmarks/grpo_cpu.py`` (same
@@ -17,7 +18,16 @@ process, ``cluster.placement.rollout=gen``), plus the driver. Modes:
 - ``sync``: weight sync, generation, scoring, training in turn (each pool idle while the other works);
 - ``one_step_off``: ``rollout.schedule=one_step_off`` (step k+1 generates while step k trains);
 - ``async``: ``rollout.schedule=async`` with ``max_staleness=1``, ``on_stale=wait``, ``push_every=1``, whole
-  responses per call.
+  responses per call;
+- ``async_partial`` (run only when named in ``--modes``): ``async`` with ``max_staleness=2`` and partial rollouts
+  (``rollout.asynchronous.partial_chunk_tokens=16``: a push lands between 16-token calls).
+
+Algorithms (``--algorithm``): ``grpo`` (the default: the settings above, ``examples/grpo_addition_tiny``) and
+``dapo``: the same task, placement and overrides on ``examples/dapo_addition_tiny``'s settings, i.e. DAPO's
+dynamic sampling (``algorithm.dynamic_sampling``: prompt groups whose 16 rewards are all equal are dropped and
+more prompts sampled, up to 4 more rounds, ``on_short: train``), clip-higher (``clip_high=0.28``), token-mean
+aggregation, no KL term (so no reference pass) and no entropy bonus. Its results file is
+``schedules-<date>-dapo.md``.
 
 Each run is a fresh ``megarl train`` subprocess (its own Ray cluster; start-up is outside the measured steps);
 with ``--repeats`` above 1 the modes alternate (sync, one_step_off, async, sync, ...). From each run's
@@ -25,6 +35,11 @@ with ``--repeats`` above 1 the modes alternate (sync, one_step_off, async, sync,
 
 - step time ``timing/step_s`` and tokens/s: generated response tokens of the step (``rollout/num_tokens``) /
   step time;
+- groups sampled per group trained (a ratio of sums over the measured steps, over all runs of the mode): prompt
+  groups generated and scored (``dynamic/groups_sampled``, all rounds of the step; ``data.batch_size`` without
+  dynamic sampling) plus the groups the asynchronous buffer dropped as too stale (``async/dropped_groups``),
+  over the groups trained (``dynamic/groups_trained``; ``data.batch_size`` without dynamic sampling). Groups
+  still in flight or in the buffer when the run ends are in neither;
 - stage times: generation ``timing/rollout_s`` (the driver's wait for the rollout pool's responses: in
   ``sync`` the whole generation, dispatch and transfer included; in the overlapped modes only what was left
   of it), the engine's own decode ``timing/generate_s`` (reported by the rollout worker; absent in ``async``,
@@ -77,16 +92,48 @@ from grpo_cpu import CASES as GRPO_CASES  # the same models, response lengths an
 from grpo_cpu import wait_for_load
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "grpo_addition_tiny" / "config.yaml"
+EXAMPLES = ROOT / "examples"
 TARGET = 1.15  # one_step_off measured / ideal
 QUIET_CORES = 0.25  # a step is measured when the machine's other processes used less CPU than this meanwhile
 logger = logging.getLogger("bench.schedules")
 
+_ASYNC = ["rollout.schedule=async", "rollout.asynchronous.on_stale=wait", "rollout.asynchronous.push_every=1"]
 MODES = {
     "sync": [],
     "one_step_off": ["rollout.schedule=one_step_off"],
-    "async": ["rollout.schedule=async", "rollout.asynchronous.max_staleness=1", "rollout.asynchronous.on_stale=wait",
-              "rollout.asynchronous.push_every=1"],
+    "async": [*_ASYNC[:1], "rollout.asynchronous.max_staleness=1", *_ASYNC[1:]],
+    "async_partial": [*_ASYNC[:1], "rollout.asynchronous.max_staleness=2", *_ASYNC[1:],
+                      "rollout.asynchronous.partial_chunk_tokens=16"],
+}
+DEFAULT_MODES = ("sync", "one_step_off", "async")
+PLANNER_MODE = {"sync": "sync", "one_step_off": "one_step_off", "async": "async", "async_partial": "async"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """The training settings a run starts from: an example's config, on which every run's overrides land."""
+
+    example: Path
+    suffix: str  # of the results file's name
+    description: str  # for the report's header
+
+    @property
+    def batch_size(self) -> int:
+        """Prompt groups a step trains (``data.batch_size``)."""
+        import yaml
+
+        return yaml.safe_load(self.example.read_text())["data"]["batch_size"]
+
+
+ALGORITHMS = {
+    "grpo": Algorithm(EXAMPLES / "grpo_addition_tiny" / "config.yaml", "",
+                      "GRPO (examples/grpo_addition_tiny): 16 prompts x 16 responses per step, KL loss to a colocated "
+                      "reference, entropy bonus 0.01"),
+    "dapo": Algorithm(EXAMPLES / "dapo_addition_tiny" / "config.yaml", "-dapo",
+                      "DAPO (examples/dapo_addition_tiny): 16 trained prompt groups x 16 responses per step, dynamic "
+                      "sampling (groups with all-equal rewards dropped, up to 4 more rounds of 16 prompts, on_short: "
+                      "train, i.e. fewer groups when they run out), clip-higher (clip_high 0.28), token-mean "
+                      "aggregation, no KL term (no reference pass), no entropy bonus"),
 }
 PLACEMENT = ["cluster.pools.main.devices_per_node=1", "cluster.pools.main.tp=1",
              "cluster.pools.gen.devices_per_node=1", "cluster.placement.rollout=gen"]
@@ -110,6 +157,8 @@ class Step:
     start: float  # wall clock
     end: float
     foreign_cores: float | None = None  # CPU the machine's other processes used during the step, in cores
+    groups_sampled: float | None = None  # generated and scored, plus dropped as too stale (None: not recorded)
+    groups_trained: float | None = None
 
 
 @dataclasses.dataclass
@@ -238,24 +287,29 @@ def overrides(task: Path, case: str, mode: str, out: Path, total_steps: int) -> 
             f"rollout.stop_at_eos={str(c.stop_at_eos).lower()}"]
 
 
-def _step(m: dict) -> Step:
+def _step(m: dict, batch_size: int) -> Step:
+    """One step's record from its metrics; without dynamic sampling a step trains the ``batch_size`` groups it
+    takes (the dynamic/ counts are absent)."""
     t = {k[len("timing/"):-2]: v for k, v in m.items() if k.startswith("timing/")}
     return Step(step_s=m["timing/step_s"], tokens=m["rollout/num_tokens"], rollout_s=t.get("rollout", 0.0),
                 generate_s=t.get("generate"), reward_s=t.get("reward", 0.0),
                 train_s=sum(t.get(k, 0.0) for k in TRAIN_STAGES), sync_s=t.get("weight_sync", 0.0),
                 bookkeeping_s=t.get("bookkeeping", 0.0), lag_max=m.get("async/version_lag_max", 0.0),
                 rollout_wait_s=m.get("async/rollout_wait_s"),
-                start=m["time"] - m["timing/step_s"], end=m["time"])
+                start=m["time"] - m["timing/step_s"], end=m["time"],
+                groups_sampled=m.get("dynamic/groups_sampled", batch_size) + m.get("async/dropped_groups", 0.0),
+                groups_trained=m.get("dynamic/groups_trained", batch_size))
 
 
-def run_mode(case: str, mode: str, repeat: int, task: Path, work: Path, steps: int, warmup: int) -> RunResult:
+def run_mode(algorithm: Algorithm, case: str, mode: str, repeat: int, task: Path, work: Path, steps: int,
+             warmup: int) -> RunResult:
     from megarl.metrics.tracking import read_metrics
 
-    out = work / f"{case}-{mode}-{repeat}"
+    out = work / f"{case}-{mode}-{repeat}{algorithm.suffix}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = os.environ | {"RAY_ADDRESS": "local", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "megarl.cli.main", "train", str(EXAMPLE),
+    cmd = [sys.executable, "-m", "megarl.cli.main", "train", str(algorithm.example),
            *overrides(task, case, mode, out, warmup + steps)]
     load0, start, commit = os.getloadavg()[0], time.time(), _commit()
     with (out / "log.txt").open("w") as log:
@@ -272,7 +326,7 @@ def run_mode(case: str, mode: str, repeat: int, task: Path, work: Path, steps: i
             sampler.stop()
     if proc.returncode:
         raise SystemExit(f"{case} {mode} failed ({proc.returncode}); see {out / 'log.txt'}")
-    measured = [_step(m) for m in read_metrics(out)][warmup:]
+    measured = [_step(m, algorithm.batch_size) for m in read_metrics(out)][warmup:]
     for s in measured:
         s.foreign_cores = sampler.foreign(s.start, s.end)
     cores, busy = sampler.window(measured[0].start, measured[-1].end)
@@ -310,7 +364,7 @@ def predictions(runs: list[RunResult]) -> dict[str, tuple[float, float]]:
 
     def step(mode: str, st: dict, gen: float) -> float:
         times = StageTimes(gen_s=gen, train_s=st["train_s"], sync_s=st["sync_s"], reward_s=st["reward_s"])
-        return predict_step(times, Mode(mode), split=True).step_s
+        return predict_step(times, Mode(PLANNER_MODE[mode]), split=True).step_s
 
     base = _stages([r for r in runs if r.mode == "sync"])
     out = {}
@@ -331,11 +385,27 @@ def round_ratios(runs: list[RunResult], mode: str) -> list[float]:
     return out
 
 
+def groups(runs: list[RunResult], step_s: float) -> str:
+    """Groups sampled per group trained over all measured steps of ``runs`` (a ratio of sums: a step may train
+    none), the median of the groups trained per step and the seconds per group trained (``step_s``, the mode's
+    median step, over the mean groups trained per step: with dynamic sampling a step may train fewer than
+    ``data.batch_size``); ``-`` where the runs did not record them."""
+    steps = [s for r in runs for s in r.steps]
+    if any(s.groups_sampled is None for s in steps):
+        return "- | - | -"
+    trained = sum(s.groups_trained for s in steps)
+    if not trained:
+        return "inf (none trained) | 0 | -"
+    return (f"{sum(s.groups_sampled for s in steps) / trained:.2f} | {_med(s.groups_trained for s in steps):.0f} | "
+            f"{step_s * len(steps) / trained:.3g}")
+
+
 def case_table(case: str, runs: list[RunResult]) -> tuple[list[str], dict[str, tuple[float, float]]]:
     pred, base = predictions(runs), _stages([r for r in runs if r.mode == "sync"])
     lines = [f"### {case}", "", "| mode | runs | step s | tokens/s | training pool busy | rollout pool busy | "
-             "ideal = planner s | measured / ideal | ideal from own stages s | measured / that | lag max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ideal = planner s | measured / ideal | ideal from own stages s | measured / that | lag max | "
+             "groups sampled / trained | groups trained / step | s / group trained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for mode, (ideal, own) in pred.items():
         rs = [r for r in runs if r.mode == mode]
@@ -350,7 +420,7 @@ def case_table(case: str, runs: list[RunResult]) -> tuple[list[str], dict[str, t
         ratios[mode] = (step / ideal, step / own)
         lag = max(s.lag_max for r in rs for s in r.steps)
         lines.append(f"| {mode} | {len(rs)} | {step:.3f} | {tps:.0f} | {train_busy:.0%} | {gen_busy} | {ideal:.3f} | "
-                     f"{step / ideal:.2f}x | {own:.3f} | {step / own:.2f}x | {lag:.0f} |")
+                     f"{step / ideal:.2f}x | {own:.3f} | {step / own:.2f}x | {lag:.0f} | {groups(rs, step)} |")
     lines += ["", "Stage times, median seconds per measured step (median over runs). *gen wait*: `timing/rollout_s`; "
               "*decode*: the engine's own `timing/generate_s`; *train*: old log-probs + reference + advantages + "
               "update; *other*: step - (gen wait + reward + train + sync + bookkeeping).", "",
@@ -381,13 +451,17 @@ def cpu_table(runs: list[RunResult]) -> list[str]:
 
 def report(runs: list[RunResult], meta: dict) -> str:
     cases = [c for c in meta["cases"] if any(r.case == c for r in runs)]
-    lines = [f"# Rollout schedules on one split placement: sync, one_step_off, async, {meta['date']}", "",
+    algorithm = ALGORITHMS[meta["algorithm"]]
+    modes = [m for m in MODES if any(r.mode == m for r in runs)]
+    lines = [f"# Rollout schedules on one split placement, {meta['algorithm'].upper()}: {', '.join(modes)}, "
+             f"{meta['date']}", "", f"- algorithm: {algorithm.description}",
              f"- megarl commit {meta['commit']}{meta['dirty']} at the start (each run's: *Per run*); {meta['machine']}",
              "- " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- 1-min load average before the first run: {meta['load_before']:.2f}; waited {meta['waited_s']:.0f} s "
              f"for < {meta['wait_load']} ({'reached' if meta['reached'] else 'NOT reached'}); load (1/5/15 min) at "
              f"start {' / '.join(f'{x:.2f}' for x in meta['load_start'])}",
-             "- processes: the driver, pool `main` (1 Ray worker: policy TP1 + colocated reference), pool `gen` (1 Ray "
+             "- processes: the driver, pool `main` (1 Ray worker: policy TP1 + colocated reference if any), pool "
+             "`gen` (1 Ray "
              "worker: the embedded rollout engine), Ray's own processes; all on the machine's cores", "",
              "## Method", "", meta["method"], "", "## Cases", "",
              "| case | model | rows/step (prompts x n) | response tokens | warm-up + measured steps |",
@@ -402,7 +476,12 @@ def report(runs: list[RunResult], meta: dict) -> str:
               "from own stages*: `predict_step` on the mode's own stage times (gen = the engine's decode, async: the "
               "sync run's; sync: `timing/rollout_s`). Busy shares from each run's own stage times "
               "(async rollout pool: `~` = the sync run's decode seconds / the async step; in brackets 1 - the "
-              "producer's wait `async/rollout_wait_s` / step, an upper bound).", ""]
+              "producer's wait `async/rollout_wait_s` / step, an upper bound). *Groups sampled / trained*: prompt "
+              "groups generated and scored (`dynamic/groups_sampled`, all rounds; `data.batch_size` without dynamic "
+              "sampling) plus those dropped as too stale (`async/dropped_groups`) over the groups trained "
+              "(`dynamic/groups_trained`), summed over all measured steps of all runs; *groups trained / step*: their "
+              "median; *s / group trained*: the step (its median, the column *step s*) over the mean groups "
+              "trained per step (with dynamic sampling a step can train fewer than 16 groups: `on_short: train`).", ""]
     verdicts = []
     for c in cases:
         table, ratios = case_table(c, [r for r in runs if r.case == c])
@@ -437,11 +516,12 @@ def report(runs: list[RunResult], meta: dict) -> str:
         lines.append(f"| {r.case} | {r.mode} | {r.repeat} | {r.med('step_s'):.3f} | "
                      f"{' '.join(f'{s.step_s:.2f}' for s in r.steps)} | {other} | {used} | "
                      f"{r.load[0]:.2f} / {r.load[1]:.2f} | {r.waited_s:.0f} | {r.wall_s:.0f} | {r.commit} |")
+    common = " ".join(overrides(Path("<task>"), "tiny", "sync", Path("<out>"), 0))
     lines += ["", "## Exact configurations", "", f"`.venv/bin/python -m megarl.cli.main train "
-              f"{EXAMPLE.relative_to(ROOT)} " + " ".join(overrides(Path("<task>"), "tiny", "sync", Path("<out>"), 0))
+              f"{algorithm.example.relative_to(ROOT)} " + common
               .replace("trainer.total_steps=0", "trainer.total_steps=<warm-up + measured>") + "` with "
               "`rollout.max_new_tokens` / `rollout.stop_at_eos` per case and per mode:", ""]
-    lines += [f"- {m}: {' '.join(f'`{o}`' for o in o_) or '(nothing more)'}" for m, o_ in MODES.items()]
+    lines += [f"- {m}: {' '.join(f'`{o}`' for o in MODES[m]) or '(nothing more)'}" for m in modes]
     lines += ["", "## Reproduce", "", "```", meta["command"], "```", ""]
     return "\n".join(lines)
 
@@ -474,8 +554,9 @@ def _parse(spec: str, names: list[str], default: dict[str, int]) -> dict[str, in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithm", default="grpo", choices=list(ALGORITHMS))
     parser.add_argument("--cases", default="tiny,30m")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--repeats", default="", help="runs per mode (alternating): N or CASE=N,... (default 1)")
     parser.add_argument("--steps", default="", help="measured steps: N or CASE=N,... (default tiny=30,30m=10)")
     parser.add_argument("--warmup", default="", help="warm-up steps: N or CASE=N,... (default tiny=5,30m=2)")
@@ -484,7 +565,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "outputs" / "bench_schedules"))
     parser.add_argument("--results", default=None)
     parser.add_argument("--report-from", metavar="JSON", help="only rewrite the report from a run's raw results "
-                        "(the results-<date>.json it left under --work)")
+                        "(the results-<date>[-dapo].json it left under --work)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.report_from:
@@ -505,9 +586,10 @@ def main() -> None:
     tasks = {n: make_task(work / n / "task", **GRPO_CASES[n].model) for n in names}
     load_before = os.getloadavg()[0]
     load_start, waited, reached = wait_for_load(args.wait_load, args.max_wait)
-    date = datetime.date.today().isoformat()
+    date, algorithm = datetime.date.today().isoformat(), ALGORITHMS[args.algorithm]
     dirty = _git("status", "--porcelain", "--", "megarl")
-    meta = dict(date=date, commit=_git("rev-parse", "--short", "HEAD"), cases=names, steps=steps, warmup=warmup,
+    meta = dict(date=date, algorithm=args.algorithm, commit=_git("rev-parse", "--short", "HEAD"), cases=names,
+                steps=steps, warmup=warmup,
                 dirty=(f" + uncommitted changes to {len(dirty.splitlines())} file(s) under megarl/ (the working tree "
                        "measured)") if dirty else "",
                 machine=f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_description()}), "
@@ -516,12 +598,12 @@ def main() -> None:
                 versions=_versions(), load_before=load_before, load_start=load_start, waited_s=waited,
                 reached=reached, wait_load=args.wait_load, method=METHOD,
                 command=f".venv/bin/python benchmarks/schedules.py {' '.join(sys.argv[1:])}".strip())
-    path = Path(args.results or ROOT / "benchmarks" / "results" / f"schedules-{date}.md")
+    path = Path(args.results or ROOT / "benchmarks" / "results" / f"schedules-{date}{algorithm.suffix}.md")
     plan = [(n, r, m) for n in names for r in range(repeats[n]) for m in modes]
     runs: list[RunResult] = []
     for i, (name, repeat, mode) in enumerate(tqdm(plan, desc="runs", unit="run")):
         waited = wait_for_load(args.wait_load, args.max_wait)[1] if i else 0.0  # the first run waited above
-        res = run_mode(name, mode, repeat, tasks[name], work / name, steps[name], warmup[name])
+        res = run_mode(algorithm, name, mode, repeat, tasks[name], work / name, steps[name], warmup[name])
         res.waited_s = waited
         logger.info("%s %s #%d: step %.3f s (median of %d of %d steps), load %.2f/%.2f", name, mode, repeat,
                     res.med("step_s"), len(res.quiet), len(res.steps), *res.load)
@@ -529,7 +611,7 @@ def main() -> None:
         if mode == modes[-1]:  # a full round: rewrite the report with what has run so far
             path.write_text(report(runs, meta))
             raw = {"meta": meta, "runs": [dataclasses.asdict(r) for r in runs]}
-            (work / f"results-{date}.json").write_text(json.dumps(raw, indent=1))
+            (work / f"results-{date}{algorithm.suffix}.json").write_text(json.dumps(raw, indent=1))
     print(path.read_text())
 
 
@@ -537,8 +619,9 @@ def rewrite_report(raw_path: Path, results: str | None) -> None:
     raw = json.loads(raw_path.read_text())
     runs = [RunResult(**(r | {"steps": [Step(**s) for s in r["steps"]], "load": tuple(r["load"])}))
             for r in raw["runs"]]
-    meta = raw["meta"] | {"method": METHOD}
-    path = Path(results or ROOT / "benchmarks" / "results" / f"schedules-{meta['date']}.md")
+    meta = {"algorithm": "grpo"} | raw["meta"] | {"method": METHOD}  # the files before --algorithm: GRPO
+    suffix = ALGORITHMS[meta["algorithm"]].suffix
+    path = Path(results or ROOT / "benchmarks" / "results" / f"schedules-{meta['date']}{suffix}.md")
     path.write_text(report(runs, meta))
     print(path.read_text())
 
