@@ -111,6 +111,7 @@ class Cluster:
             Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
             temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed, rollout_ranks=rollout_ranks)
         self.rollout = None  # rollout engines on a pool of their own, joined to the policy by a weight link
+        self._held: int | None = None  # the version the rollout pool holds (None: none pushed, or not known)
         # calls to the rollout pool come from the trainer and the asynchronous producer's thread: each is submitted
         # to all its ranks before the next, so every rank runs them in one order (a vLLM TP group's ranks must)
         self._rollout_calls = threading.Lock()
@@ -168,8 +169,14 @@ class Cluster:
         ready.result()  # the generation ahead of the push (call_s); the policy's ranks wait in the link
         _, received = wait_all(calls, deadline_s=self.cfg.cluster.timeouts.push_s,
                                what=f"the weight push of version {version} to the rollout pool")
-        sync = max(received, key=lambda w: w.seconds)
-        return dataclasses.replace(sync, parity=self._check_push(probed, version))
+        sync = dataclasses.replace(max(received, key=lambda w: w.seconds), parity=self._check_push(probed, version))
+        self._held = version
+        return sync
+
+    def holds(self, version: int) -> bool:
+        """Whether the rollout pool holds the policy's weights of ``version`` already (a push would resend them);
+        colocated engines never do across calls: they sleep between rollouts."""
+        return self.rollout is not None and self._held == version
 
     def _check_push(self, probed: PendingCall[Batch], version: int) -> PushParity:
         """The training model's log-probs of every replica's probe tokens, at the version just pushed (the policy
@@ -240,6 +247,7 @@ class Cluster:
             self.critic.all(CriticRole.save_checkpoint, str(ckpt_dir / "critic"), step, str(self.source))
 
     def load(self, ckpt_dir: Path) -> None:
+        self._held = None  # the policy's weights change: whatever the rollout pool holds is not known to match
         self.policy.all(PolicyRole.load_checkpoint, str(ckpt_dir / "policy"))
         if self.critic is not None:
             self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))

@@ -175,6 +175,8 @@ class RolloutSource(abc.ABC):
         return self.cfg.trainer.seed * 1_000_003 + step
 
     def sync(self, rounds: Rounds, version: int, timer: Timer) -> None:
+        if self.cluster.holds(version):  # a later round at the same weights on a rollout pool: nothing to resend
+            return
         with timer("weight_sync"):
             rounds.metrics |= self.cluster.sync_weights(version).metrics()
 
