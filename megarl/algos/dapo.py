@@ -34,7 +34,9 @@ class DynamicSamplingConfig:
     """DAPO dynamic sampling (``algorithm.dynamic_sampling``; null: off): drop prompt groups whose rewards are
     all equal and sample further prompts until the step has ``data.batch_size`` informative groups."""
 
-    max_extra_rounds: int = 4  # generation rounds beyond the first, each of data.batch_size new prompts
+    # generation rounds beyond the first, each of data.batch_size new prompts (async: takes from the buffer, up to the
+    # same number of prompt groups in all)
+    max_extra_rounds: int = 4
     on_short: ShortBatch = ShortBatch.TRAIN  # too few informative groups after them: train on those, or fail
 
     def __post_init__(self) -> None:

@@ -76,12 +76,18 @@ class Rounds:
             return False
         if self.filter is None:
             return True
-        return self.found >= self.want or len(self.batches) > self.filter.max_extra_rounds
+        return self.found >= self.want or self.groups >= self.budget
+
+    @property
+    def budget(self) -> int:
+        """Prompt groups a step may sample with dynamic sampling: ``1 + max_extra_rounds`` rounds' worth, whether
+        they come as whole rounds (sync, one-step-off) or as takes of what is missing (async)."""
+        return (1 + self.filter.max_extra_rounds) * self.want
 
     @property
     def needed(self) -> int:
         """Prompt groups the next round should bring (async takes this many from the buffer)."""
-        return self.want if self.filter is None else max(self.want - self.found, 1)
+        return self.want if self.filter is None else max(min(self.want - self.found, self.budget - self.groups), 1)
 
     def add(self, batch: Batch, num_groups: int, num_errors: int) -> int:
         """A scored round of ``num_groups`` groups (``prompt_uid`` 0..num_groups-1); how many of them dynamic
