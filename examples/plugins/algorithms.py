@@ -10,6 +10,8 @@
 - ``clipped_surrogate``: PPO's clipped surrogate (Schulman et al. 2017), token-level ratio, from its definition.
 - ``constant_normalised_surrogate``: the same surrogate summed over tokens and divided by a constant
   (``config.norm_constant``, e.g. the maximum response length): Dr. GRPO's length-unbiased aggregation.
+- ``some_correct``: a dynamic-sampling criterion (``algorithm.dynamic_sampling.criterion``): groups whose rewards
+  differ and that hold at least one fully right response.
 
 Nothing here is imported by megarl's own code; the tests run a trainer with these files (tests/trainer/
 test_plugins.py).
@@ -25,6 +27,7 @@ from megarl.algos import (
     PolicyLossOutput,
     advantage_estimator,
     aggregate_loss,
+    group_filter,
     grpo,
     masked_mean,
     masked_sum,
@@ -83,3 +86,14 @@ def constant_normalised_surrogate(log_prob, old_log_prob, advantages, mask, conf
     per_token, log_ratio, clipped = _surrogate(log_prob, old_log_prob, advantages, mask, config)
     loss = aggregate_loss(per_token, mask, "seq-mean-token-sum-norm", normalizer, config.norm_constant)
     return _output(loss, log_ratio, clipped, mask)
+
+
+@group_filter()
+def some_correct(scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """A dynamic-sampling criterion: keep a prompt group when its rewards differ and at least one response earned
+    the full reward of 1 (a group of near misses teaches the policy little about what a right answer is)."""
+    keep = torch.zeros(num_groups, dtype=torch.bool)
+    for g in range(num_groups):
+        group = scores[group_ids == g]
+        keep[g] = bool(group.max() > group.min()) and bool((group >= 1.0).any())
+    return keep

@@ -80,7 +80,7 @@ from megarl.algos.ops import (
     masked_whiten,
     zero_masked,
 )
-from megarl.algos.plugins import Plugin, advantage_estimator, check_plugins, policy_loss
+from megarl.algos.plugins import Plugin, advantage_estimator, check_plugins, group_filter, policy_loss
 
 __all__ = [
     "KL_CONTROLLERS",
@@ -122,6 +122,7 @@ __all__ = [
     "discounted_returns",
     "entropy_from_logits",
     "gae",
+    "group_filter",
     "grpo",
     "gspo_loss",
     "high_entropy_mask",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.algos.plugins import group_filter
 from megarl.errors import ConfigError
 
 
@@ -38,12 +39,16 @@ class DynamicSamplingConfig:
     # same number of prompt groups in all)
     max_extra_rounds: int = 4
     on_short: ShortBatch = ShortBatch.TRAIN  # too few informative groups after them: train on those, or fail
+    # which prompt groups count as informative: differing_rewards (DAPO's: not all rewards equal) or a user's filter
+    # given as 'path/to/file.py:function' (docs/programming.md §2)
+    criterion: str = "differing_rewards"
 
     def __post_init__(self) -> None:
         if self.max_extra_rounds < 0:
             raise ConfigError(f"dynamic_sampling.max_extra_rounds must be >= 0, found {self.max_extra_rounds}")
 
 
+@group_filter("differing_rewards")
 def informative_groups(scores: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
     """``[num_groups]`` bool: whether group ``g``'s rows (``group == g``) have rewards that are not all equal.
     A group with fewer than two rows is never informative."""

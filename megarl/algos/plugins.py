@@ -1,10 +1,13 @@
-"""Plug-ins: advantage estimators and policy losses, built-in or a user's, through one registry each.
+"""Plug-ins: advantage estimators, policy losses and dynamic sampling's group filters, built-in or a user's, through
+one registry each.
 
-A plug-in is a function marked by a decorator: :func:`advantage_estimator` or :func:`policy_loss`. Given a name,
+A plug-in is a function marked by a decorator: :func:`advantage_estimator`, :func:`policy_loss` or
+:func:`group_filter`. Given a name,
 the decorator also registers it under that name (every built-in is registered this way, in
 :mod:`megarl.algos.advantages` and :mod:`megarl.algos.losses`); without one, the function is found by path. A
 config names a plug-in either way: ``algorithm.advantage.estimator: grpo`` or ``path/to/file.py:dr_grpo``,
-``algorithm.policy_loss.loss: ppo_clip`` or ``path/to/file.py:my_loss`` (docs/programming.md §2).
+``algorithm.policy_loss.loss: ppo_clip`` or ``path/to/file.py:my_loss``, ``algorithm.dynamic_sampling.criterion:
+differing_rewards`` or ``path/to/file.py:my_filter`` (docs/programming.md §2).
 
 The contracts (the built-ins' own):
 
@@ -18,6 +21,9 @@ The contracts (the built-ins' own):
   LossNormalizer | None) -> PolicyLossOutput`` with a scalar differentiable ``loss``; aggregate the per-token
   loss with :func:`megarl.algos.aggregate_loss` (``config.aggregation``, ``normalizer``) so that micro-batches
   and data-parallel ranks add up to the global batch's loss.
+* group filter (dynamic sampling's criterion): ``fn(scores, group_ids, num_groups) -> keep`` with ``scores``
+  ``[rows]`` (each response's reward), ``group_ids`` ``[rows]`` (its prompt, ``0..num_groups-1``) and ``keep`` a
+  ``[num_groups]`` bool tensor: the prompt groups worth training on.
 
 :func:`check_plugins` calls the configured ones once on a tiny synthetic batch before any worker starts; a
 wrong signature, type, shape or dtype is a :class:`~megarl.errors.ConfigError` (exit 2) naming the file, the
@@ -40,11 +46,14 @@ from megarl.errors import ConfigError
 
 ESTIMATOR = "advantage estimator"
 POLICY_LOSS = "policy loss"
+GROUP_FILTER = "group filter"
 ESTIMATOR_INPUTS = ("values", "group_ids", "baseline_rewards")  # what ``needs`` may name
 _SIGNATURES = {ESTIMATOR: "fn(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantages",
                POLICY_LOSS: "fn(log_prob, old_log_prob, advantages, mask, config: PolicyLossConfig, "
-                            "normalizer) -> PolicyLossOutput"}
-_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6}
+                            "normalizer) -> PolicyLossOutput",
+               GROUP_FILTER: "fn(scores, group_ids, num_groups) -> keep ([num_groups] bool)"}
+_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6, GROUP_FILTER: 3}
+_DECORATORS = {ESTIMATOR: "advantage_estimator", POLICY_LOSS: "policy_loss", GROUP_FILTER: "group_filter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +71,7 @@ class Plugin:
         return self.fn(*args)
 
 
-_REGISTRY: dict[str, dict[str, Plugin]] = {ESTIMATOR: {}, POLICY_LOSS: {}}
+_REGISTRY: dict[str, dict[str, Plugin]] = {ESTIMATOR: {}, POLICY_LOSS: {}, GROUP_FILTER: {}}
 
 
 def advantage_estimator(name: str | None = None, *, needs: Iterable[str] = ()) -> Callable[[Callable], Callable]:
@@ -79,6 +88,11 @@ def policy_loss(name: str | None = None, *, sequence_ratio: bool = False,
     """Mark ``fn`` as a policy loss (module docstring); with ``name``, register it. ``sequence_ratio``: its ratio is
     a sequence's (the KL loss then uses the sequence-level ratio too); ``dual_clip``: it reads ``clip_ratio_c``."""
     return _marker(POLICY_LOSS, name, sequence_ratio=sequence_ratio, dual_clip=dual_clip)
+
+
+def group_filter(name: str | None = None) -> Callable[[Callable], Callable]:
+    """Mark ``fn`` as a dynamic-sampling group filter (module docstring); with ``name``, register it."""
+    return _marker(GROUP_FILTER, name)
 
 
 def _marker(kind: str, name: str | None, **traits: Any) -> Callable[[Callable], Callable]:
@@ -124,22 +138,27 @@ def resolve(kind: str, key: str) -> Plugin:
 
 
 def _decorator(kind: str) -> str:
-    return "advantage_estimator" if kind == ESTIMATOR else "policy_loss"
+    return _DECORATORS[kind]
 
 
 # ------------------------------------------------------------------------------------------ checks
 
 
-def check_plugins(estimator: str, loss: str, advantage_config: Any, loss_config: Any) -> None:
-    """Call the configured estimator and policy loss once on a tiny synthetic batch (float32, 4 responses of 3
-    tokens to 2 prompts, the last token of one masked): a :class:`ConfigError` naming what was expected and found
-    if either fails or returns the wrong thing; an unknown name, likewise. Built-ins are trusted (their tests check
-    them)."""
+def check_plugins(estimator: str, loss: str, advantage_config: Any, loss_config: Any,
+                  criterion: str | None = None) -> None:
+    """Call the configured estimator, policy loss and group filter (``criterion``; None: no dynamic sampling) once
+    on a tiny synthetic batch (float32, 4 responses of 3 tokens to 2 prompts, the last token of one masked): a
+    :class:`ConfigError` naming what was expected and found if one fails or returns the wrong thing; an unknown
+    name, likewise. Built-ins are trusted (their tests check them)."""
     found_estimator, found_loss = resolve(ESTIMATOR, estimator), resolve(POLICY_LOSS, loss)
     if is_spec(estimator):
         _check_estimator(found_estimator, advantage_config)
     if is_spec(loss):
         _check_loss(found_loss, loss_config)
+    if criterion is not None and is_spec(criterion):
+        _check_filter(resolve(GROUP_FILTER, criterion))
+    elif criterion is not None:
+        resolve(GROUP_FILTER, criterion)
 
 
 def _synthetic() -> dict[str, torch.Tensor]:
@@ -190,3 +209,22 @@ def _check_loss(plugin: Plugin, config: Any) -> None:
     if not out.loss.requires_grad:
         raise ConfigError(f"{where}: its loss does not depend on log_prob (no gradient would reach the policy); "
                           "expected a loss differentiable in log_prob")
+
+
+def _check_filter(plugin: Plugin) -> None:
+    scores, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
+    try:
+        keep = plugin(scores, groups, 2)
+    except Exception as e:  # noqa: BLE001 - the user's function raised
+        raise ConfigError(f"{GROUP_FILTER} {plugin.name!r} raised {type(e).__name__}: {e} when called on a synthetic "
+                          f"batch (4 responses to 2 prompts); expected {_SIGNATURES[GROUP_FILTER]}") from e
+    checked_keep(keep, 2, plugin.name)
+
+
+def checked_keep(keep: Any, num_groups: int, name: str) -> torch.Tensor:
+    """A group filter's return, checked: a ``[num_groups]`` bool tensor."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != (num_groups,):
+        found = f"shape {tuple(keep.shape)}, {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise ConfigError(f"{GROUP_FILTER} {name!r} must return a bool tensor of shape ({num_groups},) (one entry "
+                          f"per prompt group: keep it or not), found {found}")
+    return keep

@@ -335,7 +335,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
     d, r, a = cfg.data, cfg.rollout, cfg.algorithm
     # the plug-ins first: every later check reads what the estimator needs (a user's is called once here)
-    check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss)
+    check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss,
+                  a.dynamic_sampling.criterion if a.dynamic_sampling is not None else None)
     if d.batch_size % layout.dp:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
                           f"({layout}); change one of them.")

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from megarl.algos.dapo import ShortBatch, informative_groups
+from megarl.algos.dapo import ShortBatch
+from megarl.algos.plugins import GROUP_FILTER, checked_keep, resolve
 from megarl.config.resolve import sampling_params
 from megarl.config.train import Role, Schedule, TrainConfig
 from megarl.data.batch import Batch
@@ -94,7 +95,9 @@ class Rounds:
         sampling will not train (0 without it)."""
         dropped = 0
         if self.filter is not None:
-            informative = informative_groups(batch["scores"], batch["prompt_uid"], num_groups)
+            criterion = resolve(GROUP_FILTER, self.filter.criterion)
+            informative = checked_keep(criterion(batch["scores"], batch["prompt_uid"], num_groups), num_groups,
+                                       criterion.name)
             self.informative.append(informative)
             self.found += int(informative.sum())
             dropped = num_groups - int(informative.sum())

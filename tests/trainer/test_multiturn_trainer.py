@@ -234,6 +234,7 @@ def test_algorithm_features_combine_with_conversations(ray_cluster, tmp_path):
         assert b["routed_experts"].shape[:2] == b["input_ids"].shape and b["routed_experts"].shape[2:] == (2, 2)
         assert m["actor/moe_replay_mismatch"] == 0
         assert step > 1 or m["rollout/logprob_abs_diff"] < 1e-5  # step 2 trains on rows of version 0 (one step off)
+        assert m["rollout/push_logprob_abs_diff"] < 1e-5  # every version's push probed on the rollout replica
         version = max(step - 2, 0)
         assert (b["rollout_versions"][mask] == version).all() and (b["rollout_versions"][~mask] == 0).all()
         assert m["async/version_lag_max"] == step - 1 - version

@@ -1,7 +1,7 @@
-"""Advantage estimators and policy losses as plug-ins (issue #43, item 2): given by path, checked on a synthetic
-batch before any worker starts; the examples' Dr. GRPO against a float64 hand computation, their GRPO and PPO
-surrogate against the built-ins (bit-exact), and a wrong plug-in's error naming the file, the function, what was
-expected and what was found.
+"""Advantage estimators, policy losses and dynamic sampling's group filters as plug-ins (issue #43, item 2): given
+by path, checked on a synthetic batch before any worker starts; the examples' Dr. GRPO against a float64 hand
+computation, their GRPO and PPO surrogate against the built-ins (bit-exact), and a wrong plug-in's error naming the
+file, the function, what was expected and what was found.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.algos import AdvantageConfig, AdvantageInputs, PolicyLossConfig, compute_advantages, compute_policy_loss
-from megarl.algos.plugins import ESTIMATOR, POLICY_LOSS, check_plugins, registered, resolve
+from megarl.algos.plugins import ESTIMATOR, GROUP_FILTER, POLICY_LOSS, check_plugins, registered, resolve
 from megarl.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "algorithms.py"
@@ -102,6 +102,12 @@ def detached_loss(log_prob, old_log_prob, advantages, mask, config, normalizer):
 
 def not_an_output(log_prob, old_log_prob, advantages, mask, config, normalizer):
     return log_prob.sum()
+
+def keeps_rows(scores, group_ids, num_groups):
+    return scores > 0
+
+def keeps_a_list(scores, group_ids, num_groups):
+    return [True] * num_groups
 '''
 
 
@@ -117,18 +123,23 @@ def not_an_output(log_prob, old_log_prob, advantages, mask, config, normalizer):
     (POLICY_LOSS, "per_token_loss", r"its loss must be a scalar floating tensor, found shape \(4, 3\)"),
     (POLICY_LOSS, "detached_loss", r"does not depend on log_prob"),
     (POLICY_LOSS, "not_an_output", r"returned Tensor; expected a megarl.algos.PolicyLossOutput"),
+    (GROUP_FILTER, "keeps_rows", r"must return a bool tensor of shape \(2,\).*found shape \(4,\), torch.bool"),
+    (GROUP_FILTER, "keeps_a_list", r"must return a bool tensor of shape \(2,\).*found list"),
+    (GROUP_FILTER, "one_argument", r"which cannot be called as fn\(scores, group_ids, num_groups\)"),
 ])
 def test_a_wrong_plugin_is_named_before_any_worker_starts(tmp_path, kind, name, match):
     (tmp_path / "bad.py").write_text(BAD)
     spec = f"{tmp_path / 'bad.py'}:{name}"
-    estimator, loss = (spec, "ppo_clip") if kind == ESTIMATOR else ("grpo", spec)
+    estimator = spec if kind == ESTIMATOR else "grpo"
+    loss = spec if kind == POLICY_LOSS else "ppo_clip"
     with pytest.raises(ConfigError, match=match):
-        check_plugins(estimator, loss, AdvantageConfig(), PolicyLossConfig())
+        check_plugins(estimator, loss, AdvantageConfig(), PolicyLossConfig(), spec if kind == GROUP_FILTER else None)
 
 
 def test_builtins_are_registered_plugins_and_unknown_names_are_refused():
     assert registered(ESTIMATOR) == ["gae", "grpo", "reinforce_plus_plus", "remax", "rloo"]
     assert registered(POLICY_LOSS) == ["cispo", "gspo", "ppo_clip", "sapo"]
+    assert registered(GROUP_FILTER) == ["differing_rewards"]
     assert resolve(ESTIMATOR, "gae").needs == {"values"} and resolve(ESTIMATOR, "remax").needs == {"baseline_rewards"}
     assert resolve(POLICY_LOSS, "gspo").sequence_ratio and resolve(POLICY_LOSS, "ppo_clip").dual_clip
     with pytest.raises(ConfigError, match=r"unknown policy loss 'ppo_clp' \(did you mean 'ppo_clip'\?\)"):

@@ -46,3 +46,13 @@ def test_whole_rounds_and_takes_share_one_budget():
         sizes.append(short.needed)
         _round(short, short.needed, 1)
     assert sizes == [16, 15, 14, 3] and short.groups == 48 and short.found == 4
+
+
+def test_a_user_criterion_picks_the_groups():
+    """examples/plugins/algorithms.py:some_correct keeps the groups whose rewards differ and hold a reward of 1."""
+    plugins = EXAMPLE.parents[1] / "plugins" / "algorithms.py"
+    cfg = load_config(EXAMPLE, ["data.batch_size=4", f"algorithm.dynamic_sampling.criterion={plugins}:some_correct"])
+    rounds = Rounds(cfg, None)
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.25, 1.0])  # groups: {1, 0}, {0.5, 0}, {1, 1}, {0.25, 1}
+    rounds.add(Batch.from_dict({"scores": scores, "prompt_uid": torch.arange(4).repeat_interleave(2)}), 4, 0)
+    assert torch.cat(rounds.informative).tolist() == [True, False, False, True] and rounds.found == 2
