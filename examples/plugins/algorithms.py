@@ -13,8 +13,8 @@
 - ``some_correct``: a dynamic-sampling criterion (``algorithm.dynamic_sampling.criterion``): groups whose rewards
   differ and that hold at least one fully right response.
 
-Nothing here is imported by megarl's own code; the tests run a trainer with these files (tests/trainer/
-test_plugins.py).
+Nothing here is imported by megarl's own code; the tests run a trainer with these files
+(tests/trainer/test_plugin_runs.py).
 """
 
 from __future__ import annotations
