@@ -248,9 +248,11 @@ class _Versions:
     rows those steps trained on (their versions are 0..steps)."""
 
     def __init__(self, steps: int) -> None:
-        self.steps, self.trainer, self.rows, self.done = steps, None, [], 0
+        self.steps, self.trainer, self.rows, self.done, self.ready = steps, None, [], 0, 0
 
     def on_stage_end(self, stage, step, batch):
+        if stage == "advantages":
+            self.ready = step  # the step has all its groups: it trains and pushes without the producer
         if stage == "rollout" and step <= self.steps + 1:
             for i in range(len(batch)):
                 n = int(batch["attention_mask"][i].sum())
@@ -262,17 +264,26 @@ class _Versions:
         if step <= self.steps:
             self.trainer.save()
 
-    def slow_producer(self, seconds: float) -> None:
-        """Hold the producer thread after each generation call of the checked steps (the call has ended on the
-        rollout ranks): a push the trainer sends meanwhile reaches them before the producer's next call, often the
-        second call of a model turn -- a push inside a turn, which the timing alone seldom gives on this tiny
-        model (a wave outpaces a training step)."""
+    def hold_inside_turns(self, times: int, end_id: int = 1) -> None:
+        """Make a weight push land inside a model turn ``times`` times in the checked steps: after a producer's
+        generation call that leaves a turn unfinished (a row's token is not ``<|end|>``; with one token per call the
+        next call continues the turn), while the trainer holds all of its step's groups (it trains, then pushes at
+        the start of the next step without waiting for the producer), the producer waits for that push. The timing
+        alone seldom gives it here: a wave of this tiny model outpaces a training step, so pushes find the
+        producer waiting for room in the buffer."""
         generate = self.trainer.cluster.generate
+        self.held = 0
 
         def held(*args, **kwargs):
             rows = generate(*args, **kwargs)
-            if threading.current_thread().name == "megarl-rollout-producer" and self.done < self.steps:
-                time.sleep(seconds)
+            producer = self.trainer.source.producer
+            if (threading.current_thread().name == "megarl-rollout-producer" and self.held < times
+                    and self.ready == self.done + 1 <= self.steps
+                    and bool((rows["input_ids"][rows["response_mask"].bool()] != end_id).any())):
+                version, deadline = producer.engine_version, time.monotonic() + 60
+                while producer.engine_version == version and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.held += 1
             return rows
 
         self.trainer.cluster.generate = held
@@ -317,7 +328,7 @@ def test_async_grpo_learns_to_use_the_observation(ray_cluster, task, tmp_path):
     recorder = _Versions(checked_steps)
     trainer = Trainer(load_config(EXAMPLE / "config.yaml", [f"{k}={v}" for k, v in overrides.items()]), (recorder,))
     recorder.trainer = trainer
-    recorder.slow_producer(0.2)
+    recorder.hold_inside_turns(3)
     try:
         history = trainer.fit()
     finally:
@@ -365,4 +376,5 @@ def test_async_grpo_learns_to_use_the_observation(ray_cluster, task, tmp_path):
         turns = torch.cumsum((m[1:] & ~m[:-1]).long(), 0)[m[1:]]
         model_versions = vs[1:][m[1:]]
         mid_turn += any(len(set(model_versions[turns == t].tolist())) > 1 for t in turns.unique())
+    print(f"{checked} model tokens recomputed; {mid_turn} conversations with a turn split by a push")
     assert checked == int(mask[:, 1:].sum()) and mid_turn > 0, (checked, mid_turn)
