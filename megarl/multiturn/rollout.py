@@ -36,7 +36,7 @@ from megarl.multiturn.errors import EnvError, traceback_tail
 from megarl.multiturn.trajectory import ChatRenderer, Trajectory
 from megarl.rewards.base import OnError
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
-from megarl.rollout.rows import rollout_batch
+from megarl.rollout.rows import Sampled, rollout_batch
 
 
 class ModelTurn(NamedTuple):
@@ -159,50 +159,26 @@ def _generate(generate: Generate, active: list[Conversation], params: SamplingPa
     next call continues the turn under the new weights, each token keeping its version)."""
     new = min(config.max_turn_tokens, max(budget[id(c)] for c in active))
     limit = [min(new, budget[id(c)]) for c in active]  # a row may not pass its own budget (a call takes the largest)
-    turns = [_Turn() for _ in active]
+    turns = [Sampled() for _ in active]
     call = 0
-    while pending := [k for k, t in enumerate(turns) if not t.ended(limit[k], stop)]:
-        size = max(limit[k] - len(turns[k].ids) for k in pending)
+    while pending := [k for k, t in enumerate(turns) if not _ended(t.tokens, limit[k], stop)]:
+        size = max(limit[k] - len(turns[k].tokens) for k in pending)
         seed = None if params.seed is None else params.seed + 7_919 * turn + 104_729 * call
         call_params = dataclasses.replace(params, n=1, max_new_tokens=size if chunk is None else min(chunk, size),
                                           stop_token_ids=stop, seed=seed)
-        out = generate([active[k].trajectory.ids + turns[k].ids for k in pending], call_params)
+        out = generate([active[k].trajectory.ids + turns[k].tokens for k in pending], call_params)
         if len(out) != len(pending):
             raise RuntimeError(f"the rollout engine returned {len(out)} rows for {len(pending)} conversations")
         for k, got in zip(pending, out, strict=True):
-            turns[k].add(ModelTurn(*got), limit[k], len(active[k].trajectory.ids))
+            got = ModelTurn(*got)
+            turns[k].add(got.ids, got.log_probs, got.version, min(len(got.ids), limit[k] - len(turns[k].tokens)),
+                         got.routing, before=len(active[k].trajectory.ids))
         call += 1
-    return [t.merged() for t in turns]
+    return [ModelTurn(t.tokens, t.log_probs, t.versions, torch.cat(t.routing) if t.routing else None) for t in turns]
 
 
-@dataclasses.dataclass
-class _Turn:
-    """A model turn as its calls return it (several with partial rollouts)."""
-
-    ids: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    routing: list[Any] = dataclasses.field(default_factory=list)  # chunks from the trajectory's first token
-    routed: int = 0
-
-    def ended(self, limit: int, stop: tuple[int, ...]) -> bool:
-        return len(self.ids) >= limit or (bool(self.ids) and self.ids[-1] in stop)
-
-    def add(self, got: ModelTurn, limit: int, before: int) -> None:
-        """A call's tokens (cut to the turn's ``limit``); ``before``: the trajectory's tokens before the turn."""
-        keep = min(len(got.ids), limit - len(self.ids))
-        if got.routing is not None:  # this call fed the sequence so far and all but its last kept token
-            fed = min(before + len(self.ids) + keep - 1, got.routing.shape[0])
-            if fed > self.routed:
-                self.routing.append(got.routing[self.routed:fed])
-                self.routed = fed
-        self.ids += got.ids[:keep]
-        self.log_probs += got.log_probs[:keep]
-        self.versions += [got.version] * keep
-
-    def merged(self) -> ModelTurn:
-        routing = torch.cat(self.routing) if self.routing else None
-        return ModelTurn(self.ids, self.log_probs, self.versions, routing)
+def _ended(tokens: list[int], limit: int, stop: tuple[int, ...]) -> bool:
+    return len(tokens) >= limit or (bool(tokens) and tokens[-1] in stop)
 
 
 def _call_all(pool, jobs, config: MultiTurnConfig, turn: int | None, waited: dict, *, rows=None) -> list[Any]:

@@ -16,10 +16,39 @@ imports it without megatron-core.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.base import RolloutOutput
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A response's tokens as generation calls return them, several calls where a partial rollout is continued across
+    weight pushes: each token with its rollout log-prob and the policy version that sampled it; MoE: the experts of
+    each position of the sequence (from its first token) as the call that first fed it routed it, in chunks."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # chunks of [positions, layers, top_k]
+    routed: int = 0  # positions whose routing is recorded
+
+    def add(self, tokens: list[int], log_probs: list[float], version: int, keep: int,
+            routing: torch.Tensor | None = None, before: int = 0) -> None:
+        """A call's first ``keep`` of its new ``tokens``, sampled by ``version``; ``routing``: the call's
+        ``[positions, layers, top_k]`` from the sequence's first token, ``before`` the sequence's tokens ahead of
+        this response (the call fed them, the tokens so far and its new ones but the last)."""
+        if routing is not None:
+            fed = before + len(self.tokens) + min(len(tokens) - 1, keep)
+            if fed > self.routed:
+                self.routing.append(routing[self.routed:fed].clone())
+                self.routed = fed
+        self.tokens += tokens[:keep]
+        self.log_probs += log_probs[:keep]
+        self.versions += [version] * keep
 
 
 def generation_rows(prompts: Batch, ids: list[list[int]], outputs: list[RolloutOutput], pad_token_id: int,

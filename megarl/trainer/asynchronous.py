@@ -49,7 +49,7 @@ from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
-from megarl.rollout.rows import pad_routing, rollout_batch
+from megarl.rollout.rows import Sampled, pad_routing, rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +57,13 @@ Converse = Callable[[list[PromptRecord], int], tuple[Batch, Batch | None]]
 
 
 @dataclasses.dataclass
-class Response:
-    prompt: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)  # of the weights that sampled each token
+class Response(Sampled):
+    """One response to ``prompt``, continued call by call (:class:`megarl.rollout.rows.Sampled`; its routing covers
+    prompt + tokens, each position as the call that first fed it routed it: the one whose KV every later token
+    attended to)."""
+
+    prompt: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None  # FINISH_STOP / FINISH_LENGTH once finished
-    # MoE, router replay: chunks of [positions, layers, top_k], the experts of each position of prompt + tokens from
-    # the first, as the call that first fed it routed it (the one whose KV every later token attended to)
-    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    routed: int = 0  # positions whose routing is recorded
 
     @property
     def interrupted(self) -> bool:
@@ -277,8 +274,8 @@ class RolloutProducer:
             while self.waves and self.waves[0].finished:
                 self.waves.popleft()
         records = self.data.select(todo)
-        return [Group(number, i, rec, [Response(list(rec.input_ids)) for _ in range(self.n)],
-                      Response(list(rec.input_ids)) if self.greedy is not None else None)
+        return [Group(number, i, rec, [Response(prompt=list(rec.input_ids)) for _ in range(self.n)],
+                      Response(prompt=list(rec.input_ids)) if self.greedy is not None else None)
                 for i, rec in zip(todo, records, strict=True)]
 
     def _may_start(self, size: int) -> bool:
@@ -346,13 +343,7 @@ class RolloutProducer:
         for i, (r, k, stop, version, toks, lps) in enumerate(zip(rows, lengths, stopped, versions, tokens, log_probs,
                                                                   strict=True)):
             keep = min(k, self.max_new_tokens - len(r.tokens))
-            if routing is not None:  # this call fed the sequence so far and all but its last new token
-                fed = len(r.prompt) + len(r.tokens) + min(k - 1, keep)
-                r.routing.append(routing[i, r.routed:fed].clone())
-                r.routed = max(r.routed, fed)
-            r.tokens += toks[:keep]
-            r.log_probs += lps[:keep]
-            r.versions += [version] * keep
+            r.add(toks[:k], lps[:k], version, keep, None if routing is None else routing[i], before=len(r.prompt))
             if stop and keep == k:
                 r.finish = FINISH_STOP
             elif len(r.tokens) >= self.max_new_tokens:
