@@ -1,4 +1,6 @@
-"""``megarl`` command line: ``megarl train CONFIG.yaml [key.path=value ...]``."""
+"""``megarl`` command line: ``megarl train CONFIG.yaml [key.path=value ...]`` runs the built-in step program (or
+``trainer.program``); ``megarl run PROGRAM.py[:function] CONFIG.yaml [key.path=value ...]`` runs a user's (the file's
+``step`` by default; docs/programming.md §3): the same command with ``trainer.program`` set."""
 
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    program = args.program if ":" in args.program else f"{args.program}:step"
+    args.overrides = [*args.overrides, f"trainer.program={program}"]
+    return _train(args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-core + Ray RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +42,11 @@ def main() -> None:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. policy.optim.lr=1e-5")
     train.set_defaults(fn=_train)
+    run = sub.add_parser("run", help="run a step program of your own (a Python file) with a YAML config")
+    run.add_argument("program", help="path/to/program.py (its function `step`) or path/to/program.py:function")
+    run.add_argument("config", help="YAML config file (see examples/)")
+    run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. policy.optim.lr=1e-5")
+    run.set_defaults(fn=_run)
     args = parser.parse_args()
     run_cli(lambda: args.fn(args))
 

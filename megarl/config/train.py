@@ -31,6 +31,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
 from megarl.algos.plugins import check_plugins, is_spec
 from megarl.config.loader import from_dict, read_data
+from megarl.config.user_code import load_function
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
 from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig, OptimConfig
@@ -224,6 +225,12 @@ class TrainerSection:
     seed: int = 1  # sampling, data order and worker seeds
     tensorboard: bool = True  # write TensorBoard event files to output_dir
     wandb_project: str | None = None  # log to Weights & Biases when set (needs `wandb`)
+    program: str = "rl"  # the step: a built-in (PROGRAMS) or path/to/file.py:function (docs/programming.md §3)
+
+
+# the built-in step programs by name: the module whose ``step`` function is the program
+PROGRAMS = {"rl": "megarl.recipes.rl"}
+PROGRAM_SIGNATURE = "step(run: megarl.program.Run) -> dict[str, float]"
 
 
 def _one_pool() -> dict[str, PoolSpec]:
@@ -334,6 +341,7 @@ def check_config(cfg: TrainConfig) -> None:
     if not cfg.data.train:
         raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
     d, r, a = cfg.data, cfg.rollout, cfg.algorithm
+    _check_program(cfg.trainer.program)
     # the plug-ins first: every later check reads what the estimator needs (a user's is called once here)
     check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss,
                   a.dynamic_sampling.criterion if a.dynamic_sampling is not None else None)
@@ -371,6 +379,15 @@ def check_config(cfg: TrainConfig) -> None:
     _check_reward(cfg)
     _check_dapo(cfg)
     _check_loss_terms(cfg.algorithm)
+
+
+def _check_program(program: str) -> None:
+    """A built-in program's name, or a function by path that takes one argument (the run)."""
+    if is_spec(program):
+        load_function(program, "program", (None,), PROGRAM_SIGNATURE)
+    elif program not in PROGRAMS:
+        raise ConfigError(f"trainer.program={program!r} is neither a built-in program ({', '.join(PROGRAMS)}) nor "
+                          f"a function by path ('path/to/file.py:step', {PROGRAM_SIGNATURE}).")
 
 
 def _check_loss_terms(a: AlgorithmConfig) -> None:

@@ -1,7 +1,7 @@
 """Log-prob parity at every weight push: a fixed probe each rollout replica generates right after it received a
 version of the weights, scored by the training model holding that same version.
 
-The step's own rows check the engines only where they were sampled at the trained version (``Trainer.old_log_probs``);
+The step's own rows check the engines only where they were sampled at the trained version (``Run.old_log_probs``);
 under one_step_off and async the rows are older, so a push that silently failed would pass as staleness. The probe
 closes that gap on a rollout pool of its own: one short prompt of fixed token ids per replica (each replica gets one
 row through the usual data-parallel dispatch and tags it with its replica number), a few tokens sampled with a fixed

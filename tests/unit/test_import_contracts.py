@@ -46,6 +46,7 @@ PURE = (
     "megarl.rollout.config",
     "megarl.rollout.mismatch",
     "megarl.trainer.callbacks",
+    "megarl.trainer.run",  # what a step program calls (megarl.program's Run; its train() starts the trainer)
     "megarl.bench.report",
 )
 FORBIDDEN = ("megatron", "torch.distributed", "ray", "vllm")

@@ -97,12 +97,15 @@ def test_a_config_file_that_is_not_a_mapping_is_named(tmp_path):
 @pytest.mark.slow
 def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
     """Unknown key, invalid layout, missing dataset column, missing model dir, unknown allocator, an advantage
-    estimator plug-in that returns the wrong thing: exit 2 with
+    estimator plug-in that returns the wrong thing, ``megarl run`` with a step program of the wrong signature: exit 2
+    with
     one paragraph, no traceback, no Ray, no conversion output. The command re-executes itself with Ray's
     jemalloc preloaded before it imports torch (Python's import log: torch once, the CLI twice)."""
     bad_rows = tmp_path / "bad.jsonl"
     bad_rows.write_text('{"question": "1+1=", "answer": "2"}\n')
     (tmp_path / "algo.py").write_text("def estimate(inputs, config):\n    return inputs.token_rewards\n")
+    (tmp_path / "program.py").write_text("def step(run, batch):\n    return {}\n")
+    train, run_program = ["-m", "megarl.train"], ["-m", "megarl.cli.main", "run", str(tmp_path / "program.py")]
     cases = [
         (["policy.optim.lrr=1"], "did you mean 'lr'"),
         (["cluster.pools.main.tp=3"], "not divisible by tp"),
@@ -111,12 +114,15 @@ def test_cli_rejects_bad_input_before_starting_workers(task, tmp_path):
         (["cluster.allocator=mimalloc"], "expected one of auto, system, tcmalloc, jemalloc, found 'mimalloc'"),
         ([f"algorithm.advantage.estimator={tmp_path / 'algo.py'}:estimate"],  # a plug-in (#43): called once here
          f"advantage estimator '{tmp_path / 'algo.py'}:estimate' returned Tensor; expected Advantages"),
+        ([], f"program '{tmp_path / 'program.py'}:step' has signature (run, batch), which cannot be called as "
+             "step(run: megarl.program.Run)", run_program),  # megarl run with a step program of the wrong shape
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("MEGARL_ALLOCATOR", "LD_PRELOAD")} | {"RAY_ADDRESS": ""}
-    for i, (extra, match) in enumerate(cases):
+    for i, (extra, match, *command) in enumerate(cases):
         out = tmp_path / f"run{i}"
         proc = subprocess.run(
-            [sys.executable, "-m", "megarl.train", str(EXAMPLE), *_overrides(task), f"trainer.output_dir={out}",
+            [sys.executable, *(command[0] if command else train), str(EXAMPLE), *_overrides(task),
+             f"trainer.output_dir={out}",
              *extra], capture_output=True, text=True, env=env | {"PYTHONPROFILEIMPORTTIME": str(int(i == 0))},
             cwd=ROOT, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -1,0 +1,151 @@
+"""Step programs on the public API (issue #43, docs/programming.md §3), on the GRPO demo's task with the local
+launcher (policy, reference and critic in one rank of the driver process).
+
+References: the built-in step (``megarl train``) for the user's PPO and GRPO listings (examples/programs/
+ppo_family.py): every metric of every step equal, bit for bit; for rejection sampling (examples/programs/
+rejection_sampling.py), each prompt's best response picked by hand from the step's scores and the supervised loss
+of the kept tokens computed in float64 from the rollout's log-probs (the update's forward is at the sampling
+weights); its learning (+0.2 reward within 100 steps) against the first steps' rewards; a program's ``run.state``
+across a checkpoint and a resume against the count of steps run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.dist]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "grpo_addition_tiny" / "config.yaml"
+PROGRAMS = ROOT / "examples" / "programs"
+NOT_COMPARED = ("timing/", "throughput/", "memory/", "reshard/")  # reshard: the slowest rank's, by time
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from megarl.testing.addition import make_task
+
+    return make_task(tmp_path_factory.mktemp("task"), train_rows=64, val_rows=8)
+
+
+def _run(task, out, program=None, config=EXAMPLE, callbacks=(), **extra):
+    from megarl.program import load_config, train
+
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "trainer.output_dir": out, "trainer.tensorboard": "false", "trainer.total_steps": 3,
+                 "trainer.save_every": 0, "trainer.val_every": 0, "cluster.launcher": "local",
+                 "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1, "data.batch_size": 8,
+                 "rollout.sampling.n": 8} | extra
+    return train(load_config(config, [f"{k}={v}" for k, v in overrides.items()]), program, callbacks)
+
+
+def _compared(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(NOT_COMPARED) and k != "time"}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_user_listings_reproduce_the_built_in_step(task, tmp_path, algorithm):
+    extra = {} if algorithm == "grpo" else {"algorithm.advantage.estimator": "gae", "algorithm.kl_loss_coef": 0,
+                                            "critic.optim.lr": "5e-3"}
+    builtin = _run(task, tmp_path / "builtin", **extra)
+    listing = _run(task, tmp_path / "listing", f"{PROGRAMS / 'ppo_family.py'}:{algorithm}", **extra)
+    assert len(builtin) == len(listing) == 3
+    assert ("critic/vf_loss" in builtin[0]) == (algorithm == "ppo") and ("actor/kl" in builtin[0]) == (
+        algorithm == "grpo")
+    for a, b in zip(builtin, listing, strict=True):
+        assert _compared(a) == _compared(b)
+    assert f"program: {PROGRAMS / 'ppo_family.py'}:{algorithm}" in (tmp_path / "listing" / "config.yaml").read_text()
+
+
+class _Steps:
+    """The rows each step trained on (after the program's masking) and their log-probs at sampling."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "step":
+            self.rows[step] = {k: batch[k].clone() for k in ("scores", "prompt_uid", "response_mask",
+                                                             "rollout_log_probs")}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def test_rejection_sampling_learns_with_a_supervised_loss(task, tmp_path):
+    steps = _Steps()
+    history = _run(task, tmp_path / "rft", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,),
+                   **{"trainer.program": f"{PROGRAMS / 'rejection_sampling.py'}:step",
+                      "algorithm.policy_loss.loss": f"{PROGRAMS / 'rejection_sampling.py'}:supervised",
+                      "trainer.total_steps": 100, "data.batch_size": 16, "rollout.sampling.n": 16})
+    rewards = [m["reward/mean"] for m in history]
+    start, end = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
+    print(f"rejection sampling reward: first 10 steps {start:.3f}, last 20 steps {end:.3f}")
+    assert end > start + 0.2
+    for step in (1, 2, 50, 100):
+        rows, m = steps.rows[step], history[step - 1]
+        scores, uid, kept = rows["scores"].double(), rows["prompt_uid"], rows["response_mask"].sum(-1) > 0
+        for g in uid.unique().tolist():  # by hand: the first of the group's best, when right
+            members = (uid == g).nonzero().flatten()
+            best = members[scores[members].argmax()]
+            expected = members == best if scores[best] > 0.5 else torch.zeros(len(members), dtype=torch.bool)
+            assert torch.equal(kept[members], expected)
+        assert m["rft/kept_frac"] == pytest.approx(float(kept.sum()) / len(uid.unique()))
+        if kept.any():  # the negative log-likelihood of the kept tokens, token-mean (one update at pi_old)
+            mask = rows["response_mask"].double()
+            nll = -(rows["rollout_log_probs"].double() * mask).sum() / mask.sum()
+            assert m["actor/pg_loss"] == pytest.approx(nll.item(), abs=1e-4)
+
+
+COUNTER = '''
+from megarl.program import Run
+
+
+def step(run: Run) -> dict[str, float]:
+    batch, metrics = run.rollout()
+    run.state["steps"] = run.state.get("steps", 0) + 1
+    run.state.setdefault("seen", []).append(run.step)
+    return metrics | {"program/steps": float(run.state["steps"])}
+
+
+def no_metrics(run):
+    run.rollout()
+'''
+
+
+def test_program_state_is_checkpointed_and_a_wrong_return_is_named(task, tmp_path):
+    from megarl.errors import MegarlError
+
+    program = tmp_path / "counter.py"
+    program.write_text(COUNTER)
+    out = tmp_path / "counter"
+    first = _run(task, out, f"{program}:step", **{"trainer.total_steps": 3, "trainer.save_every": 2})
+    assert [m["program/steps"] for m in first] == [1.0, 2.0, 3.0]
+    (out / "checkpoints" / "step_000003").rename(out / "step_000003.set_aside")  # resume from step 2's
+    second = _run(task, out, f"{program}:step", **{"trainer.total_steps": 4, "trainer.save_every": 2})
+    assert [m["program/steps"] for m in second] == [3.0, 4.0]  # step 2's state, then steps 3 and 4
+    state = json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert state["program"] == {"steps": 4, "seen": [1, 2, 3, 4]}
+    with pytest.raises(MegarlError, match=r"no_metrics' returned a NoneType in step 1; expected its metrics"):
+        _run(task, tmp_path / "none", f"{program}:no_metrics")
+
+
+def test_the_guides_step_program_runs(task, tmp_path):
+    """docs/programming.md §3's listing as a program: its price follows the dual ascent it states, computed here
+    from the costs it logged."""
+    guide = (ROOT / "docs" / "programming.md").read_text()
+    listing = next(code for code in re.findall(r"^```python\n(.*?)^```", guide, re.M | re.S) if "def step(run" in code)
+    program = tmp_path / "my_algo.py"
+    program.write_text(listing)
+    history = _run(task, tmp_path / "guide", f"{program}:step", **{"trainer.total_steps": 4})
+    price = 0.0
+    for m in history:
+        assert m["cost/price"] == pytest.approx(price, abs=1e-12)
+        price = max(0.0, price + 0.05 * (m["cost/mean"] - 0.5))
+    assert history[-1]["cost/price"] > 0
