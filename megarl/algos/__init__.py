@@ -8,7 +8,8 @@ same shape (1 for response tokens that count). No I/O, no process groups, no Ray
 the driver and the workers call into this package, never the other way round.
 
 - :mod:`megarl.algos.ops`        masked reductions, whitening, :class:`LossAggregation`, :class:`LossNormalizer`
-- :mod:`megarl.algos.plugins`    :func:`advantage_estimator`, :func:`policy_loss`: the plug-in seam, its checks
+- :mod:`megarl.algos.plugins`    :func:`advantage_estimator`, :func:`policy_loss`, :func:`group_filter`,
+  :func:`reward_stage`: the plug-in seam, its checks
 - :mod:`megarl.algos.advantages` GAE, GRPO, RLOO, REINFORCE++, ReMax
 - :mod:`megarl.algos.losses`     PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
@@ -80,7 +81,15 @@ from megarl.algos.ops import (
     masked_whiten,
     zero_masked,
 )
-from megarl.algos.plugins import Plugin, advantage_estimator, check_plugins, group_filter, policy_loss
+from megarl.algos.plugins import (
+    Plugin,
+    RewardStageInputs,
+    advantage_estimator,
+    check_plugins,
+    group_filter,
+    policy_loss,
+    reward_stage,
+)
 
 __all__ = [
     "KL_CONTROLLERS",
@@ -123,6 +132,8 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "group_filter",
+    "reward_stage",
+    "RewardStageInputs",
     "grpo",
     "gspo_loss",
     "high_entropy_mask",

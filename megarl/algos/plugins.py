@@ -47,13 +47,16 @@ from megarl.errors import ConfigError
 ESTIMATOR = "advantage estimator"
 POLICY_LOSS = "policy loss"
 GROUP_FILTER = "group filter"
+REWARD_STAGE = "reward stage"
 ESTIMATOR_INPUTS = ("values", "group_ids", "baseline_rewards")  # what ``needs`` may name
 _SIGNATURES = {ESTIMATOR: "fn(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantages",
                POLICY_LOSS: "fn(log_prob, old_log_prob, advantages, mask, config: PolicyLossConfig, "
                             "normalizer) -> PolicyLossOutput",
-               GROUP_FILTER: "fn(scores, group_ids, num_groups) -> keep ([num_groups] bool)"}
-_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6, GROUP_FILTER: 3}
-_DECORATORS = {ESTIMATOR: "advantage_estimator", POLICY_LOSS: "policy_loss", GROUP_FILTER: "group_filter"}
+               GROUP_FILTER: "fn(scores, group_ids, num_groups) -> keep ([num_groups] bool)",
+               REWARD_STAGE: "fn(inputs: RewardStageInputs) -> scores ([rows] float)"}
+_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6, GROUP_FILTER: 3, REWARD_STAGE: 1}
+_DECORATORS = {ESTIMATOR: "advantage_estimator", POLICY_LOSS: "policy_loss", GROUP_FILTER: "group_filter",
+               REWARD_STAGE: "reward_stage"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,22 @@ class Plugin:
         return self.fn(*args)
 
 
-_REGISTRY: dict[str, dict[str, Plugin]] = {ESTIMATOR: {}, POLICY_LOSS: {}, GROUP_FILTER: {}}
+_REGISTRY: dict[str, dict[str, Plugin]] = {ESTIMATOR: {}, POLICY_LOSS: {}, GROUP_FILTER: {}, REWARD_STAGE: {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardStageInputs:
+    """What a reward stage sees of a round's responses (``rows`` of them): the reward so far and each earlier
+    source's own scores, the texts, the dataset rows and the group structure."""
+
+    scores: torch.Tensor  # [rows] the reward so far: the weighted sum of the sources and stages before this one
+    sources: dict[str, torch.Tensor]  # each earlier source's own [rows] scores by name (function, model, cost, ...)
+    prompts: list[str]  # each response's prompt text
+    responses: list[str]  # each response's text (multi-turn: the model's last turn)
+    rows: list[dict[str, Any]]  # each response's dataset row (its columns)
+    group_ids: torch.Tensor  # [rows] the prompt of each response (0..groups-1 in this round)
+    response_lengths: torch.Tensor  # [rows] the model's tokens
+    finish_reasons: list[str]  # "stop" or "length" (cut at max_new_tokens)
 
 
 def advantage_estimator(name: str | None = None, *, needs: Iterable[str] = ()) -> Callable[[Callable], Callable]:
@@ -93,6 +111,11 @@ def policy_loss(name: str | None = None, *, sequence_ratio: bool = False,
 def group_filter(name: str | None = None) -> Callable[[Callable], Callable]:
     """Mark ``fn`` as a dynamic-sampling group filter (module docstring); with ``name``, register it."""
     return _marker(GROUP_FILTER, name)
+
+
+def reward_stage(name: str | None = None) -> Callable[[Callable], Callable]:
+    """Mark ``fn`` as a reward stage (module docstring); with ``name``, register it."""
+    return _marker(REWARD_STAGE, name)
 
 
 def _marker(kind: str, name: str | None, **traits: Any) -> Callable[[Callable], Callable]:
@@ -145,11 +168,15 @@ def _decorator(kind: str) -> str:
 
 
 def check_plugins(estimator: str, loss: str, advantage_config: Any, loss_config: Any,
-                  criterion: str | None = None) -> None:
-    """Call the configured estimator, policy loss and group filter (``criterion``; None: no dynamic sampling) once
-    on a tiny synthetic batch (float32, 4 responses of 3 tokens to 2 prompts, the last token of one masked): a
-    :class:`ConfigError` naming what was expected and found if one fails or returns the wrong thing; an unknown
-    name, likewise. Built-ins are trusted (their tests check them)."""
+                  criterion: str | None = None, stages: Iterable[str] = ()) -> None:
+    """Call the configured estimator, policy loss, group filter (``criterion``; None: no dynamic sampling) and reward
+    stages once on a tiny synthetic batch (float32, 4 responses of 3 tokens to 2 prompts, the last token of one
+    masked): a :class:`ConfigError` naming what was expected and found if one fails or returns the wrong thing; an
+    unknown name, likewise. Built-ins are trusted (their tests check them)."""
+    for stage in stages:
+        found = resolve(REWARD_STAGE, stage)
+        if is_spec(stage):
+            _check_stage(found)
     found_estimator, found_loss = resolve(ESTIMATOR, estimator), resolve(POLICY_LOSS, loss)
     if is_spec(estimator):
         _check_estimator(found_estimator, advantage_config)
@@ -219,6 +246,33 @@ def _check_filter(plugin: Plugin) -> None:
         raise ConfigError(f"{GROUP_FILTER} {plugin.name!r} raised {type(e).__name__}: {e} when called on a synthetic "
                           f"batch (4 responses to 2 prompts); expected {_SIGNATURES[GROUP_FILTER]}") from e
     checked_keep(keep, 2, plugin.name)
+
+
+def _check_stage(plugin: Plugin) -> None:
+    inputs = RewardStageInputs(
+        scores=torch.tensor([1.0, 0.0, 0.5, 0.0]), sources={"function": torch.tensor([1.0, 0.0, 0.5, 0.0])},
+        prompts=["1+1=", "1+1=", "2+2=", "2+2="], responses=["2", "3", "4", "x"],
+        rows=[{"answer": "2"}, {"answer": "2"}, {"answer": "4"}, {"answer": "4"}], group_ids=torch.tensor([0, 0, 1, 1]),
+        response_lengths=torch.tensor([1, 1, 1, 3]), finish_reasons=["stop", "stop", "stop", "length"])
+    try:
+        out = plugin(inputs)
+    except Exception as e:  # noqa: BLE001 - the user's function raised
+        raise ConfigError(f"{REWARD_STAGE} {plugin.name!r} raised {type(e).__name__}: {e} when called on a synthetic "
+                          f"round (4 responses to 2 prompts); expected {_SIGNATURES[REWARD_STAGE]}") from e
+    checked_stage_scores(out, 4, plugin.name)
+
+
+def checked_stage_scores(scores: Any, rows: int, name: str) -> torch.Tensor:
+    """A reward stage's return, checked: a ``[rows]`` floating tensor of finite values, as float32."""
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or scores.shape != (rows,):
+        found = f"shape {tuple(scores.shape)}, {scores.dtype}" if isinstance(scores, torch.Tensor) else (
+            type(scores).__name__)
+        raise ConfigError(f"{REWARD_STAGE} {name!r} must return a floating tensor of shape ({rows},) (one score per "
+                          f"response, added to its reward), found {found}")
+    if not torch.isfinite(scores).all():
+        raise ConfigError(f"{REWARD_STAGE} {name!r} returned non-finite scores ({scores.tolist()[:8]}); expected "
+                          "finite numbers")
+    return scores.float()
 
 
 def checked_keep(keep: Any, num_groups: int, name: str) -> torch.Tensor:

@@ -30,9 +30,11 @@ from megarl.rollout.config import RolloutBackend, RolloutConfig
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with megarl's decisions made (idempotent: resolving a resolved config changes nothing)."""
     a, d = cfg.algorithm, cfg.data
-    rm = cfg.reward_model
+    rm, cm = cfg.reward_model, cfg.cost_model
     if rm is not None:
         rm = dataclasses.replace(rm, model=_model(rm.model), engine=_engine(rm.engine))
+    if cm is not None:
+        cm = dataclasses.replace(cm, model=_model(cm.model), engine=_engine(cm.engine))
     teacher = cfg.teacher
     if teacher is not None:
         teacher = dataclasses.replace(teacher, model=_model(teacher.model), engine=_engine(teacher.engine))
@@ -53,6 +55,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         algorithm=dataclasses.replace(a, recompute_old_log_probs=(
             a.recomputes_old_log_probs or cfg.rollout.max_version_lag > 0)),  # stale samples: pi_old != pi_rollout
         reward_model=rm,
+        cost_model=cm,
         teacher=teacher,
         cluster=dataclasses.replace(cfg.cluster, placement=placement),
     )

@@ -53,6 +53,7 @@ class Role(enum.Enum):
     REFERENCE = "reference"
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"
+    COST_MODEL = "cost_model"  # a second classifier, scored beside the reward model (Safe-RLHF's cost)
     TEACHER = "teacher"  # on-policy distillation
 
 
@@ -138,7 +139,7 @@ class RewardFunctionConfig:
 
 
 # names a reward function cannot take: the other sources' (batch fields <source>_scores, reward/<source>_mean)
-RESERVED_REWARD_NAMES = ("function", "model", "overlong", "environment", "baseline")
+RESERVED_REWARD_NAMES = ("function", "model", "cost", "overlong", "environment", "baseline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,10 @@ class RewardConfig(RewardFunctionConfig):
     batch style ``(prompts, completions, **columns) -> list[float]`` (see ``reward.functions.<name>``)."""
 
     functions: dict[str, RewardFunctionConfig] = dataclasses.field(default_factory=dict)  # NAME -> function
+    # NAME -> a reward stage, "path/to/file.py:function" or a registered name, run in this order after the other
+    # sources: fn(inputs: RewardStageInputs) -> [rows] scores added to the reward, logged as reward/NAME_mean
+    # (docs/programming.md §2)
+    stages: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def named_functions(self) -> dict[str, RewardFunctionConfig]:
         """Every reward function by its metric name: ``function`` for the single one, else ``functions``."""
@@ -186,6 +191,18 @@ class RewardModelSection:
     model: ModelConfig = ModelConfig()  # HF directory (converted once to <output_dir>/reward_model_checkpoint)
     weight: float = 1.0  # its score's weight in the reward
     engine: FrozenEngineConfig = FrozenEngineConfig()  # forward only: forward_micro_batch and precision matter
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelSection(RewardModelSection):
+    """A cost model (Safe-RLHF): a second sequence classifier like the reward model (its tokenizer the policy's,
+    converted once to ``<output_dir>/cost_model_checkpoint``), scored in the same stage and at the same time when
+    the two are on pools of their own. Its scores are each row's ``cost_scores`` (``reward/cost_mean``) for a
+    program's constraint (docs/programming.md §3: a Lagrange multiplier in ``run.state``); ``weight`` adds them to
+    the reward as a fixed penalty instead (negative: a cost lowers the reward)."""
+
+    model: ModelConfig = ModelConfig()  # HF directory (converted once to <output_dir>/cost_model_checkpoint)
+    weight: float = 0.0  # its score's weight in the reward (0: kept apart, for a program's constraint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +309,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
     reward_model: RewardModelSection | None = None  # e.g. reward_model.model.path=... adds one
+    cost_model: CostModelSection | None = None  # e.g. cost_model.model.path=... adds one (Safe-RLHF's cost)
     teacher: TeacherSection | None = None  # on-policy distillation: teacher.model.path=... adds one
     trainer: TrainerSection = TrainerSection()
 
@@ -299,7 +317,8 @@ class TrainConfig:
         """The roles this run needs, policy first."""
         a = self.algorithm
         optional = ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
-                    (Role.REWARD_MODEL, self.reward_model is not None), (Role.TEACHER, self.teacher is not None))
+                    (Role.REWARD_MODEL, self.reward_model is not None), (Role.COST_MODEL, self.cost_model is not None),
+                    (Role.TEACHER, self.teacher is not None))
         return [Role.POLICY, Role.ROLLOUT] + [r for r, on in optional if on]
 
 
@@ -344,7 +363,7 @@ def check_config(cfg: TrainConfig) -> None:
     _check_program(cfg.trainer.program)
     # the plug-ins first: every later check reads what the estimator needs (a user's is called once here)
     check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss,
-                  a.dynamic_sampling.criterion if a.dynamic_sampling is not None else None)
+                  a.dynamic_sampling.criterion if a.dynamic_sampling is not None else None, cfg.reward.stages.values())
     if d.batch_size % layout.dp:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {layout.dp} "
                           f"({layout}); change one of them.")
@@ -551,14 +570,17 @@ def _check_reward(cfg: TrainConfig) -> None:
                           "a megarl checkpoint (e.g. a run's checkpoints/step_N/policy).")
     if t is not None and not (math.isfinite(t.kl_coef) and t.kl_coef > 0):
         raise ConfigError(f"teacher.kl_coef must be a positive number, found {t.kl_coef}.")
+    cm = cfg.cost_model
     for name, weight in (("reward.function_weight", rw.function_weight),
-                         ("reward_model.weight", rm.weight if rm is not None else 0.0)):
+                         ("reward_model.weight", rm.weight if rm is not None else 0.0),
+                         ("cost_model.weight", cm.weight if cm is not None else 0.0)):
         if not math.isfinite(weight):
             raise ConfigError(f"{name} must be a finite number, found {weight}.")
     _check_reward_functions(rw)
-    if rm is not None and (not rm.model.path or not Path(rm.model.path).is_dir()):
-        raise ConfigError(f"reward_model.model.path {rm.model.path!r} is not a directory; give an HF "
-                          "*ForSequenceClassification directory (num_labels=1) or a megarl checkpoint of one.")
+    for section, model in (("reward_model", rm), ("cost_model", cm)):
+        if model is not None and (not model.model.path or not Path(model.model.path).is_dir()):
+            raise ConfigError(f"{section}.model.path {model.model.path!r} is not a directory; give an HF "
+                              "*ForSequenceClassification directory (num_labels=1) or a megarl checkpoint of one.")
 
 
 def _check_reward_functions(rw: RewardConfig) -> None:
@@ -568,6 +590,11 @@ def _check_reward_functions(rw: RewardConfig) -> None:
                           "(its default unless set): the list replaces the single function. Set reward.function: "
                           "null and list every reward function under reward.functions (e.g. functions.correct."
                           "function=integer_answer), or remove reward.functions.")
+    for name in rw.stages:
+        if not name.isidentifier() or name in RESERVED_REWARD_NAMES or name in rw.functions:
+            raise ConfigError(f"reward.stages.{name}: a reward stage's name must be an identifier (letters, digits, _) "
+                              f"other than {list(RESERVED_REWARD_NAMES)} and the reward functions' names "
+                              f"{sorted(rw.functions)} (the other reward sources' metric names); rename it.")
     for name, spec in rw.functions.items():
         if not name.isidentifier() or name in RESERVED_REWARD_NAMES:
             raise ConfigError(f"reward.functions.{name}: a reward function's name must be an identifier (letters, "

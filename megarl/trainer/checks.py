@@ -20,9 +20,10 @@ from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
 def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
     _check_policy_tokenizer(cfg, tokenizer)
     _check_moe(cfg)
-    if cfg.reward_model is not None:
-        _check("reward_model", cfg.reward_model.model, Head.SCALAR, cfg, tokenizer,
-               "an HF *ForSequenceClassification checkpoint with num_labels=1")
+    for section, model in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
+        if model is not None:
+            _check(section, model.model, Head.SCALAR, cfg, tokenizer,
+                   "an HF *ForSequenceClassification checkpoint with num_labels=1")
     if cfg.teacher is not None:
         _check("teacher", cfg.teacher.model, Head.LM, cfg, tokenizer,
                "an HF *ForCausalLM checkpoint or a megarl checkpoint of one")

@@ -57,11 +57,12 @@ class Cluster:
         self.cfg = cfg
         c = cfg.cluster
         local = c.launcher is Launcher.LOCAL
-        rm, teacher = cfg.reward_model, cfg.teacher
+        rm, cm, teacher = cfg.reward_model, cfg.cost_model, cfg.teacher
         # the starting model, reward model and teacher, converted from HF while Ray and the workers start
         conversions = Conversions(cfg.cluster, {
             "policy": (Path(cfg.model.path), out / "initial_checkpoint"),
             **({"reward_model": (Path(rm.model.path), out / "reward_model_checkpoint")} if rm is not None else {}),
+            **({"cost_model": (Path(cm.model.path), out / "cost_model_checkpoint")} if cm is not None else {}),
             **({"teacher": (Path(teacher.model.path), out / "teacher_checkpoint")} if teacher is not None else {})})
         self.placement: Placement | None = None
         self.owns_ray, self.ray_session = False, None  # ray_session: the private cluster's session directory
@@ -72,8 +73,8 @@ class Cluster:
             logger.info("host allocator of the driver process: %s", allocator.loaded())
             self._start_workers()
             sources = conversions.result()
-            self.source, self.reward_source, self.teacher_source = (
-                sources["policy"], sources.get("reward_model"), sources.get("teacher"))
+            self.source, self.teacher_source = sources["policy"], sources.get("teacher")
+            self.classifier_sources = {k: sources[k] for k in ("reward_model", "cost_model") if k in sources}
             self._add_roles(cfg)
         except BaseException:
             conversions.close()
@@ -130,10 +131,10 @@ class Cluster:
         self.critic = (self.placement.add_role(Role.CRITIC.value, CriticRole, checkpoint_dir=src, engine=cfg.critic,
                                                value_clip=a.value_clip)
                        if Role.CRITIC in roles else None)
-        self.reward_model = (self.placement.add_role(Role.REWARD_MODEL.value, RewardModelRole,
-                                                     checkpoint_dir=str(self.reward_source),
-                                                     engine=cfg.reward_model.engine)
-                             if Role.REWARD_MODEL in roles else None)
+        self.reward_model, self.cost_model = (
+            self.placement.add_role(role.value, RewardModelRole, engine=section.engine,
+                                    checkpoint_dir=str(self.classifier_sources[role.value])) if role in roles else None
+            for role, section in ((Role.REWARD_MODEL, cfg.reward_model), (Role.COST_MODEL, cfg.cost_model)))
         self.teacher = (self.placement.add_role(Role.TEACHER.value, ReferenceRole,
                                                 checkpoint_dir=str(self.teacher_source), engine=cfg.teacher.engine,
                                                 temperature=temperature)
@@ -218,7 +219,18 @@ class Cluster:
 
     def reward_scores(self, batch: Batch) -> Batch:
         """``scores`` [B] of the reward model (``input_ids``, right-padded ``attention_mask``)."""
-        return self.reward_model.dp(RewardModelRole.compute_scores, batch)
+        return self.reward_scores_async(batch).result()
+
+    def reward_scores_async(self, batch: Batch) -> PendingCall[Batch]:
+        """:meth:`reward_scores`, started (it runs while the cost model, on a pool of its own, scores too)."""
+        return self.reward_model.dp_async(RewardModelRole.compute_scores, batch)
+
+    def cost_scores(self, batch: Batch) -> Batch:
+        """``scores`` [B] of the cost model (as :meth:`reward_scores`)."""
+        return self.cost_scores_async(batch).result()
+
+    def cost_scores_async(self, batch: Batch) -> PendingCall[Batch]:
+        return self.cost_model.dp_async(RewardModelRole.compute_scores, batch)
 
     def reference_log_probs(self, batch: Batch) -> Batch:
         return self.reference.dp(ReferenceRole.compute_log_probs, batch)

@@ -3,10 +3,12 @@
 
 :meth:`Experience.rollout` generates ``rollout.sampling.n`` responses to each prompt (:meth:`start` and
 :meth:`finish` split it around other work) and :meth:`Experience.score` scores them. A response's reward is
-``reward.function_weight * function + reward_model.weight * reward model`` over the sources configured (or each
-of ``reward.functions`` with its weight, scored and logged apart: ``NAME_scores``, ``reward/NAME_mean``), plus
-DAPO's soft overlong penalty where ``reward.overlong_buffer`` is set. ReMax's greedy baseline (one response per
-prompt) is generated and scored in the same round. Validation samples and scores with the same methods.
+``reward.function_weight * function + reward_model.weight * reward model + cost_model.weight * cost model`` over
+the sources configured (or each of ``reward.functions`` with its weight, scored and logged apart: ``NAME_scores``,
+``reward/NAME_mean``), plus DAPO's soft overlong penalty where ``reward.overlong_buffer`` is set. The reward and
+cost models are called together (on pools of their own they score at the same time). ReMax's greedy baseline
+(one response per prompt) is generated and scored in the same round. Validation samples and scores with the same
+methods.
 
 Multi-turn rollouts (``rollout.multi_turn``, :mod:`megarl.multiturn`): each prompt opens ``n`` conversations with
 an environment (or tools); every turn is one generation call across the policy's rollout engines and the
@@ -28,8 +30,11 @@ from typing import Any
 import torch
 
 from megarl.algos.dapo import overlong_penalty
+from megarl.algos.plugins import REWARD_STAGE, RewardStageInputs, checked_stage_scores
+from megarl.algos.plugins import resolve as resolve_plugin
 from megarl.config.resolve import sampling_params
 from megarl.config.train import TrainConfig
+from megarl.controller.handles import wait_all
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
 from megarl.multiturn.environment import environment_factory
@@ -170,7 +175,7 @@ class Experience:
     def score(self, batch: Batch, records: list[PromptRecord], baseline: Batch | None = None,
               stage: str = "reward") -> int:
         """``scores``: each row's reward (its sources kept as ``function_scores`` or ``NAME_scores``, ``model_scores``,
-        ``overlong_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
+        ``cost_scores``, ``overlong_scores``); with ``baseline`` (ReMax: one response per prompt, in prompt order),
         ``baseline_scores``: the reward of the row's prompt's baseline response. Returns how many rows the
         reward functions failed on (``on_error: score``), over all of them."""
         scores, parts, num_errors = self._rewards(batch, records)
@@ -193,15 +198,16 @@ class Experience:
         metrics = {f"{prefix}/mean": scores.mean().item(), f"{prefix}/std": std, f"{prefix}/min": scores.min().item(),
                    f"{prefix}/max": scores.max().item(), f"{prefix}/num_errors": float(num_errors)}
         functions = self.cfg.reward.named_functions()
-        sources = (*functions, "model", "overlong", "environment")
+        sources = (*functions, "model", "cost", "overlong", "environment", *self.cfg.reward.stages)
         parts = {source: batch[f"{source}_scores"] for source in sources if f"{source}_scores" in batch}
-        named = bool(self.cfg.reward.functions)  # named functions are always logged apart (TRL's rewards/NAME)
+        named = bool(self.cfg.reward.functions or self.cfg.reward.stages)  # named sources: always logged apart
         if len(parts) > 1 or named or any(f.function_weight != 1.0 for f in functions.values()):  # sources apart
             metrics |= {f"{prefix}/{source}_mean": values.mean().item() for source, values in parts.items()}
             metrics |= {f"{prefix}/{name}_std": parts[name].std().item() if len(scores) > 1 else 0.0
-                        for name in self.cfg.reward.functions if name in parts}  # TRL's rewards/NAME/std
-        if "model" in parts:
-            metrics[f"{prefix}/model_std"] = parts["model"].std().item() if len(scores) > 1 else 0.0
+                        for name in (*self.cfg.reward.functions, *self.cfg.reward.stages) if name in parts}
+        for source in ("model", "cost"):
+            if source in parts:
+                metrics[f"{prefix}/{source}_std"] = parts[source].std().item() if len(scores) > 1 else 0.0
         if "baseline_scores" in batch:  # one value per prompt, repeated on its rows: the mean over prompts
             uid = batch["prompt_uid"]
             per_prompt = torch.zeros(int(uid.max()) + 1).scatter(0, uid, batch["baseline_scores"])
@@ -209,36 +215,43 @@ class Experience:
         return metrics
 
     def _rewards(self, batch: Batch, records: list[PromptRecord]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """Each row's reward, each source's own scores, and how many rows the function failed on."""
+        """Each row's reward, each source's own scores, and how many rows the function failed on. The reward and cost
+        models are called first (they score while the driver runs the reward functions), the stages last."""
         r = self.cfg.reward
+        classifiers = {source: (section, score) for source, section, score in (
+            ("model", self.cfg.reward_model, self.cluster.reward_scores_async),
+            ("cost", self.cfg.cost_model, self.cluster.cost_scores_async)) if section is not None}
+        if classifiers:  # on pools of their own, the reward and cost models score at the same time
+            model_rows = batch.select("input_ids", "attention_mask")
+            pending = [score(model_rows) for _, score in classifiers.values()]
         parts: dict[str, torch.Tensor] = {}
         total, num_errors = torch.zeros(len(batch)), 0
         if "environment_scores" in batch:  # multi-turn: the environment's rewards of each conversation
             parts["environment"] = batch["environment_scores"]
             total = total + parts["environment"]
-        if self.reward_fns:
-            rows = [records[i] for i in batch["prompt_uid"].tolist()]
-            if "final_texts" in batch.non_tensors:  # multi-turn: the model's last turn is its answer
-                responses = batch.non_tensors["final_texts"]
-            else:  # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
-                masks = batch["response_mask"].bool().tolist()
-                responses = self.tokenizer.batch_decode(
-                    [[t for t, m in zip(ids, row_mask, strict=True) if m]
-                     for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)],
-                    skip_special_tokens=True)
-            texts, row_columns = [rec.text for rec in rows], [rec.row for rec in rows]
-            for name, spec in r.named_functions().items():  # each with its own error policy
-                fn = self.reward_fns[name]
-                self.reward_monitor.check_columns(name, fn, row_columns)  # needs a column no row has: ConfigError
-                parts[name], info = score_samples(fn, texts, responses, row_columns, spec.on_error, spec.error_score)
-                self.reward_monitor.observe(name, spec.function, fn, parts[name], info)  # constant scores: warned
-                total, num_errors = total + spec.function_weight * parts[name], num_errors + info.num_errors
-        if self.cfg.reward_model is not None:
-            parts["model"] = self.cluster.reward_scores(batch.select("input_ids", "attention_mask"))["scores"]
-            total = total + self.cfg.reward_model.weight * parts["model"]
+        texts = _Texts(self.tokenizer, batch, records) if self.reward_fns or r.stages else None
+        for name, spec in r.named_functions().items():  # each with its own error policy
+            fn, row_columns = self.reward_fns[name], texts.row_columns
+            self.reward_monitor.check_columns(name, fn, row_columns)  # needs a column no row has: ConfigError
+            parts[name], info = score_samples(fn, texts.prompts, texts.responses, row_columns, spec.on_error,
+                                              spec.error_score)
+            self.reward_monitor.observe(name, spec.function, fn, parts[name], info)  # constant scores: warned
+            total, num_errors = total + spec.function_weight * parts[name], num_errors + info.num_errors
+        if classifiers:
+            for (source, (section, _)), result in zip(classifiers.items(), wait_all(pending), strict=True):
+                parts[source] = result["scores"]
+                total = total + section.weight * parts[source]
         if r.overlong_buffer:
             parts["overlong"] = _overlong_scores(self.cfg, batch)
             total = total + parts["overlong"]
+        for name, spec in r.stages.items():  # in order: each sees the reward so far
+            stage = resolve_plugin(REWARD_STAGE, spec)
+            inputs = RewardStageInputs(
+                scores=total, sources=dict(parts), prompts=texts.prompts, responses=texts.responses,
+                rows=texts.row_columns, group_ids=batch["prompt_uid"], response_lengths=batch["response_lengths"],
+                finish_reasons=list(batch["finish_reasons"]))
+            parts[name] = checked_stage_scores(stage(inputs), len(batch), stage.name)
+            total = total + parts[name]
         return total, parts, num_errors
 
     @staticmethod
@@ -251,6 +264,21 @@ class Experience:
             "response/stopped_frac": sum(f == "stop" for f in batch["finish_reasons"]) / len(lengths)} | (
             {} if env is None else {"response/env_tokens_mean": env.mean().item(),
                                     "response/env_tokens_max": env.max().item()})
+
+
+class _Texts:
+    """A round's prompts, responses (decoded once, for the reward functions and stages) and dataset rows."""
+
+    def __init__(self, tokenizer: Any, batch: Batch, records: list[PromptRecord]) -> None:
+        rows = [records[i] for i in batch["prompt_uid"].tolist()]
+        self.prompts, self.row_columns = [rec.text for rec in rows], [rec.row for rec in rows]
+        if "final_texts" in batch.non_tensors:  # multi-turn: the model's last turn is its answer
+            self.responses = batch.non_tensors["final_texts"]
+        else:  # whole-batch tensor ops and lists: per-row tensor indexing costs ~10 us a row
+            masks = batch["response_mask"].bool().tolist()
+            self.responses = tokenizer.batch_decode(
+                [[t for t, m in zip(ids, row_mask, strict=True) if m]
+                 for ids, row_mask in zip(batch["input_ids"].tolist(), masks, strict=True)], skip_special_tokens=True)
 
 
 def _overlong_scores(cfg: TrainConfig, batch: Batch) -> torch.Tensor:

@@ -83,3 +83,50 @@ def test_dr_grpo_by_hand(ray_cluster, task, tmp_path):
         # weights, 1 within 1e-5 on this CPU), so the surrogate is -A per token, summed per sequence
         by_hand = -(expected * mask).sum().item() / (len(scores) * c)
         assert m["actor/pg_loss"] == pytest.approx(by_hand, abs=1e-5)
+
+
+class _Scored:
+    def __init__(self) -> None:
+        self.at: dict[int, dict] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "reward":
+            self.at[step] = {k: batch[k].clone() for k in ("input_ids", "response_mask", "prompt_uid", "scores",
+                                                           "function_scores", "safety_scores", "best_scores")}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def test_reward_stages_in_order_by_hand(task, tmp_path):
+    """examples/plugins/rewards.py's two stages after the rule function: the filter cancels the reward of every
+    response with a 7, then the bonus goes to each differing group's best (as filtered); each row's terms and the
+    logged means by hand from the decoded responses."""
+    from megarl.data.tokenizer import load_tokenizer
+
+    rewards = ROOT / "examples" / "plugins" / "rewards.py"
+    scored = _Scored()
+    history = _run(task, tmp_path / "stages", callbacks=(scored,), **{
+        "reward.stages.safety": f"{rewards}:safety_filter", "reward.stages.best": f"{rewards}:group_best_bonus"})
+    tokenizer = load_tokenizer(str(task / "model"))
+    flagged_rows = 0
+    for step, m in enumerate(history, start=1):
+        b = scored.at[step]
+        responses = tokenizer.batch_decode([ids[mask.bool()].tolist() for ids, mask in
+                                            zip(b["input_ids"], b["response_mask"], strict=True)],
+                                           skip_special_tokens=True)
+        function = b["function_scores"].double()
+        flagged = torch.tensor(["7" in r for r in responses])
+        flagged_rows += int(flagged.sum())
+        after_filter = torch.where(flagged, torch.zeros_like(function), function)
+        bonus = torch.zeros_like(function)
+        for g in b["prompt_uid"].unique():
+            members = b["prompt_uid"] == g
+            if after_filter[members].max() > after_filter[members].min():
+                bonus[members] = 0.1 * (after_filter[members] == after_filter[members].max()).double()
+        assert torch.allclose(b["safety_scores"].double(), after_filter - function, atol=1e-7)
+        assert torch.allclose(b["best_scores"].double(), bonus, atol=1e-7)
+        assert torch.allclose(b["scores"].double(), after_filter + bonus, atol=1e-6)
+        assert m["reward/safety_mean"] == pytest.approx(b["safety_scores"].mean().item(), abs=1e-7)
+        assert m["reward/best_mean"] == pytest.approx(b["best_scores"].mean().item(), abs=1e-7)
+    assert flagged_rows > 0

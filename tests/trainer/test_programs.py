@@ -78,6 +78,18 @@ class _Steps:
         pass
 
 
+def _check_kept(rows, metrics):
+    """The rows the program kept (``response_mask`` left on) are each prompt's first best response, when right."""
+    scores, uid, kept = rows["scores"].double(), rows["prompt_uid"], rows["response_mask"].sum(-1) > 0
+    for g in uid.unique().tolist():
+        members = (uid == g).nonzero().flatten()
+        best = members[scores[members].argmax()]
+        expected = members == best if scores[best] > 0.5 else torch.zeros(len(members), dtype=torch.bool)
+        assert torch.equal(kept[members], expected)
+    assert metrics["rft/kept_frac"] == pytest.approx(float(kept.sum()) / len(uid.unique()))
+    return kept
+
+
 def test_rejection_sampling_learns_with_a_supervised_loss(task, tmp_path):
     steps = _Steps()
     history = _run(task, tmp_path / "rft", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,),
@@ -90,17 +102,129 @@ def test_rejection_sampling_learns_with_a_supervised_loss(task, tmp_path):
     assert end > start + 0.2
     for step in (1, 2, 50, 100):
         rows, m = steps.rows[step], history[step - 1]
-        scores, uid, kept = rows["scores"].double(), rows["prompt_uid"], rows["response_mask"].sum(-1) > 0
-        for g in uid.unique().tolist():  # by hand: the first of the group's best, when right
-            members = (uid == g).nonzero().flatten()
-            best = members[scores[members].argmax()]
-            expected = members == best if scores[best] > 0.5 else torch.zeros(len(members), dtype=torch.bool)
-            assert torch.equal(kept[members], expected)
-        assert m["rft/kept_frac"] == pytest.approx(float(kept.sum()) / len(uid.unique()))
+        kept = _check_kept(rows, m)
         if kept.any():  # the negative log-likelihood of the kept tokens, token-mean (one update at pi_old)
             mask = rows["response_mask"].double()
             nll = -(rows["rollout_log_probs"].double() * mask).sum() / mask.sum()
             assert m["actor/pg_loss"] == pytest.approx(nll.item(), abs=1e-4)
+
+
+def test_rejection_sampling_runs_asynchronously(ray_cluster, task, tmp_path):
+    """The rejection-sampling program unchanged on a rollout pool of its own, asynchronous (staleness bound 2):
+    each step's rows within the schedule's version lag, the kept rows by hand. (One step off: the Safe-RLHF run
+    below.)"""
+    steps = _Steps()
+    history = _run(task, tmp_path / "async", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,), **{
+        "trainer.program": f"{PROGRAMS / 'rejection_sampling.py'}:step",
+        "algorithm.policy_loss.loss": f"{PROGRAMS / 'rejection_sampling.py'}:supervised", "trainer.total_steps": 6,
+        "cluster.launcher": "ray", "cluster.pools.gen.devices_per_node": 1, "cluster.placement.rollout": "gen",
+        "rollout.schedule": "async", "rollout.asynchronous.max_staleness": 2})
+    assert len(history) == 6
+    for step, m in enumerate(history, start=1):
+        assert 0 <= m["async/version_lag_min"] <= m["async/version_lag_max"] <= 2
+        _check_kept(steps.rows[step], m)
+    assert max(m["async/version_lag_max"] for m in history) >= 1  # the rows were generated ahead
+
+
+SAFE = ROOT / "examples" / "safe_rlhf_tiny"
+
+
+@pytest.fixture(scope="module")
+def safe_task(tmp_path_factory):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("safe_rlhf_task", SAFE / "task.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, module.make_task(tmp_path_factory.mktemp("safe_task"))
+
+
+class _Scores:
+    """Each step's rows as the reward stage scored them."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "reward":
+            self.rows[step] = {k: batch[k].clone() for k in ("input_ids", "attention_mask", "model_scores",
+                                                             "cost_scores", "scores")}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def _safe_run(safe_task, out, callbacks, **extra):
+    _, task = safe_task
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "reward_model.model.path": task / "reward_model", "cost_model.model.path": task / "cost_model",
+                 "trainer.output_dir": out, "trainer.tensorboard": "false", "trainer.save_every": 0,
+                 "trainer.program": f"{SAFE / 'program.py'}:step"} | extra
+    from megarl.program import load_config, train
+
+    return train(load_config(SAFE / "config.yaml", [f"{k}={v}" for k, v in overrides.items()]), callbacks=callbacks)
+
+
+def _check_classifier_scores(module, rows, tokenizer):
+    """The reward and cost models' score of each row: the task's tables at the row's last token."""
+    last = rows["input_ids"].gather(1, rows["attention_mask"].long().sum(-1, keepdim=True) - 1).flatten()
+    tokens = tokenizer.convert_ids_to_tokens(last.tolist())
+    want_reward = torch.tensor([module.reward_of(t) for t in tokens])
+    want_cost = torch.tensor([module.cost_of(t) for t in tokens])
+    assert torch.allclose(rows["model_scores"], want_reward, atol=1e-4)
+    assert torch.allclose(rows["cost_scores"], want_cost, atol=1e-4)
+
+
+def test_safe_rlhf_holds_the_cost_to_its_limit_while_the_reward_rises(safe_task, tmp_path):
+    """Local launcher (policy, reward and cost models in one rank): 100 steps. The multiplier follows dual ascent
+    recomputed from the logged costs; the classifiers' scores are the task's tables; the policy's training scores
+    are the Lagrangian of them."""
+    from megarl.data.tokenizer import load_tokenizer
+
+    module, task = safe_task
+    scores = _Scores()
+    history = _safe_run(safe_task, tmp_path / "safe", (scores,), **{
+        "cluster.launcher": "local", "cluster.pools": "{main: {devices_per_node: 1, tp: 1}}",
+        "cluster.placement": "{}"})
+    assert len(history) == 100
+    limit, lr, lam = 0.1, 0.5, 0.0
+    tokenizer = load_tokenizer(str(task / "model"))
+    for step, m in enumerate(history, start=1):
+        assert m["safe/lambda"] == pytest.approx(lam, abs=1e-12)
+        rows = scores.rows[step]
+        assert m["safe/cost_mean"] == pytest.approx(rows["cost_scores"].mean().item(), abs=1e-6)
+        if step in (1, 2, 10, 50, 100):
+            _check_classifier_scores(module, rows, tokenizer)
+        lam = max(0.0, lam + lr * (m["safe/cost_mean"] - limit))
+    cost = [m["safe/cost_mean"] for m in history]
+    reward = [m["safe/reward_mean"] for m in history]
+    print("Safe-RLHF cost per 10 steps:", [round(statistics.mean(cost[i:i + 10]), 3) for i in range(0, 100, 10)])
+    print("Safe-RLHF reward per 10 steps:", [round(statistics.mean(reward[i:i + 10]), 3) for i in range(0, 100, 10)])
+    print("Safe-RLHF lambda per 10 steps:", [round(history[i]["safe/lambda"], 3) for i in range(0, 100, 10)])
+    assert statistics.mean(cost[:10]) > 2 * limit  # the starting policy breaks the limit
+    assert statistics.mean(cost[-20:]) <= limit + 0.02  # ... and ends within it
+    assert statistics.mean(reward[-20:]) > statistics.mean(reward[:10]) + 0.2
+
+
+def test_safe_rlhf_one_step_off_with_every_model_on_a_pool_of_its_own(ray_cluster, safe_task, tmp_path):
+    """The example's placement on Ray (policy, reward model and cost model each on a pool of its own; the two
+    classifiers called together), one step off with the rollout engines on a fourth pool: the rows one version
+    behind from step 2 on, the classifiers' scores the task's tables, the multiplier's dual ascent by hand."""
+    from megarl.data.tokenizer import load_tokenizer
+
+    module, task = safe_task
+    scores = _Scores()
+    history = _safe_run(safe_task, tmp_path / "safe_ray", (scores,), **{
+        "trainer.total_steps": 3, "rollout.schedule": "one_step_off", "cluster.pools.gen.devices_per_node": 1,
+        "cluster.placement.rollout": "gen"})
+    tokenizer = load_tokenizer(str(task / "model"))
+    lam = 0.0
+    for step, m in enumerate(history, start=1):
+        rows = scores.rows[step]
+        _check_classifier_scores(module, rows, tokenizer)
+        assert m["reward/cost_mean"] == pytest.approx(rows["cost_scores"].mean().item(), abs=1e-6)
+        assert m["async/version_lag_max"] == (step > 1) and m["safe/lambda"] == pytest.approx(lam, abs=1e-12)
+        lam = max(0.0, lam + 0.5 * (m["safe/cost_mean"] - 0.1))
 
 
 COUNTER = '''

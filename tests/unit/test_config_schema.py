@@ -36,6 +36,8 @@ DISTINCT = {
             "group's processes; the trainer passes trainer.seed)",
     "tp": "a pool's training tensor-parallel size vs the rollout engine's",
     "stop_token_ids": "rollout.stop_token_ids (the user's extra ids) vs one call's full list (eos added)",
+    "weight": "reward_model.weight (1: the reward model's score is the reward) vs cost_model.weight (0: the cost "
+              "is kept apart, for a program's constraint), the one field the cost model's section overrides",
 }
 
 

@@ -12,10 +12,19 @@ import pytest
 import torch
 
 from megarl.algos import AdvantageConfig, AdvantageInputs, PolicyLossConfig, compute_advantages, compute_policy_loss
-from megarl.algos.plugins import ESTIMATOR, GROUP_FILTER, POLICY_LOSS, check_plugins, registered, resolve
+from megarl.algos.plugins import (
+    ESTIMATOR,
+    GROUP_FILTER,
+    POLICY_LOSS,
+    REWARD_STAGE,
+    check_plugins,
+    registered,
+    resolve,
+)
 from megarl.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "algorithms.py"
+REWARDS = EXAMPLE.parent / "rewards.py"
 
 
 def _batch(dtype=torch.float64):
@@ -108,6 +117,18 @@ def keeps_rows(scores, group_ids, num_groups):
 
 def keeps_a_list(scores, group_ids, num_groups):
     return [True] * num_groups
+
+def per_group_scores(inputs):
+    return torch.zeros(2)
+
+def nan_scores(inputs):
+    return inputs.scores / 0 * 0
+
+def stage_raises(inputs):
+    return inputs.rows[0]["difficulty"]
+
+def list_scores(inputs):
+    return [0.0] * len(inputs.responses)
 '''
 
 
@@ -126,6 +147,11 @@ def keeps_a_list(scores, group_ids, num_groups):
     (GROUP_FILTER, "keeps_rows", r"must return a bool tensor of shape \(2,\).*found shape \(4,\), torch.bool"),
     (GROUP_FILTER, "keeps_a_list", r"must return a bool tensor of shape \(2,\).*found list"),
     (GROUP_FILTER, "one_argument", r"which cannot be called as fn\(scores, group_ids, num_groups\)"),
+    (REWARD_STAGE, "per_group_scores", r"must return a floating tensor of shape \(4,\).*found shape \(2,\)"),
+    (REWARD_STAGE, "list_scores", r"must return a floating tensor of shape \(4,\).*found list"),
+    (REWARD_STAGE, "nan_scores", r"returned non-finite scores"),
+    (REWARD_STAGE, "stage_raises", r"raised KeyError: 'difficulty' when called on a synthetic round"),
+    (REWARD_STAGE, "keeps_rows", r"which cannot be called as fn\(inputs: RewardStageInputs\)"),
 ])
 def test_a_wrong_plugin_is_named_before_any_worker_starts(tmp_path, kind, name, match):
     (tmp_path / "bad.py").write_text(BAD)
@@ -133,7 +159,24 @@ def test_a_wrong_plugin_is_named_before_any_worker_starts(tmp_path, kind, name, 
     estimator = spec if kind == ESTIMATOR else "grpo"
     loss = spec if kind == POLICY_LOSS else "ppo_clip"
     with pytest.raises(ConfigError, match=match):
-        check_plugins(estimator, loss, AdvantageConfig(), PolicyLossConfig(), spec if kind == GROUP_FILTER else None)
+        check_plugins(estimator, loss, AdvantageConfig(), PolicyLossConfig(), spec if kind == GROUP_FILTER else None,
+                      [spec] if kind == REWARD_STAGE else [])
+
+
+def test_reward_stages_by_hand():
+    """examples/plugins/rewards.py on a hand-made round: the filter cancels the reward of a banned response, the
+    bonus goes to each differing group's best."""
+    from megarl.algos import RewardStageInputs
+
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 1.0])
+    inputs = RewardStageInputs(scores=scores, sources={"function": scores}, prompts=["p"] * 6,
+                               responses=["7", "3", "17", "4", "2", "2"], rows=[{}] * 6,
+                               group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), response_lengths=torch.ones(6),
+                               finish_reasons=["stop"] * 6)
+    safety = resolve(REWARD_STAGE, f"{REWARDS}:safety_filter")(inputs)
+    assert safety.tolist() == [-1.0, 0.0, -0.5, 0.0, 0.0, 0.0]
+    bonus = resolve(REWARD_STAGE, f"{REWARDS}:group_best_bonus")(inputs)
+    assert bonus.tolist() == pytest.approx([0.1, 0.0, 0.0, 0.0, 0.0, 0.0])  # groups 1 and 2 are ties
 
 
 def test_builtins_are_registered_plugins_and_unknown_names_are_refused():
