@@ -81,6 +81,8 @@ def _train_cmd(task, out, reward):
 
 
 def test_resume_after_kill_continues_identically_with_custom_reward(task, tmp_path):
+    """A run killed (SIGKILL) after its step-3 checkpoint resumes and continues as an uninterrupted twin would, step
+    for step; the killed run is `megarl run` with a user's GRPO listing, its twin `megarl train`."""
     # a dataset with an extra column, and a reward function given by path that records its inputs
     rows = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
     data = tmp_path / "train.jsonl"
@@ -89,13 +91,17 @@ def test_resume_after_kill_continues_identically_with_custom_reward(task, tmp_pa
     reward = f"{tmp_path / 'reward.py'}:score"
     env = dict(os.environ, MEGARL_TEST_REWARD_LOG=str(tmp_path / "calls.jsonl"))
 
-    def cmd(out):
-        return [*_train_cmd(task, out, reward), f"data.train={data}"]
+    def cmd(out, program=None):
+        run = [sys.executable, "-m", "megarl.cli.main", "run", program] if program else [sys.executable, "-m",
+                                                                                         "megarl.train"]
+        return [*run, *_train_cmd(task, out, reward)[3:], f"data.train={data}"]
 
-    # uninterrupted twin
+    # uninterrupted twin: megarl train's own step
     subprocess.run(cmd(tmp_path / "full"), env=env, cwd=ROOT, check=True, timeout=900, capture_output=True)
+    # the killed and resumed run: `megarl run` with the GRPO listing of examples/programs (issue #43), the same loop
+    listing = str(ROOT / "examples" / "programs" / "ppo_family.py") + ":grpo"
     # the same run, killed (SIGKILL, whole process group) once step 3's checkpoint is complete
-    killed = subprocess.Popen(cmd(tmp_path / "crash"), env=env, cwd=ROOT, start_new_session=True,
+    killed = subprocess.Popen(cmd(tmp_path / "crash", listing), env=env, cwd=ROOT, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = tmp_path / "crash" / "checkpoints" / "step_000003" / "trainer.json"
     deadline = time.monotonic() + 600
@@ -105,7 +111,8 @@ def test_resume_after_kill_continues_identically_with_custom_reward(task, tmp_pa
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     # run the same command again: it resumes at step 4
-    proc = subprocess.run(cmd(tmp_path / "crash"), env=env, cwd=ROOT, timeout=900, capture_output=True, text=True)
+    proc = subprocess.run(cmd(tmp_path / "crash", listing), env=env, cwd=ROOT, timeout=900, capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step_000003" in proc.stderr
 
