@@ -14,7 +14,9 @@ restarts after a lost worker, metrics files.
   ``run.cluster`` (one typed method per role call: ``generate``, ``reward_scores``, ``sync_weights``, ...);
 - :class:`Batch`: the rows (tensors ``[rows, ...]``, per-row lists, ``meta``): ``select``, ``index``, ``chunk``,
   ``concat``, ``update``;
-- :mod:`megarl.algos`: the math (advantage estimators, losses, KL, masked reductions) and the plug-in decorators.
+- :mod:`megarl.algos`: the math (advantage estimators, losses, KL, masked reductions) and the plug-in decorators;
+- :class:`RolloutRequest`, :class:`RolloutContext`, :class:`RolloutSample`: what a rollout function
+  (``rollout.function``) is given and returns.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from megarl import algos
 from megarl.config.train import TrainConfig, load_config
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptRecord
+from megarl.multiturn.custom import RolloutContext, RolloutRequest, RolloutSample
 from megarl.rollout.base import SamplingConfig
 from megarl.trainer.callbacks import Callback
 from megarl.trainer.run import Run, StageTimer
 
-__all__ = ["Batch", "Callback", "PromptRecord", "Run", "SamplingConfig", "StageTimer", "TrainConfig", "algos",
-           "load_config", "train"]
+__all__ = ["Batch", "Callback", "PromptRecord", "RolloutContext", "RolloutRequest", "RolloutSample", "Run",
+           "SamplingConfig", "StageTimer", "TrainConfig", "algos", "load_config", "train"]
 
 
 def train(cfg: TrainConfig, program: str | None = None, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:

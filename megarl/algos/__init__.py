@@ -89,6 +89,7 @@ from megarl.algos.plugins import (
     group_filter,
     policy_loss,
     reward_stage,
+    rollout_function,
 )
 
 __all__ = [
@@ -133,6 +134,7 @@ __all__ = [
     "gae",
     "group_filter",
     "reward_stage",
+    "rollout_function",
     "RewardStageInputs",
     "grpo",
     "gspo_loss",

@@ -48,15 +48,17 @@ ESTIMATOR = "advantage estimator"
 POLICY_LOSS = "policy loss"
 GROUP_FILTER = "group filter"
 REWARD_STAGE = "reward stage"
+ROLLOUT_FUNCTION = "rollout function"
 ESTIMATOR_INPUTS = ("values", "group_ids", "baseline_rewards")  # what ``needs`` may name
 _SIGNATURES = {ESTIMATOR: "fn(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantages",
                POLICY_LOSS: "fn(log_prob, old_log_prob, advantages, mask, config: PolicyLossConfig, "
                             "normalizer) -> PolicyLossOutput",
                GROUP_FILTER: "fn(scores, group_ids, num_groups) -> keep ([num_groups] bool)",
-               REWARD_STAGE: "fn(inputs: RewardStageInputs) -> scores ([rows] float)"}
-_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6, GROUP_FILTER: 3, REWARD_STAGE: 1}
+               REWARD_STAGE: "fn(inputs: RewardStageInputs) -> scores ([rows] float)",
+               ROLLOUT_FUNCTION: "fn(requests: list[RolloutRequest], ctx: RolloutContext) -> list[RolloutSample]"}
+_ARITY = {ESTIMATOR: 2, POLICY_LOSS: 6, GROUP_FILTER: 3, REWARD_STAGE: 1, ROLLOUT_FUNCTION: 2}
 _DECORATORS = {ESTIMATOR: "advantage_estimator", POLICY_LOSS: "policy_loss", GROUP_FILTER: "group_filter",
-               REWARD_STAGE: "reward_stage"}
+               REWARD_STAGE: "reward_stage", ROLLOUT_FUNCTION: "rollout_function"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Plugin:
         return self.fn(*args)
 
 
-_REGISTRY: dict[str, dict[str, Plugin]] = {ESTIMATOR: {}, POLICY_LOSS: {}, GROUP_FILTER: {}, REWARD_STAGE: {}}
+_REGISTRY: dict[str, dict[str, Plugin]] = {kind: {} for kind in _SIGNATURES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,11 @@ def group_filter(name: str | None = None) -> Callable[[Callable], Callable]:
 def reward_stage(name: str | None = None) -> Callable[[Callable], Callable]:
     """Mark ``fn`` as a reward stage (module docstring); with ``name``, register it."""
     return _marker(REWARD_STAGE, name)
+
+
+def rollout_function(name: str | None = None) -> Callable[[Callable], Callable]:
+    """Mark ``fn`` as a rollout function (:mod:`megarl.multiturn.custom`); with ``name``, register it."""
+    return _marker(ROLLOUT_FUNCTION, name)
 
 
 def _marker(kind: str, name: str | None, **traits: Any) -> Callable[[Callable], Callable]:

@@ -29,7 +29,7 @@ import yaml
 from megarl.algos.advantages import RewardScale, estimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
-from megarl.algos.plugins import check_plugins, is_spec
+from megarl.algos.plugins import ROLLOUT_FUNCTION, check_plugins, is_spec, resolve
 from megarl.config.loader import from_dict, read_data
 from megarl.config.user_code import load_function
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
@@ -114,6 +114,9 @@ class RolloutSection:
     # log-probs recomputed and algorithm.rollout_correction weighting them)
     asynchronous: AsyncConfig = AsyncConfig()  # rollout.schedule=async only
     multi_turn: MultiTurnConfig = MultiTurnConfig()  # conversations with an environment or tools (docs/multiturn.md)
+    # a rollout function, "path/to/file.py:function": a generation loop of your own over the rollout engines in place
+    # of one call per prompt (docs/programming.md §2)
+    function: str | None = None
 
     @property
     def max_version_lag(self) -> int:
@@ -380,6 +383,12 @@ def check_config(cfg: TrainConfig) -> None:
     _check_rollout(cfg, layout)
     if r.multi_turn.enabled:
         _check_multi_turn(cfg)
+    if r.function is not None:
+        if r.multi_turn.enabled:
+            raise ConfigError("rollout.function and rollout.multi_turn.enabled both replace the generation loop (a "
+                              "rollout function is a loop of its own; multi-turn is megarl's loop over an "
+                              "environment): set one. A rollout function can run an environment or tools itself.")
+        resolve(ROLLOUT_FUNCTION, r.function)  # its signature; called once when the tokenizer is loaded
     t = cfg.trainer
     if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")

@@ -5,7 +5,8 @@ and stops with are ids the model embeds (a prompt's ids are checked as the data 
 token ids as they are, so each must embed every id the policy can emit and map every string to the same
 id as the policy's tokenizer (re-tokenizing responses for another vocabulary is not supported), and each
 must have the right head (a scalar for a reward model, vocabulary logits for a teacher). Every tokenizer is
-loaded as saved (:func:`megarl.data.tokenizer.load_tokenizer`).
+loaded as saved (:func:`megarl.data.tokenizer.load_tokenizer`). A rollout function given by path is called once
+with the policy's tokenizer and a stand-in generate (:func:`check_rollout_function`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
     if cfg.teacher is not None:
         _check("teacher", cfg.teacher.model, Head.LM, cfg, tokenizer,
                "an HF *ForCausalLM checkpoint or a megarl checkpoint of one")
+
+
+def check_rollout_function(cfg: TrainConfig, tokenizer, stop_ids: tuple[int, ...]) -> None:
+    """``rollout.function``, called once on synthetic requests with the run's tokenizer and a stand-in generate
+    (:func:`megarl.multiturn.custom.check_rollout_function`)."""
+    if cfg.rollout.function is None:
+        return
+    from megarl.algos.plugins import ROLLOUT_FUNCTION, resolve
+    from megarl.config.resolve import sampling_params
+    from megarl.multiturn.custom import check_rollout_function as check
+
+    plugin = resolve(ROLLOUT_FUNCTION, cfg.rollout.function)
+    check(plugin, plugin.name, tokenizer, stop_ids, sampling_params(cfg.rollout.sampling, cfg.rollout, stop_ids, 0))
 
 
 def policy_vocab_size(cfg: TrainConfig) -> int:

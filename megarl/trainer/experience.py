@@ -30,13 +30,14 @@ from typing import Any
 import torch
 
 from megarl.algos.dapo import overlong_penalty
-from megarl.algos.plugins import REWARD_STAGE, RewardStageInputs, checked_stage_scores
+from megarl.algos.plugins import REWARD_STAGE, ROLLOUT_FUNCTION, RewardStageInputs, checked_stage_scores
 from megarl.algos.plugins import resolve as resolve_plugin
 from megarl.config.resolve import sampling_params
 from megarl.config.train import TrainConfig
 from megarl.controller.handles import wait_all
 from megarl.data.batch import Batch, prompt_batch
 from megarl.data.prompts import PromptRecord
+from megarl.multiturn.custom import RolloutContext, run_rollout_function
 from megarl.multiturn.environment import environment_factory
 from megarl.multiturn.errors import EnvErrorLog
 from megarl.multiturn.rollout import conversations_batch, model_turns, run_conversations
@@ -69,11 +70,21 @@ class Experience:
         self.reward_monitor = RewardMonitor()  # the columns the reward functions need; constant scores warned about
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.conversations = None  # multi-turn: (one environment per conversation, the chat renderer)
+        self.rollout_fn = None  # rollout.function: the user's generation loop (megarl.multiturn.custom)
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None  # multi-turn generations started ahead
         if cfg.rollout.multi_turn.enabled:
             make_env, schemas = environment_factory(cfg.rollout.multi_turn)
             self.conversations = (make_env, ChatRenderer(tokenizer, tools=schemas))
+        if cfg.rollout.function is not None:
+            self.rollout_fn = resolve_plugin(ROLLOUT_FUNCTION, cfg.rollout.function)
+        if self.conversational:
             self.env_errors = EnvErrorLog(Path(cfg.trainer.output_dir) / "env_errors.jsonl")  # texts; firsts logged
+
+    @property
+    def conversational(self) -> bool:
+        """Whether rows come from a loop of several generation calls (multi-turn, a rollout function): through
+        :meth:`converse`, on a thread of their own when started ahead."""
+        return self.conversations is not None or self.rollout_fn is not None
 
     # ------------------------------------------------------------------------------------ stages
 
@@ -81,7 +92,7 @@ class Experience:
                 seed: int | None) -> tuple[Batch, Batch | None]:
         """Responses to ``records`` (rows grouped by prompt) and, for ReMax, one greedy response per prompt
         (prompt-indexed); the policy returns to training afterwards."""
-        if self.conversations is not None:  # on this thread
+        if self.conversational:  # on this thread
             return self.finish(Generation(records, lambda: self.converse(records, sampling, seed)))
         return self.finish(self.start(records, sampling, seed))
 
@@ -110,7 +121,6 @@ class Experience:
         """``n`` conversations per record through the policy's rollout engines (:meth:`converse`): their
         training rows and the loop's metrics; each call's metrics summed into ``call_metrics``, the prompt tokens the
         engines reused and were handed into ``reuse``, the environments' errors kept under ``phase``."""
-        make_env, renderer = self.conversations
         versions: set[int] = set()  # of the weights that generated the turns (one: the engines sync only before)
 
         def generate(prompts: list[list[int]], turn_params) -> list:
@@ -123,9 +133,15 @@ class Experience:
             versions.update(rows["policy_version"].tolist())
             return model_turns(rows)  # each turn's ids, log-probs, version and (MoE) routing
 
-        result = run_conversations([{**rec.row, "prompt": rec.prompt} for rec in records], n, make_env, renderer,
-                                   generate, params, self.cfg.rollout.multi_turn, stop_ids=self.stop_token_ids,
-                                   chunk_tokens=chunk_tokens)
+        rows = [{**rec.row, "prompt": rec.prompt} for rec in records]
+        if self.rollout_fn is not None:  # whole generation calls: a push lands between two of them
+            ctx = RolloutContext(self.tokenizer, tuple(self.stop_token_ids), generate, params)
+            result = run_rollout_function(self.rollout_fn, self.rollout_fn.name, rows, [r.input_ids for r in records],
+                                          n, ctx)
+        else:
+            make_env, renderer = self.conversations
+            result = run_conversations(rows, n, make_env, renderer, generate, params, self.cfg.rollout.multi_turn,
+                                       stop_ids=self.stop_token_ids, chunk_tokens=chunk_tokens)
         batch = conversations_batch(result.conversations, self.pad_token_id)  # with each token's version
         self.env_errors.record(min(versions) + (phase != "validation"), result.errors(), phase=phase)
         return batch, result.metrics
@@ -133,7 +149,7 @@ class Experience:
     def start(self, records: list[PromptRecord], sampling: SamplingConfig, seed: int | None) -> Generation:
         """:meth:`rollout`, started: it runs while this thread does other work (the conversations of multi-turn
         rollouts on a thread of their own, whose generation calls reach the rollout engines in turn)."""
-        if self.conversations is not None:
+        if self.conversational:
             if self._threads is None:
                 self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-conversations")
             return Generation(records, self._threads.submit(self.converse, records, sampling, seed).result)
@@ -218,9 +234,9 @@ class Experience:
         """Each row's reward, each source's own scores, and how many rows the function failed on. The reward and cost
         models are called first (they score while the driver runs the reward functions), the stages last."""
         r = self.cfg.reward
-        classifiers = {source: (section, score) for source, section, score in (
-            ("model", self.cfg.reward_model, self.cluster.reward_scores_async),
-            ("cost", self.cfg.cost_model, self.cluster.cost_scores_async)) if section is not None}
+        classifiers = {source: (section, getattr(self.cluster, call)) for source, section, call in (
+            ("model", self.cfg.reward_model, "reward_scores_async"),
+            ("cost", self.cfg.cost_model, "cost_scores_async")) if section is not None}
         if classifiers:  # on pools of their own, the reward and cost models score at the same time
             model_rows = batch.select("input_ids", "attention_mask")
             pending = [score(model_rows) for _, score in classifiers.values()]
@@ -284,9 +300,10 @@ class _Texts:
 def _overlong_scores(cfg: TrainConfig, batch: Batch) -> torch.Tensor:
     """DAPO's soft overlong penalty of each row: a response's length against ``rollout.max_new_tokens``; a
     conversation's tokens after the prompt (the model's and the observations', what ``max_total_tokens`` bounds and
-    cuts) against ``rollout.multi_turn.max_total_tokens`` (docs/multiturn.md)."""
+    cuts) against ``rollout.multi_turn.max_total_tokens`` (docs/multiturn.md); a rollout function's row, its model
+    tokens against ``rollout.max_new_tokens``."""
     r = cfg.reward
-    if "observation_lengths" in batch:  # multi-turn rows
+    if cfg.rollout.multi_turn.enabled:  # multi-turn rows
         lengths = batch["response_lengths"] + batch["observation_lengths"]
         limit = cfg.rollout.multi_turn.max_total_tokens
     else:

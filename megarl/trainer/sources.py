@@ -305,7 +305,7 @@ class AsyncSource(RolloutSource):
             params=lambda n, max_new, seed: dataclasses.replace(
                 sampling_params(r.sampling, r, exp.stop_token_ids, seed), n=n, max_new_tokens=max_new),
             greedy=exp.greedy_params() if self.cfg.algorithm.needs_greedy_baseline else None,
-            converse=None if exp.conversations is None else lambda records, seed: exp.converse(
+            converse=None if not exp.conversational else lambda records, seed: exp.converse(
                 records, r.sampling, seed, chunk_tokens=r.asynchronous.partial_chunk_tokens),
             short_steps=self.cfg.algorithm.dynamic_sampling is not None,
             seed=self.seed(step), skip=self.skip)

@@ -56,7 +56,7 @@ from megarl.parallel import cpu_compat
 from megarl.rewards.monitor import RewardMonitor
 from megarl.rewards.user import resolve_reward_function
 from megarl.trainer.callbacks import Callback
-from megarl.trainer.checks import check_frozen_models, policy_vocab_size
+from megarl.trainer.checks import check_frozen_models, check_rollout_function, policy_vocab_size
 from megarl.trainer.experience import Experience
 from megarl.trainer.lock import RunLock
 from megarl.trainer.run import ProgramError, Run, StageTimer
@@ -83,6 +83,7 @@ class Trainer:
                            for name, spec in cfg.reward.named_functions().items()}
         self._check_reward_columns()
         self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
+        check_rollout_function(cfg, self.tokenizer, self.stop_token_ids)
         self.stop = StopRequest()
         self.lock = RunLock(self.out)
         self.program = load_program(cfg.trainer.program)

@@ -130,3 +130,58 @@ def test_reward_stages_in_order_by_hand(task, tmp_path):
         assert m["reward/safety_mean"] == pytest.approx(b["safety_scores"].mean().item(), abs=1e-7)
         assert m["reward/best_mean"] == pytest.approx(b["best_scores"].mean().item(), abs=1e-7)
     assert flagged_rows > 0
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.at: dict[int, dict] = {}
+
+    def on_stage_end(self, stage, step, batch):
+        if stage == "reward":
+            self.at[step] = {"tensors": {k: batch[k].clone() for k in (
+                "input_ids", "attention_mask", "response_mask", "rollout_log_probs", "function_scores", "prompt_uid")},
+                "final_texts": list(batch.non_tensors["final_texts"])}
+
+    def on_step_end(self, step, metrics):
+        pass
+
+
+def test_a_rollout_function_by_hand_and_against_transformers(task, tmp_path):
+    """examples/plugins/rollout.py's draft_then_answer (two generation calls per response, a separator between):
+    each row is prompt | draft | space | answer with only the model's two tokens trained, the answer is what the
+    reward function scored, and every model token's rollout log-prob at step 1 (the initial weights) equals
+    transformers' over the whole row (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.tokenizer import load_tokenizer
+
+    rows = _Rows()
+    history = _run(task, tmp_path / "rollout_fn", callbacks=(rows,), **{
+        "rollout.function": f"{ROOT / 'examples' / 'plugins' / 'rollout.py'}:draft_then_answer",
+        "trainer.total_steps": 2})
+    assert len(history) == 2 and history[0]["rollout_function/calls"] == 2.0
+    tokenizer = load_tokenizer(str(task / "model"))
+    space = tokenizer.convert_tokens_to_ids(" ")
+    b, texts = rows.at[1]["tensors"], rows.at[1]["final_texts"]
+    for i in range(len(b["input_ids"])):
+        ids, attention = b["input_ids"][i], b["attention_mask"][i].bool()
+        row = ids[attention].tolist()
+        mask = b["response_mask"][i][attention].tolist()
+        assert mask[-3:] == [1, 0, 1] and not any(mask[:-3]) and row[-2] == space
+        answer = tokenizer.decode([row[-1]], skip_special_tokens=True) if row[-1] != tokenizer.eos_token_id else ""
+        assert texts[i] == answer
+        want = float(answer.strip() == _answer_of(tokenizer, row[:-3]))  # integer_answer on the final answer
+        assert b["function_scores"][i].item() == pytest.approx(want), i
+    model = AutoModelForCausalLM.from_pretrained(str(task / "model"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(b["input_ids"], attention_mask=b["attention_mask"].long()).logits.double()
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+    trained = b["response_mask"][:, 1:].bool()
+    assert (b["rollout_log_probs"][:, 1:].double() - expected)[trained].abs().max() < 1e-5
+
+
+def _answer_of(tokenizer, prompt_ids):
+    """The addition prompt's answer: "a+b=" -> str(a + b)."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    a, b = text.rstrip("=").split("+")
+    return str(int(a) + int(b))

@@ -72,7 +72,8 @@ class _Steps:
     def on_stage_end(self, stage, step, batch):
         if stage == "step":
             self.rows[step] = {k: batch[k].clone() for k in ("scores", "prompt_uid", "response_mask",
-                                                             "rollout_log_probs")}
+                                                             "rollout_log_probs", "rollout_versions",
+                                                             "attention_mask")}
 
     def on_step_end(self, step, metrics):
         pass
@@ -109,20 +110,30 @@ def test_rejection_sampling_learns_with_a_supervised_loss(task, tmp_path):
             assert m["actor/pg_loss"] == pytest.approx(nll.item(), abs=1e-4)
 
 
-def test_rejection_sampling_runs_asynchronously(ray_cluster, task, tmp_path):
-    """The rejection-sampling program unchanged on a rollout pool of its own, asynchronous (staleness bound 2):
-    each step's rows within the schedule's version lag, the kept rows by hand. (One step off: the Safe-RLHF run
-    below.)"""
+def test_rejection_sampling_runs_asynchronously_with_a_rollout_function(ray_cluster, task, tmp_path):
+    """The rejection-sampling program unchanged on a rollout pool of its own, asynchronous (staleness bound 2), its
+    responses from a rollout function (examples/plugins/rollout.py: a draft, a separator, an answer; two generation
+    calls, between which a push may land): each step's rows within the schedule's version lag, each model token's
+    version between its row's and the trained one and the answer's no older than the draft's, the kept rows by hand.
+    (One step off: the Safe-RLHF run below.)"""
     steps = _Steps()
     history = _run(task, tmp_path / "async", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,), **{
         "trainer.program": f"{PROGRAMS / 'rejection_sampling.py'}:step",
         "algorithm.policy_loss.loss": f"{PROGRAMS / 'rejection_sampling.py'}:supervised", "trainer.total_steps": 6,
+        "rollout.function": f"{ROOT / 'examples' / 'plugins' / 'rollout.py'}:draft_then_answer",
         "cluster.launcher": "ray", "cluster.pools.gen.devices_per_node": 1, "cluster.placement.rollout": "gen",
         "rollout.schedule": "async", "rollout.asynchronous.max_staleness": 2})
     assert len(history) == 6
     for step, m in enumerate(history, start=1):
         assert 0 <= m["async/version_lag_min"] <= m["async/version_lag_max"] <= 2
-        _check_kept(steps.rows[step], m)
+        rows = steps.rows[step]
+        kept = _check_kept(rows, m)
+        for i in range(len(kept)):
+            attention = rows["attention_mask"][i].bool()
+            versions = rows["rollout_versions"][i][attention][-3:].tolist()  # draft, separator (0), answer
+            assert step - 3 <= versions[0] <= versions[2] <= step - 1 and versions[1] == 0
+            if kept[i]:
+                assert rows["response_mask"][i][attention][-3:].tolist() == [1, 0, 1]
     assert max(m["async/version_lag_max"] for m in history) >= 1  # the rows were generated ahead
 
 

@@ -38,6 +38,8 @@ DISTINCT = {
     "stop_token_ids": "rollout.stop_token_ids (the user's extra ids) vs one call's full list (eos added)",
     "weight": "reward_model.weight (1: the reward model's score is the reward) vs cost_model.weight (0: the cost "
               "is kept apart, for a program's constraint), the one field the cost model's section overrides",
+    "function": "reward.function (a reward function: a built-in key or a file's function) vs rollout.function (a "
+                "rollout function by path, null: none)",
 }
 
 

@@ -379,7 +379,7 @@ def test_truncated_conversations_and_their_overlong_penalty(tok):
     budget, buffer, factor = 30, 10, 0.5
     cfg = SimpleNamespace(reward=SimpleNamespace(overlong_buffer=buffer, overlong_penalty_factor=factor),
                           rollout=SimpleNamespace(max_new_tokens=4,
-                                                  multi_turn=SimpleNamespace(max_total_tokens=budget)))
+                                                  multi_turn=SimpleNamespace(enabled=True, max_total_tokens=budget)))
     expected = [-factor * min(1.0, max(0, n - (budget - buffer)) / buffer) for n in after]
     assert expected[2] == -0.5 * 6 / 10 and expected[0] == 0.0
     assert _overlong_scores(cfg, batch).tolist() == pytest.approx(expected, abs=1e-7)

@@ -187,3 +187,57 @@ def test_builtins_are_registered_plugins_and_unknown_names_are_refused():
     assert resolve(POLICY_LOSS, "gspo").sequence_ratio and resolve(POLICY_LOSS, "ppo_clip").dual_clip
     with pytest.raises(ConfigError, match=r"unknown policy loss 'ppo_clp' \(did you mean 'ppo_clip'\?\)"):
         check_plugins("grpo", "ppo_clp", AdvantageConfig(), PolicyLossConfig())
+
+
+ROLLOUT_BAD = '''
+from megarl.program import RolloutSample
+
+def one_argument(requests):
+    return []
+
+def too_few(requests, ctx):
+    return [RolloutSample(requests[0])]
+
+def prompt_only(requests, ctx):
+    return [RolloutSample(r) for r in requests]
+
+def swapped(requests, ctx):
+    samples = [RolloutSample(r) for r in reversed(requests)]
+    for s, turn in zip(samples, ctx.generate([s.ids for s in samples])):
+        s.add_model(turn)
+    return samples
+
+def raises(requests, ctx):
+    return ctx.tokenizer.no_such_method()
+
+def fine(requests, ctx):
+    samples = [RolloutSample(r) for r in requests]
+    for s, turn in zip(samples, ctx.generate([r.prompt_ids for r in requests], max_new_tokens=4)):
+        s.add_model(turn)
+        s.add_context(ctx.tokenizer.encode("=", add_special_tokens=False))
+    return samples
+'''
+
+
+@pytest.mark.parametrize("name, match", [
+    ("one_argument", r"has signature \(requests\), which cannot be called as fn\(requests: list\[RolloutRequest\]"),
+    ("too_few", r"returned a list of 1: \['RolloutSample'\]; expected a list of 2 RolloutSample"),
+    ("prompt_only", r"sample 0 holds no model tokens"),
+    ("swapped", r"sample 0 is not its request's \(prompt group 1, expected 0\)"),
+    ("raises", r"raised AttributeError: .*no_such_method.* when called on 2 synthetic requests"),
+    ("fine", None),
+])
+def test_a_rollout_function_is_called_once_before_any_worker_starts(tmp_path, name, match):
+    """With the run's tokenizer and a stand-in generate (megarl.trainer.checks.check_rollout_function)."""
+    from megarl.config.train import load_config
+    from megarl.testing.addition import make_tokenizer
+    from megarl.trainer.checks import check_rollout_function
+
+    (tmp_path / "loops.py").write_text(ROLLOUT_BAD)
+    cfg = load_config(None, [f"rollout.function={tmp_path / 'loops.py'}:{name}"])
+    tokenizer = make_tokenizer(None)
+    if match is None:
+        check_rollout_function(cfg, tokenizer, (tokenizer.eos_token_id,))
+        return
+    with pytest.raises(ConfigError, match=match):
+        check_rollout_function(cfg, tokenizer, (tokenizer.eos_token_id,))
