@@ -27,6 +27,7 @@ import concurrent.futures
 import json
 import math
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 
@@ -368,6 +369,52 @@ class _Stages:
         pass
 
 
+class _HeldStages(_Stages):
+    """:class:`_Stages` that also makes a weight push land inside responses in flight, ``times`` times in the first
+    ``steps`` steps: after a producer's generation call returns (its responses unfinished: one token per call of
+    12), while the trainer holds all of its step's groups (it trains, then pushes at the start of the next step
+    without waiting for the producer), the producer waits for that push. Timing alone does not guarantee it: a
+    wave may finish before the next push under a different load."""
+
+    def __init__(self, times: int, steps: int) -> None:
+        super().__init__()
+        self.times, self.steps, self.held, self.ready, self.done = times, steps, 0, 0, 0
+
+    def on_stage_end(self, stage, step, batch):
+        super().on_stage_end(stage, step, batch)
+        if stage == "advantages":
+            self.ready = step
+
+    def on_step_end(self, step, metrics):
+        self.done = step
+
+    @property
+    def trainer(self):
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:  # set by _fit before the run starts
+        self._trainer, extend = trainer, trainer.cluster.extend_async
+        recorder = self
+
+        class Held:
+            def __init__(self, call) -> None:
+                self.call = call
+
+            def result(self):
+                out = self.call.result()
+                producer = trainer.source.producer
+                if (threading.current_thread().name == "megarl-rollout-producer" and recorder.held < recorder.times
+                        and recorder.ready == recorder.done + 1 <= recorder.steps):
+                    version, deadline = producer.engine_version, time.monotonic() + 60
+                    while producer.engine_version == version and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    recorder.held += 1
+                return out
+
+        trainer.cluster.extend_async = lambda *args, **kwargs: Held(extend(*args, **kwargs))
+
+
 def _greedy_baselines_check(stages: _Stages, step: int, b: dict, task: Path, reward=lambda rule, seq: rule) -> None:
     """ReMax: each row's baseline is the reward of its prompt's greedy response (one per group of each take,
     generated beside it): ``reward`` of the task's integer_answer rule applied here and the response's row."""
@@ -449,8 +496,8 @@ def test_overlapped_dapo(ray_cluster, tmp_path, schedule):
 def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tmp_path):
     """Issue #42: router replay and ReMax under the fully asynchronous schedule (tiny Qwen3-MoE, 4 experts top 2,
     policy at EP2, its rollout engine on a pool of its own; wait mode, eta = 1, partial rollouts of one token per
-    call over responses of 12, generated one row at a time, so that a wave outlasts a step and a push lands in the
-    middle of the wave in flight). Each row's reward-model score equals
+    call over responses of 12, generated one row at a time; the pushes of versions 1 and 2 are made to land in the
+    middle of the responses in flight: :class:`_HeldStages`). Each row's reward-model score equals
     transformers' (a tiny random Qwen2 classifier, its last token); each row's ReMax baseline is the reward (rule
     and reward model) of its prompt's greedy response, generated (and continued) beside its group. Every row of
     every step carries, at every position the engine fed, the top-2 experts transformers' router picks over the row
@@ -482,9 +529,9 @@ def test_async_moe_router_replay_and_remax_with_partial_rollouts(ray_cluster, tm
                  "rollout.engine.max_batch_size": 1}  # slow generation: each push interrupts the wave in flight
     example = EXAMPLE.parents[1] / "grpo_addition_moe" / "config.yaml"
     cfg = load_config(example, [f"{k}={v}" for k, v in overrides.items()])
-    stages = _Stages()
+    stages = _HeldStages(times=2, steps=2)  # pushes of versions 1 and 2 inside responses in flight
     history, _ = _fit(cfg, stages)
-    assert len(history) == 3
+    assert len(history) == 3 and stages.held == 2
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
 

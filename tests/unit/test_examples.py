@@ -48,8 +48,9 @@ def test_config_loads_and_passes_checks(path, tmp_path):
     cfg = load_config(path)
     # check_config needs model.path to be a directory; everything else (layout vs world, batch and
     # mini-batch divisibility, algorithm/role consistency) is checked as written.
-    teacher = [f"teacher.model.path={tmp_path}"] if cfg.teacher is not None else []  # e.g. make demo's output
-    check_config(load_config(path, [f"model.path={tmp_path}", *teacher]))
+    frozen = [f"{section}.model.path={tmp_path}" for section in ("teacher", "reward_model", "cost_model")
+              if getattr(cfg, section) is not None]  # e.g. built by the example's task script
+    check_config(load_config(path, [f"model.path={tmp_path}", *frozen]))
     assert cfg.trainer.output_dir and cfg.data.train
 
 
