@@ -14,6 +14,7 @@ the driver and the workers call into this package, never the other way round.
 - :mod:`megarl.algos.losses`     PPO clip (+ dual-clip), GSPO, CISPO, SAPO; value loss; entropy
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 - :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
+- :mod:`megarl.algos.preference` DPO and its variants (robust, hinge, IPO) over sequence log-probs (issue #44)
 - :mod:`megarl.algos.objective`  what an update optimises: token-level reward shaping (:func:`token_rewards`) and
   the policy objective of one micro-batch (:func:`policy_objective`: correction, masks, loss, entropy, KL)
 """
