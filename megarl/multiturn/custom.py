@@ -29,7 +29,7 @@ from typing import Any
 
 from megarl.errors import ConfigError
 from megarl.multiturn.rollout import FINISH_DONE, Conversation, Generate, ModelTurn, MultiTurnResult
-from megarl.multiturn.trajectory import Segment
+from megarl.multiturn.trajectory import Segment, model_segment, record_routing
 from megarl.rollout.base import SamplingParams
 
 SIGNATURE = "fn(requests: list[RolloutRequest], ctx: RolloutContext) -> list[RolloutSample]"
@@ -60,33 +60,13 @@ class RolloutSample:
     def add_model(self, turn: ModelTurn | tuple[list[int], list[float]]) -> None:
         """Append tokens the model sampled (a ``ctx.generate`` result for this sample's prompt): trained."""
         turn = turn if isinstance(turn, ModelTurn) else ModelTurn(*turn)
-        ids, log_probs = [int(i) for i in turn.ids], [float(lp) for lp in turn.log_probs]
-        versions = [int(turn.version)] * len(ids) if isinstance(turn.version, int) else [int(v) for v in turn.version]
-        if not len(ids) == len(log_probs) == len(versions):
-            raise ValueError(f"a model segment of {len(ids)} tokens came with {len(log_probs)} log-probs and "
-                             f"{len(versions)} versions")
-        segment = Segment("model", ids, log_probs, versions=versions)
+        self.segments.append(model_segment(turn.ids, turn.log_probs, turn.version))
         if turn.routing is not None:  # MoE: the routing of the tokens this call fed, from the row's first
-            start = sum(len(s.ids) for s in self.segments)
-            for s, begin in zip(self.segments, _starts(self.segments), strict=True):
-                end = min(begin + len(s.ids), turn.routing.shape[0])
-                if begin + s.routed < end:
-                    s.routing.append(turn.routing[begin + s.routed: end])
-            if turn.routing.shape[0] > start:
-                segment.routing.append(turn.routing[start:])
-        self.segments.append(segment)
+            record_routing(self.segments, turn.routing)
 
     def add_context(self, ids: Sequence[int]) -> None:
         """Append tokens the function inserts (an instruction, a tool's output): the model reads them, no loss."""
         self.segments.append(Segment("observation", [int(i) for i in ids]))
-
-
-def _starts(segments: list[Segment]) -> list[int]:
-    out, at = [], 0
-    for s in segments:
-        out.append(at)
-        at += len(s.ids)
-    return out
 
 
 @dataclasses.dataclass

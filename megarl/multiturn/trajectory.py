@@ -61,6 +61,30 @@ class Segment:
         return sum(chunk.shape[0] for chunk in self.routing)
 
 
+def model_segment(ids: Sequence[int], log_probs: Sequence[float], version: int | Sequence[int] = 0) -> Segment:
+    """A ``model`` segment: the sampled ``ids`` with their rollout log-probs and the policy version of the weights that
+    sampled them (one for all, or one per token); the lengths must agree."""
+    ids, log_probs = [int(i) for i in ids], [float(lp) for lp in log_probs]
+    if len(ids) != len(log_probs):
+        raise ValueError(f"a model turn of {len(ids)} tokens came with {len(log_probs)} log-probs")
+    versions = [int(version)] * len(ids) if isinstance(version, int) else [int(v) for v in version]
+    if len(versions) != len(ids):
+        raise ValueError(f"a model turn of {len(ids)} tokens came with {len(versions)} versions")
+    return Segment("model", ids, log_probs, versions=versions)
+
+
+def record_routing(segments: Sequence[Segment], routing: Any) -> None:
+    """Keep the routing of the tokens a call fed first: ``routing`` (``[tokens fed, layers, top_k]``, from the first
+    token of ``segments``) fills each segment's positions not recorded yet; positions already recorded keep the
+    routing of the call that first fed them."""
+    start = 0
+    for s in segments:
+        end = min(start + len(s.ids), routing.shape[0])
+        if start + s.routed < end:
+            s.routing.append(routing[start + s.routed: end])
+        start += len(s.ids)
+
+
 class ChatRenderer:
     """Renders prompts and observation turns with a tokenizer's chat template, as token ids.
 
@@ -162,16 +186,11 @@ class Trajectory:
         (stop token excluded), which joins :attr:`messages` as the assistant's content. ``routing`` (MoE): the
         call's ``[tokens fed, layers, top_k]`` experts of this conversation's row, from its first token (see
         :meth:`record_routing`)."""
-        ids, log_probs = [int(i) for i in ids], [float(lp) for lp in log_probs]
-        if len(ids) != len(log_probs):
-            raise ValueError(f"a model turn of {len(ids)} tokens came with {len(log_probs)} log-probs")
-        versions = [int(version)] * len(ids) if isinstance(version, int) else [int(v) for v in version]
-        if len(versions) != len(ids):
-            raise ValueError(f"a model turn of {len(ids)} tokens came with {len(versions)} versions")
-        self.segments.append(Segment("model", ids, log_probs, versions=versions))
+        segment = model_segment(ids, log_probs, version)
+        self.segments.append(segment)
         if routing is not None:
             self.record_routing(routing)
-        text = self.renderer.decode(self._content_ids(ids))
+        text = self.renderer.decode(self._content_ids(segment.ids))
         self.messages.append({"role": "assistant", "content": text})
         return text
 
@@ -180,12 +199,7 @@ class Trajectory:
         the trajectory's first token) fills each segment's positions not recorded yet; positions already recorded
         keep the routing of the call that first fed them -- the one whose KV every later turn attended to (the
         embedded engine's kept KV, vLLM's prefix cache) and whose version sampled them."""
-        start = 0
-        for s in self.segments:
-            end = min(start + len(s.ids), routing.shape[0])
-            if start + s.routed < end:
-                s.routing.append(routing[start + s.routed: end])
-            start += len(s.ids)
+        record_routing(self.segments, routing)
 
     def add_observation(self, observations: Sequence[Message]) -> list[int]:
         """Append the template's rendering of ``observations`` after the last model turn (and the next generation

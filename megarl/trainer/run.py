@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl import algos
-from megarl.config.resolve import sampling_params
 from megarl.config.train import TrainConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataset, PromptRecord
@@ -126,10 +125,6 @@ class Run:
     def sampling(self, **changes: Any) -> SamplingConfig:
         """``rollout.sampling`` with ``changes`` (e.g. ``n=8``, ``temperature=0.7``)."""
         return dataclasses.replace(self.cfg.rollout.sampling, **changes)
-
-    def params(self, sampling: SamplingConfig, seed: int | None = None):
-        """The engines' sampling parameters of ``sampling`` (for :meth:`Cluster.generate`)."""
-        return sampling_params(sampling, self.cfg.rollout, self.experience.stop_token_ids, seed)
 
     # ------------------------------------------------------------------------------ stages
 

@@ -63,20 +63,23 @@ def test_user_listings_reproduce_the_built_in_step(task, tmp_path, algorithm):
     assert f"program: {PROGRAMS / 'ppo_family.py'}:{algorithm}" in (tmp_path / "listing" / "config.yaml").read_text()
 
 
-class _Steps:
-    """The rows each step trained on (after the program's masking) and their log-probs at sampling."""
+class _Rows:
+    """The rows of each step at ``stage`` (``step``: after the program's masking, as trained; ``reward``: as the reward
+    stage scored them), the tensors ``keys`` cloned."""
 
-    def __init__(self) -> None:
+    def __init__(self, stage: str, *keys: str) -> None:
+        self.stage, self.keys = stage, keys
         self.rows: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_stage_end(self, stage, step, batch):
-        if stage == "step":
-            self.rows[step] = {k: batch[k].clone() for k in ("scores", "prompt_uid", "response_mask",
-                                                             "rollout_log_probs", "rollout_versions",
-                                                             "attention_mask")}
+        if stage == self.stage:
+            self.rows[step] = {k: batch[k].clone() for k in self.keys}
 
     def on_step_end(self, step, metrics):
         pass
+
+
+TRAINED = ("scores", "prompt_uid", "response_mask", "rollout_log_probs", "rollout_versions", "attention_mask")
 
 
 def _check_kept(rows, metrics):
@@ -92,7 +95,7 @@ def _check_kept(rows, metrics):
 
 
 def test_rejection_sampling_learns_with_a_supervised_loss(task, tmp_path):
-    steps = _Steps()
+    steps = _Rows("step", *TRAINED)
     history = _run(task, tmp_path / "rft", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,),
                    **{"trainer.program": f"{PROGRAMS / 'rejection_sampling.py'}:step",
                       "algorithm.policy_loss.loss": f"{PROGRAMS / 'rejection_sampling.py'}:supervised",
@@ -116,7 +119,7 @@ def test_rejection_sampling_runs_asynchronously_with_a_rollout_function(ray_clus
     calls, between which a push may land): each step's rows within the schedule's version lag, each model token's
     version between its row's and the trained one and the answer's no older than the draft's, the kept rows by hand.
     (One step off: the Safe-RLHF run below.)"""
-    steps = _Steps()
+    steps = _Rows("step", *TRAINED)
     history = _run(task, tmp_path / "async", config=PROGRAMS / "rejection_sampling.yaml", callbacks=(steps,), **{
         "trainer.program": f"{PROGRAMS / 'rejection_sampling.py'}:step",
         "algorithm.policy_loss.loss": f"{PROGRAMS / 'rejection_sampling.py'}:supervised", "trainer.total_steps": 6,
@@ -150,21 +153,6 @@ def safe_task(tmp_path_factory):
     return module, module.make_task(tmp_path_factory.mktemp("safe_task"))
 
 
-class _Scores:
-    """Each step's rows as the reward stage scored them."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_stage_end(self, stage, step, batch):
-        if stage == "reward":
-            self.rows[step] = {k: batch[k].clone() for k in ("input_ids", "attention_mask", "model_scores",
-                                                             "cost_scores", "scores")}
-
-    def on_step_end(self, step, metrics):
-        pass
-
-
 def _safe_run(safe_task, out, callbacks, **extra):
     _, task = safe_task
     overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
@@ -193,7 +181,7 @@ def test_safe_rlhf_holds_the_cost_to_its_limit_while_the_reward_rises(safe_task,
     from megarl.data.tokenizer import load_tokenizer
 
     module, task = safe_task
-    scores = _Scores()
+    scores = _Rows("reward", "input_ids", "attention_mask", "model_scores", "cost_scores", "scores")
     history = _safe_run(safe_task, tmp_path / "safe", (scores,), **{
         "cluster.launcher": "local", "cluster.pools": "{main: {devices_per_node: 1, tp: 1}}",
         "cluster.placement": "{}"})
@@ -224,7 +212,7 @@ def test_safe_rlhf_one_step_off_with_every_model_on_a_pool_of_its_own(ray_cluste
     from megarl.data.tokenizer import load_tokenizer
 
     module, task = safe_task
-    scores = _Scores()
+    scores = _Rows("reward", "input_ids", "attention_mask", "model_scores", "cost_scores", "scores")
     history = _safe_run(safe_task, tmp_path / "safe_ray", (scores,), **{
         "trainer.total_steps": 3, "rollout.schedule": "one_step_off", "cluster.pools.gen.devices_per_node": 1,
         "cluster.placement.rollout": "gen"})
