@@ -15,6 +15,7 @@ the driver and the workers call into this package, never the other way round.
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 - :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
 - :mod:`megarl.algos.preference` DPO and its variants (robust, hinge, IPO) over sequence log-probs (issue #44)
+- :mod:`megarl.algos.offline` offline objectives per micro-batch: SFT, DPO, Bradley-Terry reward model
 - :mod:`megarl.algos.objective`  what an update optimises: token-level reward shaping (:func:`token_rewards`) and
   the policy objective of one micro-batch (:func:`policy_objective`: correction, masks, loss, entropy, KL)
 """
@@ -71,6 +72,14 @@ from megarl.algos.objective import (
     policy_objective,
     token_rewards,
 )
+from megarl.algos.offline import (
+    BradleyTerryObjective,
+    Counts,
+    DPOObjective,
+    LMObjective,
+    ScalarObjective,
+    SFTObjective,
+)
 from megarl.algos.ops import (
     LossAggregation,
     LossNormalizer,
@@ -94,6 +103,12 @@ from megarl.algos.plugins import (
 )
 
 __all__ = [
+    "BradleyTerryObjective",
+    "Counts",
+    "DPOObjective",
+    "LMObjective",
+    "SFTObjective",
+    "ScalarObjective",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "AdaptiveKLController",

@@ -12,6 +12,7 @@ place after a barrier, so a crash never leaves a half-written checkpoint under t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ from megarl.checkpoint import mcore_io
 from megarl.checkpoint.atomic import check_output_dir
 from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
+from megarl.models.spec import as_head
 from megarl.parallel import cpu_compat, mcore_compat
 
 if TYPE_CHECKING:
@@ -64,9 +66,13 @@ def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, ste
         rng = [None] * dist.get_world_size()
         dist.all_gather_object(rng, _rng_state())
         if dist.get_rank() == 0:
-            meta = read_meta(source_dir)
-            write_meta(tmp_dir, meta)
+            meta = read_meta(source_dir)  # recorded with the engine's head: a critic started from a causal LM is
+            # a sequence classifier from its first checkpoint on (a reward model's path takes it as it is)
+            hf_config = as_head(meta.hf_config, engine.spec.head)
+            write_meta(tmp_dir, dataclasses.replace(meta, hf_config=hf_config))
             shutil.copytree(Path(source_dir) / HF_SUBDIR, tmp_dir / HF_SUBDIR)
+            if hf_config is not meta.hf_config:
+                (tmp_dir / HF_SUBDIR / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
             state = {"step": step, "scheduler": engine.scheduler.state_dict(), "rng": rng,
                      "skipped_steps": engine.stats.skipped_steps}
             (tmp_dir / TRAINER_STATE).write_text(json.dumps(state))

@@ -158,12 +158,14 @@ class MegatronEngine:
         return {k: micro_batches.restore([o[k][:, :w] for o, w in zip(outputs, widths, strict=True)], plan, b, s).cpu()
                 for k in outputs[0]}
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, extremes: Mapping[str, Extreme] | None = None) -> StepResult:
+    def train_step(self, batch: Batch, loss_fn: LossFn, extremes: Mapping[str, Extreme] | None = None,
+                   group: int = 1) -> StepResult:
         """One optimizer step over the whole (DP-local) batch; NaN/inf steps are skipped and counted.
 
         The loss function's metrics are summed over micro-batches and DP ranks (each a share of a global
-        mean), except those named in ``extremes``: their largest or smallest value."""
-        _, mbs = self._micro_batches(batch, self.config.micro_batch)
+        mean), except those named in ``extremes``: their largest or smallest value. ``group``: each run of that
+        many consecutive rows stays in one micro-batch, in order (a preference pair's two rows)."""
+        _, mbs = self._micro_batches(batch, self.config.micro_batch, group)
         scale = len(mbs) * self.layout.dp
 
         def loss_func(mb, output):
@@ -263,32 +265,32 @@ class MegatronEngine:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _micro_batches(self, batch: Batch,
-                       mb_cfg: MicroBatchConfig) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    def _micro_batches(self, batch: Batch, mb_cfg: MicroBatchConfig,
+                       group: int = 1) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
         """This rank's micro-batches and their rows. With expert parallelism every data-parallel rank runs as
         many micro-batches as the one with the most (each MoE layer's all-to-all needs every rank of its group):
         the others split theirs, and a rank left with too few rows runs idle micro-batches of one masked-out
         token (no response token, no loss, not in the router statistics), after its real ones. With sequence
         parallelism each micro-batch is zero-padded (masks included) to a multiple of tp tokens."""
         lengths = batch["attention_mask"].sum(-1).long().tolist()
-        plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size)
+        plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size, group)
         idle = 0
         if self.spec.moe is not None and self.layout.ep > 1:
             count = collectives.all_reduce(torch.tensor([len(plan)]), op=dist.ReduceOp.MAX, group=self.groups.dp)
-            plan = micro_batches.spread(plan, int(count.item()))
+            plan = micro_batches.spread(plan, int(count.item()), group)
             idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
         # sequence parallelism splits every micro-batch's sequence over the TP ranks: pad it to a multiple of tp
         multiple = self.layout.tp if self.sequence_parallel else 1
         mbs = []
-        for rows in plan + [[0]] * idle:
+        for rows in plan + [list(range(group))] * idle:
             length = max(lengths[i] for i in rows) if len(mbs) < len(plan) else 1
             width = -(-length // multiple) * multiple
             mb = {k: v.to(device, non_blocking=True)
                   for k, v in micro_batches.cut(tensors, rows, length, width).items()}
             if len(mbs) >= len(plan):  # idle: nothing of it counts
-                for key in ("attention_mask", "response_mask"):
+                for key in ("attention_mask", "response_mask", "sample_mask"):
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
             elif self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding

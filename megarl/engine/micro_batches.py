@@ -6,6 +6,10 @@ rows of one micro-batch and trims every tensor's sequence axis to that micro-bat
 :func:`restore` scatters per-micro-batch outputs back into original row order at full length.
 :func:`spread` splits a plan into more micro-batches, for ranks that must run as many as their peers
 (expert parallelism: every rank of an expert-parallel group joins each MoE layer's all-to-all).
+
+``group`` > 1 keeps each run of ``group`` consecutive rows (``[0, group)``, ``[group, 2 group)``, ...) in one
+micro-batch, consecutive and in order: a preference pair's chosen and rejected rows, whose loss is one
+function of both. A group counts as ``group`` rows of its longest row's length.
 """
 
 from __future__ import annotations
@@ -13,31 +17,37 @@ from __future__ import annotations
 import torch
 
 
-def plan(lengths: list[int], max_tokens: int, max_size: int) -> list[list[int]]:
-    """Row indices of each micro-batch. A sequence longer than ``max_tokens`` gets a micro-batch alone."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def plan(lengths: list[int], max_tokens: int, max_size: int, group: int = 1) -> list[list[int]]:
+    """Row indices of each micro-batch. A sequence (group) longer than ``max_tokens`` gets a micro-batch alone."""
+    if len(lengths) % group:
+        raise ValueError(f"{len(lengths)} rows do not divide into groups of {group}")
+    units = [list(range(g, g + group)) for g in range(0, len(lengths), group)]
+    longest = [max(lengths[i] for i in u) for u in units]
+    order = sorted(range(len(units)), key=lambda u: (-longest[u], u))
     batches: list[list[int]] = []
-    for i in order:
+    first: list[int] = []  # each micro-batch's longest unit (units arrive longest first)
+    for u in order:
         if batches:
-            current = batches[-1]
-            longest = lengths[current[0]]  # rows arrive longest first
-            if len(current) < max_size and (len(current) + 1) * longest <= max_tokens:
-                current.append(i)
+            current, size = batches[-1], len(batches[-1]) + group
+            if size <= max(max_size, group) and size * longest[first[-1]] <= max_tokens:
+                current.extend(units[u])
                 continue
-        batches.append([i])
+        batches.append(list(units[u]))
+        first.append(u)
     return batches
 
 
-def spread(batches: list[list[int]], count: int) -> list[list[int]]:
-    """``batches`` split into ``count`` micro-batches where it has fewer (the one with the most rows halved,
-    repeatedly); fewer than ``count`` come back only when every micro-batch is down to one row."""
+def spread(batches: list[list[int]], count: int, group: int = 1) -> list[list[int]]:
+    """``batches`` split into ``count`` micro-batches where it has fewer (the one with the most rows halved at a
+    group boundary, repeatedly); fewer than ``count`` come back only when every micro-batch is down to one group."""
     batches = [list(b) for b in batches]
     while len(batches) < count:
         i = max(range(len(batches)), key=lambda j: (len(batches[j]), -j), default=None)
-        if i is None or len(batches[i]) < 2:
+        if i is None or len(batches[i]) < 2 * group:
             break
         rows = batches[i]
-        batches[i:i + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        half = len(rows) // group // 2 * group
+        batches[i:i + 1] = [rows[:half], rows[half:]]
     return batches
 
 

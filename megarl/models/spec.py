@@ -48,6 +48,20 @@ ARCHITECTURES: dict[str, tuple[Family, Head]] = {
     "Qwen3MoeForSequenceClassification": (Family.QWEN3_MOE, Head.SCALAR),
 }
 _MOE_FAMILIES = (Family.QWEN3_MOE,)
+
+
+def as_head(hf_config: dict[str, Any], head: Head) -> dict[str, Any]:
+    """``hf_config`` as its family's model with ``head`` (a causal LM's config as the sequence classifier with one
+    label that a trained scalar head makes of it, and back); unchanged when it already has that head."""
+    arch = next(a for a in hf_config.get("architectures") or [] if a in ARCHITECTURES)
+    family, current = ARCHITECTURES[arch]
+    if current is head:
+        return hf_config
+    name = next(a for a, (f, h) in ARCHITECTURES.items() if f is family and h is head)
+    out = dict(hf_config, architectures=[name])
+    if head is Head.SCALAR:
+        out |= {"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    return out
 _QK_NORM_FAMILIES = (Family.QWEN3, Family.QWEN3_MOE)
 
 

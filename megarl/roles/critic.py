@@ -17,11 +17,12 @@ from megarl.checkpoint.training import load_training_checkpoint, save_training_c
 from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
-from megarl.engine.engine import MegatronEngine
+from megarl.engine.engine import Extreme, MegatronEngine
 from megarl.engine.results import StepResult
+from megarl.metrics.memory import peaks, reset_peaks
 from megarl.models.spec import Head, spec_from_hf_config
 from megarl.parallel.init import process_groups
-from megarl.roles.policy import global_normalizer
+from megarl.roles.policy import global_normalizer, offline_counts, with_sample_mask
 
 VALUE_LOSS_AGGREGATION = algos.LossAggregation.TOKEN_MEAN  # the value loss averages over every response token
 
@@ -66,9 +67,28 @@ class CriticRole(Role):
 
         return self.engine.train_step(batch, loss_fn)
 
+    def train(self, batch: Batch, objective: algos.ScalarObjective) -> StepResult:
+        """One optimizer step of an offline objective on each row's score (the head at its last real token):
+        reward-model training (:class:`megarl.algos.BradleyTerryObjective`)."""
+        counts = offline_counts(batch, self.engine.groups.dp)
+
+        def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
+            last = (mb["attention_mask"].sum(-1).long() - 1).clamp(min=0)
+            scores = output.squeeze(-1).float().gather(1, last.unsqueeze(1)).squeeze(1)
+            return objective.loss(scores, mb, counts)
+
+        extremes = {k: Extreme(v) for k, v in objective.extremes().items()}
+        return self.engine.train_step(with_sample_mask(batch), loss_fn, extremes, group=objective.group)
+
+    def memory_peaks(self) -> dict[str, float]:
+        """This process's peak memory since the last call (see PolicyRole.memory_peaks)."""
+        out = peaks().metrics()
+        reset_peaks()
+        return out
 
     def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
-        """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic)."""
+        """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic), recorded as a sequence
+        classifier: a reward model's or critic's checkpoint loads with its head (``reward_model.model.path``)."""
         save_training_checkpoint(self.engine, out_dir, step=step, source_dir=source_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> int:

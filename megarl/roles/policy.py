@@ -173,6 +173,19 @@ class PolicyRole(Role):
 
         return self.engine.train_step(batch, loss_fn, _CORRECTION_EXTREMES if corrects else None)
 
+    def train(self, batch: Batch, objective: algos.LMObjective) -> StepResult:
+        """One optimizer step of an offline objective (:mod:`megarl.algos.offline`: SFT, DPO, ...) over this
+        mini-batch (all DP ranks' shards together), on the per-token log-probs and entropies at temperature 1:
+        the data's own tokens, not samples of the policy."""
+        vocab, tp = self.spec.vocab_size, self.engine.groups.tp
+        counts = offline_counts(batch, self.engine.groups.dp)
+
+        def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
+            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=1.0, group=tp)
+            return objective.loss(lp, ent, mb, counts)
+
+        return self.engine.train_step(with_sample_mask(batch), loss_fn, group=objective.group)
+
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak host (and device) memory since the last call, then a new phase starts
         (the process hosts every colocated role, so this covers them all)."""
@@ -250,6 +263,17 @@ class _RolloutGap:
             if mean > self.limit:
                 raise mismatch_error(mean, self.limit)
         return diff / self.total_tokens
+
+
+def offline_counts(batch: Batch, dp_group: dist.ProcessGroup) -> algos.Counts:
+    """An offline objective's counts over the whole batch (every DP rank's shard)."""
+    counts = collectives.all_reduce(algos.Counts.of(batch["response_mask"], torch.ones(len(batch))), group=dp_group)
+    return algos.Counts(tokens=counts[0], rows=counts[1])
+
+
+def with_sample_mask(batch: Batch) -> Batch:
+    """``batch`` with ``sample_mask`` (1 on every row: the engine zeroes it on idle micro-batches)."""
+    return batch.update(Batch.from_dict({"sample_mask": torch.ones(len(batch))}))
 
 
 def global_normalizer(response_mask: torch.Tensor, dp_group: dist.ProcessGroup) -> algos.LossNormalizer:

@@ -1,0 +1,165 @@
+"""Offline objectives: what one optimizer step of supervised fine-tuning, DPO or reward-model training minimises,
+computed micro-batch by micro-batch (issue #44).
+
+An objective is a frozen dataclass that crosses to the workers as an argument. The trained role computes its
+model's outputs for a micro-batch (a language model's per-token log-probs and entropies, or a scalar head's value
+at each row's last real token) and the objective turns them into that micro-batch's share of the global batch's
+loss and metrics, normalised by :class:`Counts` of the whole batch (every micro-batch, every data-parallel rank),
+so that the engine's sums over micro-batches and ranks are the batch's values, however the batch is split. Their
+numbers are TRL 1.16's trainers' (``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer``) on one process with the same
+batch, and so are the metrics' names.
+
+Rows: right-padded ``input_ids``/``attention_mask``; ``response_mask`` marks the tokens whose log-prob counts
+(token-aligned: entry ``i`` is token ``i``'s); ``sample_mask`` is 1 on real rows (0 on the idle micro-batches of
+expert parallelism). Preference rows come in pairs, chosen then rejected (rows ``2k``, ``2k + 1``): ``group = 2``
+keeps each pair in one micro-batch.
+
+Must not import: torch.distributed, megatron, Ray, vLLM, or any megarl layer above ``algos``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from megarl.algos.preference import DPOLoss, dpo_losses
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """The whole batch's counts (every data-parallel rank's shard)."""
+
+    tokens: float  # counted tokens (``response_mask``)
+    rows: float  # real rows (``sample_mask``)
+
+    @staticmethod
+    def of(response_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
+        """This shard's counts as one float64 tensor, to all-reduce over the data-parallel ranks."""
+        return torch.stack([response_mask.double().sum(), sample_mask.double().sum()])
+
+
+class LMObjective(Protocol):
+    """An objective on a language model's per-token log-probs (temperature 1) and entropies."""
+
+    group: ClassVar[int]  # consecutive rows that must share a micro-batch
+
+    def loss(self, log_probs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor],
+             counts: Counts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+class ScalarObjective(Protocol):
+    """An objective on a scalar head's value at each row's last real token."""
+
+    group: ClassVar[int]
+
+    def loss(self, scores: torch.Tensor, mb: dict[str, torch.Tensor],
+             counts: Counts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def extremes(self) -> dict[str, str]: ...
+
+
+def _sequence_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTObjective:
+    """Supervised fine-tuning: the negative log-likelihood of the counted tokens, averaged over every counted token
+    of the batch (TRL's ``SFTTrainer`` with ``loss_type="nll"``: the sum over the batch's label tokens divided by
+    their number, ``num_items_in_batch``). Metrics: ``entropy`` (token mean over the counted tokens)."""
+
+    group: ClassVar[int] = 1
+
+    def loss(self, log_probs, entropy, mb, counts):
+        mask = mb["response_mask"].to(log_probs.dtype) * mb["sample_mask"].to(log_probs.dtype)[:, None]
+        loss = -(log_probs * mask).sum() / counts.tokens
+        return loss, {"entropy": (entropy.detach() * mask).sum() / counts.tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOObjective:
+    """DPO and its variants (:func:`megarl.algos.preference.dpo_losses`) on pairs of rows (chosen, rejected), with
+    the reference's sequence log-probs in ``ref_logps`` [B]. A pair's log-prob is the sum over its counted tokens;
+    IPO's log-ratios are each divided by the response's token count (TRL's length-normalised IPO). Loss: the mean
+    over the batch's pairs. Metrics as TRL names them (means over the pairs): ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins`` (the implicit rewards ``beta (pi - ref)``),
+    ``logps/chosen``, ``logps/rejected``, and ``entropy`` (token mean over every counted token)."""
+
+    beta: float = 0.1
+    loss_type: DPOLoss = DPOLoss.SIGMOID
+    label_smoothing: float = 0.0  # sigmoid (conservative DPO) and robust only
+    group: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"DPO's beta must be > 0, found {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must lie in [0, 0.5), found {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in (DPOLoss.SIGMOID, DPOLoss.ROBUST):
+            raise ValueError(f"label_smoothing applies to the sigmoid and robust losses, not {self.loss_type.value}; "
+                             "set it to 0")
+
+    def loss(self, log_probs, entropy, mb, counts):
+        mask = mb["response_mask"].to(log_probs.dtype)
+        real = mb["sample_mask"].to(log_probs.dtype)
+        logps = _sequence_sums(log_probs, mask)
+        ref = mb["ref_logps"].to(logps.dtype)
+        pair_real = real.view(-1, 2)[:, 0]
+        pairs = counts.rows / 2
+        chosen, rejected = logps.view(-1, 2).unbind(-1)
+        ref_chosen, ref_rejected = ref.view(-1, 2).unbind(-1)
+        if self.loss_type is DPOLoss.IPO:  # each response's log-ratio per token
+            n_chosen, n_rejected = mask.sum(-1).clamp(min=1.0).view(-1, 2).unbind(-1)
+            out = dpo_losses(chosen / n_chosen, rejected / n_rejected, ref_chosen / n_chosen,
+                             ref_rejected / n_rejected, beta=self.beta, loss=self.loss_type)
+        else:
+            out = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss=self.loss_type,
+                             label_smoothing=self.label_smoothing)
+        loss = (out.losses * pair_real).sum() / pairs
+        c = self.beta * (chosen - ref_chosen).detach()
+        r = self.beta * (rejected - ref_rejected).detach()
+
+        def mean(x):  # this micro-batch's share of the mean over the batch's pairs
+            return (x * pair_real).sum() / pairs
+
+        return loss, {"rewards/chosen": mean(c), "rewards/rejected": mean(r),
+                      "rewards/accuracies": mean((c > r).to(c.dtype)), "rewards/margins": mean(c - r),
+                      "logps/chosen": mean(chosen.detach()), "logps/rejected": mean(rejected.detach()),
+                      "entropy": (entropy.detach() * mask * real[:, None]).sum() / counts.tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class BradleyTerryObjective:
+    """Reward-model training (TRL's ``RewardTrainer``): each pair's ``-log sigma(r_chosen - r_rejected - margin)``
+    (``margin`` [B] when the data has the column), averaged over the pairs, plus ``center_rewards_coefficient`` times
+    the mean of ``(r_chosen + r_rejected)^2`` (Eisenstein et al. 2023). Metrics as TRL names them: ``accuracy``,
+    ``margin`` (means over the pairs), ``mean_reward`` (over every row), ``min_reward`` and ``max_reward``
+    (extremes: reduced by min / max)."""
+
+    center_rewards_coefficient: float | None = None  # e.g. 0.01; null: no centering term
+    group: ClassVar[int] = 2
+
+    def loss(self, scores, mb, counts):
+        real = mb["sample_mask"].to(scores.dtype)
+        pair_real = real.view(-1, 2)[:, 0]
+        pairs = counts.rows / 2
+        chosen, rejected = scores.view(-1, 2).unbind(-1)
+        diff = chosen - rejected
+        if "margin" in mb:
+            diff = diff - mb["margin"].to(scores.dtype).view(-1, 2)[:, 0]
+        loss = (-F.logsigmoid(diff) * pair_real).sum() / pairs
+        if self.center_rewards_coefficient is not None:
+            loss = loss + self.center_rewards_coefficient * (((chosen + rejected) ** 2) * pair_real).sum() / pairs
+        s = scores.detach()
+        big = torch.finfo(s.dtype).max
+        return loss, {"accuracy": ((chosen > rejected).to(s.dtype) * pair_real).sum() / pairs,
+                      "margin": ((chosen - rejected).detach() * pair_real).sum() / pairs,
+                      "mean_reward": (s * real).sum() / counts.rows,
+                      "min_reward": torch.where(real > 0, s, big).min(),
+                      "max_reward": torch.where(real > 0, s, -big).max()}
+
+    def extremes(self) -> dict[str, str]:
+        return {"min_reward": "min", "max_reward": "max"}
