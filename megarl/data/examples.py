@@ -160,8 +160,8 @@ def load_examples(path: str | Path, kind: ExampleKind, tokenizer: PreTrainedToke
         if example is not None:
             examples.append(dataclasses.replace(example, index=len(examples)))
     if len(examples) < len(rows):
-        logger.warning("%s: dropped %d of %d examples that max_length=%s leaves without a trainable token, as TRL "
-                       "does", path, len(rows) - len(examples), len(rows), max_length)
+        logger.warning("%s: dropped %d of %d examples at max_length=%s, as TRL's trainer drops them",
+                       path, len(rows) - len(examples), len(rows), max_length)
     if not examples:
         raise DataError(f"{path}: no example left: all {len(rows)} are dropped at max_length={max_length}; "
                         "raise max_length or shorten the prompts")

@@ -341,3 +341,26 @@ def test_example_rows_refuses_examples_of_another_kind():
 
 def test_format_columns():
     assert DataFormat.PAIRED.columns == ("prompt", "chosen", "rejected")
+
+
+def test_bpe_rows_equal_those_recorded_from_trl(tmp_path):
+    """Ids recorded from TRL 1.16's own ``DPOTrainer._prepare_dataset`` + ``DataCollatorForPreference`` and
+    ``SFTTrainer._prepare_dataset`` + ``DataCollatorForLanguageModeling`` (trl 1.16.0, transformers 5.24) on these
+    rows with :func:`megarl.testing.tiny.make_tokenizer`'s byte-level BPE and chat template."""
+    from megarl.testing.tiny import make_tokenizer
+
+    bpe = make_tokenizer()
+    pairs = [{"prompt": "the sky is", "chosen": " blue.", "rejected": " green."},
+             {"prompt": "the sun is", "chosen": " in the sky.", "rejected": " in the sea."}]
+    prompt0, prompt1 = [88, 263, 225, 87, 79, 93, 225, 280], [88, 263, 225, 87, 89, 82, 225, 280]
+    trl_rows = [prompt0 + [272, 80, 89, 73, 18, 1], prompt0 + [225, 75, 283, 278, 18, 1],
+                prompt1 + [225, 264, 294, 225, 87, 79, 93, 18, 1], prompt1 + [225, 264, 294, 225, 87, 73, 69, 18, 1]]
+    examples = load_examples(_write(tmp_path, pairs), ExampleKind.PREFERENCE, bpe, max_length=None)
+    batch = example_rows(examples, ExampleKind.PREFERENCE, bpe.pad_token_id)
+    assert batch["input_ids"].tolist() == [r + [0] * (17 - len(r)) for r in trl_rows]
+    assert batch["response_mask"].tolist() == [[0] * 8 + [1] * (len(r) - 8) + [0] * (17 - len(r)) for r in trl_rows]
+    chat = [{"prompt": [_user("what is up?")], "completion": [_assistant("the sky.")]}]
+    (example,) = load_examples(_write(tmp_path, chat, "chat.jsonl"), ExampleKind.SFT, bpe, max_length=None)
+    assert example.prompt_ids + example.completions[0] == [
+        2, 91, 76, 69, 88, 225, 280, 225, 89, 84, 35, 1, 3, 88, 263, 225, 87, 79, 93, 18, 1]
+    assert example.loss_mask == [0] * 13 + [1] * 8  # TRL's labels != -100
