@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megarl.algos.preference import DPOLoss, dpo_losses
+from megarl.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +91,17 @@ class DPOObjective:
 
     beta: float = 0.1
     loss_type: DPOLoss = DPOLoss.SIGMOID
-    label_smoothing: float = 0.0  # sigmoid (conservative DPO) and robust only
+    label_smoothing: float = 0.0  # robust only (TRL 1.16: the sigmoid loss has none)
     group: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         if not self.beta > 0:
-            raise ValueError(f"DPO's beta must be > 0, found {self.beta}")
+            raise ConfigError(f"offline.dpo.beta must be > 0, found {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must lie in [0, 0.5), found {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in (DPOLoss.SIGMOID, DPOLoss.ROBUST):
-            raise ValueError(f"label_smoothing applies to the sigmoid and robust losses, not {self.loss_type.value}; "
-                             "set it to 0")
+            raise ConfigError(f"offline.dpo.label_smoothing must lie in [0, 0.5), found {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type is not DPOLoss.ROBUST:
+            raise ConfigError(f"offline.dpo.label_smoothing applies to the robust loss only (TRL 1.16's {self.loss_type.value} has "
+                             "none); set it to 0 or loss_type to robust")
 
     def loss(self, log_probs, entropy, mb, counts):
         mask = mb["response_mask"].to(log_probs.dtype)
@@ -111,13 +112,12 @@ class DPOObjective:
         pairs = counts.rows / 2
         chosen, rejected = logps.view(-1, 2).unbind(-1)
         ref_chosen, ref_rejected = ref.view(-1, 2).unbind(-1)
-        if self.loss_type is DPOLoss.IPO:  # each response's log-ratio per token
-            n_chosen, n_rejected = mask.sum(-1).clamp(min=1.0).view(-1, 2).unbind(-1)
-            out = dpo_losses(chosen / n_chosen, rejected / n_rejected, ref_chosen / n_chosen,
-                             ref_rejected / n_rejected, beta=self.beta, loss=self.loss_type)
-        else:
-            out = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss=self.loss_type,
-                             label_smoothing=self.label_smoothing)
+        lengths = {}
+        if self.loss_type is DPOLoss.IPO:  # each response's log-ratio per completion token (TRL's IPO)
+            lengths = dict(zip(("chosen_lengths", "rejected_lengths"), mask.sum(-1).view(-1, 2).unbind(-1),
+                               strict=True))
+        out = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss=self.loss_type,
+                         label_smoothing=self.label_smoothing, **lengths)
         loss = (out.losses * pair_real).sum() / pairs
         c = self.beta * (chosen - ref_chosen).detach()
         r = self.beta * (rejected - ref_rejected).detach()

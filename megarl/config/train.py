@@ -29,10 +29,12 @@ import yaml
 from megarl.algos.advantages import RewardScale, estimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
+from megarl.algos.offline import BradleyTerryObjective, DPOObjective, SFTObjective
 from megarl.algos.plugins import ROLLOUT_FUNCTION, check_plugins, is_spec, resolve
 from megarl.config.loader import from_dict, read_data
 from megarl.config.user_code import load_function
 from megarl.controller.spec import Launcher, PlacementConfig, PoolSpec, Timeouts
+from megarl.data.examples import Truncation
 from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.errors import ConfigError
@@ -248,8 +250,36 @@ class TrainerSection:
     program: str = "rl"  # the step: a built-in (PROGRAMS) or path/to/file.py:function (docs/programming.md §3)
 
 
-# the built-in step programs by name: the module whose ``step`` function is the program
-PROGRAMS = {"rl": "megarl.recipes.rl"}
+class DataKind(enum.Enum):
+    """What ``data.train`` holds for a program (docs/offline.md §2 lists the columns of each)."""
+
+    PROMPTS = "prompts"  # prompts the policy answers (RL)
+    SFT = "sft"  # text, prompt/completion or messages: the tokens to imitate
+    PREFERENCE = "preference"  # prompt/chosen/rejected pairs (DPO, reward models)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinProgram:
+    """A built-in step program: ``module:function``, the data it reads, and (offline programs) the roles it trains
+    and needs; RL's roles follow from the algorithm (:meth:`TrainConfig.roles`)."""
+
+    target: str
+    data: DataKind = DataKind.PROMPTS
+    roles: tuple[Role, ...] = ()
+
+    @property
+    def offline(self) -> bool:
+        """Trains on a dataset's own tokens: no rollout engine, no reward."""
+        return self.data is not DataKind.PROMPTS
+
+
+# the built-in step programs by name
+PROGRAMS = {
+    "rl": BuiltinProgram("megarl.recipes.rl:step"),
+    "sft": BuiltinProgram("megarl.recipes.offline:sft", DataKind.SFT, (Role.POLICY,)),
+    "dpo": BuiltinProgram("megarl.recipes.offline:dpo", DataKind.PREFERENCE, (Role.POLICY, Role.REFERENCE)),
+    "reward_model": BuiltinProgram("megarl.recipes.offline:reward_model", DataKind.PREFERENCE, (Role.CRITIC,)),
+}
 PROGRAM_SIGNATURE = "step(run: megarl.program.Run) -> dict[str, float]"
 
 
@@ -302,6 +332,25 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OfflineSection:
+    """The offline programs' settings (``trainer.program``: ``sft``, ``dpo``, ``reward_model``; docs/offline.md):
+    how examples are cut and each objective's hyper-parameters (:mod:`megarl.algos.offline`). A step is one
+    optimizer step on ``data.batch_size`` examples (pairs for ``dpo`` and ``reward_model``)."""
+
+    max_length: int | None = 1024  # tokens of prompt + completion per row, as TRL counts them (null: no limit)
+    truncation: Truncation = Truncation.KEEP_START  # what a longer row keeps (keep_end: sft and dpo only)
+    completion_only_loss: bool | None = None  # sft: the loss on completion tokens only (null: for prompt/completion)
+    assistant_only_loss: bool = False  # sft on messages: the loss on the assistant's tokens ({% generation %})
+    sft: SFTObjective = SFTObjective()
+    dpo: DPOObjective = DPOObjective()
+    reward_model: BradleyTerryObjective = BradleyTerryObjective()
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"offline.max_length must be >= 2 tokens or null, found {self.max_length}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -314,10 +363,31 @@ class TrainConfig:
     reward_model: RewardModelSection | None = None  # e.g. reward_model.model.path=... adds one
     cost_model: CostModelSection | None = None  # e.g. cost_model.model.path=... adds one (Safe-RLHF's cost)
     teacher: TeacherSection | None = None  # on-policy distillation: teacher.model.path=... adds one
+    offline: OfflineSection = OfflineSection()
     trainer: TrainerSection = TrainerSection()
 
+    @property
+    def builtin_program(self) -> BuiltinProgram | None:
+        """``trainer.program``'s built-in, None for a program by path (which reads prompts)."""
+        return PROGRAMS.get(self.trainer.program)
+
+    @property
+    def data_kind(self) -> DataKind:
+        program = self.builtin_program
+        return DataKind.PROMPTS if program is None else program.data
+
+    @property
+    def log_prob_temperature(self) -> float:
+        """The temperature of the policy's and reference's log-probs: the sampling distribution's in RL, the model's
+        own (1) for an offline program (its tokens are the data's, not samples)."""
+        program = self.builtin_program
+        return 1.0 if program is not None and program.offline else self.rollout.sampling.temperature
+
     def roles(self) -> list[Role]:
-        """The roles this run needs, policy first."""
+        """The roles this run needs, the trained one first."""
+        program = self.builtin_program
+        if program is not None and program.offline:
+            return list(program.roles)
         a = self.algorithm
         optional = ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
                     (Role.REWARD_MODEL, self.reward_model is not None), (Role.COST_MODEL, self.cost_model is not None),
@@ -362,8 +432,27 @@ def check_config(cfg: TrainConfig) -> None:
                           "megarl checkpoint (tools/convert_hf_to_megatron.py writes one).")
     if not cfg.data.train:
         raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
-    d, r, a = cfg.data, cfg.rollout, cfg.algorithm
     _check_program(cfg.trainer.program)
+    d = cfg.data
+    t = cfg.trainer
+    if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
+    if t.max_restarts < 0 or t.restart_window_s <= 0:
+        raise ConfigError(f"trainer.max_restarts must be >= 0 and restart_window_s > 0, found {t.max_restarts} and "
+                          f"{t.restart_window_s}.")
+    if t.val_every and not d.val:
+        raise ConfigError(f"trainer.val_every={t.val_every} but data.val is not set; give a validation file or "
+                          "set val_every=0.")
+    program = cfg.builtin_program
+    if program is not None and program.offline:
+        _check_offline(cfg, program)
+        return
+    _check_rl(cfg, layout)
+
+
+def _check_rl(cfg: TrainConfig, layout: ParallelLayout) -> None:
+    """An RL program's: its algorithm, rollout, rewards."""
+    d, r, a = cfg.data, cfg.rollout, cfg.algorithm
     # the plug-ins first: every later check reads what the estimator needs (a user's is called once here)
     check_plugins(a.advantage.estimator, a.policy_loss.loss, a.advantage, a.policy_loss,
                   a.dynamic_sampling.criterion if a.dynamic_sampling is not None else None, cfg.reward.stages.values())
@@ -389,15 +478,6 @@ def check_config(cfg: TrainConfig) -> None:
                               "rollout function is a loop of its own; multi-turn is megarl's loop over an "
                               "environment): set one. A rollout function can run an environment or tools itself.")
         resolve(ROLLOUT_FUNCTION, r.function)  # its signature; called once when the tokenizer is loaded
-    t = cfg.trainer
-    if t.total_steps < 1 or t.save_every < 0 or t.val_every < 0 or t.keep_checkpoints < 1:
-        raise ConfigError("trainer.total_steps and keep_checkpoints must be >= 1, save_every/val_every >= 0.")
-    if t.max_restarts < 0 or t.restart_window_s <= 0:
-        raise ConfigError(f"trainer.max_restarts must be >= 0 and restart_window_s > 0, found {t.max_restarts} and "
-                          f"{t.restart_window_s}.")
-    if t.val_every and not d.val:
-        raise ConfigError(f"trainer.val_every={t.val_every} but data.val is not set; give a validation file or "
-                          "set val_every=0.")
     if a.ppo_epochs < 1 or a.mini_batches < 1:
         raise ConfigError("algorithm.ppo_epochs and mini_batches must be >= 1.")
     if a.recompute_old_log_probs is False and (why := a.old_log_probs_needed_because()):
@@ -407,6 +487,25 @@ def check_config(cfg: TrainConfig) -> None:
     _check_reward(cfg)
     _check_dapo(cfg)
     _check_loss_terms(cfg.algorithm)
+
+
+def _check_offline(cfg: TrainConfig, program: BuiltinProgram) -> None:
+    """An offline program's: whole examples (pairs) per data-parallel shard; no section it would not use."""
+    trained = program.roles[0]
+    dp = cfg.cluster.layout(trained).dp
+    if cfg.data.batch_size % dp:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} examples per step must split into dp={dp} equal "
+                          f"shards ({trained.value}'s pool {cfg.cluster.pool_name(trained)!r}); change one of them.")
+    unused = [name for name, section in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model),
+                                         ("teacher", cfg.teacher)) if section is not None]
+    if unused:
+        raise ConfigError(f"trainer.program={cfg.trainer.program} trains on data.train's own tokens; "
+                          f"{', '.join(unused)} would score samples it never draws: remove "
+                          f"{'it' if len(unused) == 1 else 'them'} (a reward model trained by the reward_model "
+                          "program is used by an RL run's reward_model.model.path).")
+    if cfg.trainer.val_every:
+        raise ConfigError(f"trainer.val_every={cfg.trainer.val_every}: evaluation on data.val is not built yet for "
+                          f"the offline program {cfg.trainer.program}; set trainer.val_every=0.")
 
 
 def _check_program(program: str) -> None:

@@ -95,3 +95,24 @@ def make_reward_model(out: str | Path, seed: int = 3,
     model.save_pretrained(str(out))
     make(out)
     return out
+
+
+def make_offline_datasets(out_dir: str | Path, n: int = 256, seed: int = 0) -> Path:
+    """The task as TRL-format offline data under ``out_dir``: ``sft.jsonl`` (``prompt``, ``completion``: the sum),
+    ``pairs.jsonl`` and held-out ``pairs_val.jsonl`` (``prompt``, ``chosen``: the sum, ``rejected``: another digit)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sums = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+
+    def pairs(k: int, s: int):
+        rng = random.Random(s)
+        for a, b in (rng.choice(sums) for _ in range(k)):
+            wrong = rng.choice([d for d in range(10) if d != a + b])
+            yield {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(wrong)}
+
+    rng = random.Random(seed)
+    write_jsonl(out_dir / "sft.jsonl", ({"prompt": f"{a}+{b}=", "completion": str(a + b)}
+                                        for a, b in (rng.choice(sums) for _ in range(n))))
+    write_jsonl(out_dir / "pairs.jsonl", pairs(n, seed + 1))
+    write_jsonl(out_dir / "pairs_val.jsonl", pairs(64, seed + 2))
+    return out_dir

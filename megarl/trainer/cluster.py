@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl import algos
 from megarl.checkpoint import cpu_only
 from megarl.checkpoint.format import is_checkpoint, read_meta
 from megarl.config.train import ClusterConfig, Role, TrainConfig
@@ -106,11 +107,13 @@ class Cluster:
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         roles, a, src, c = cfg.roles(), cfg.algorithm, str(self.source), cfg.cluster
-        temperature = cfg.rollout.sampling.temperature  # the policy's log-probs are of the sampling distribution
-        rollout_ranks = c.pool(Role.ROLLOUT).world_size if c.rollout_apart else None
-        self.policy = self.placement.add_role(
+        # the policy's log-probs are of the sampling distribution; an offline program's of the model's own
+        temperature = cfg.log_prob_temperature
+        rollout_ranks = c.pool(Role.ROLLOUT).world_size if c.rollout_apart and Role.ROLLOUT in roles else None
+        self.policy = (self.placement.add_role(
             Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
-            temperature=temperature, rollout=cfg.rollout.engine, seed=cfg.trainer.seed, rollout_ranks=rollout_ranks)
+            temperature=temperature, rollout=cfg.rollout.engine if Role.ROLLOUT in roles else None,
+            seed=cfg.trainer.seed, rollout_ranks=rollout_ranks) if Role.POLICY in roles else None)
         self.rollout = None  # rollout engines on a pool of their own, joined to the policy by a weight link
         self._held: int | None = None  # the version the rollout pool holds (None: none pushed, or not known)
         # calls to the rollout pool come from the trainer and the asynchronous producer's thread: each is submitted
@@ -248,19 +251,32 @@ class Cluster:
     def update_critic(self, batch: Batch) -> StepResult:
         return self.critic.dp_split(CriticRole.update, batch)[0]
 
+    def train_policy(self, batch: Batch, objective: algos.LMObjective) -> StepResult:
+        """One optimizer step of an offline objective (SFT, DPO) on the policy; whole groups (pairs) per shard."""
+        return self.policy.dp_split(PolicyRole.train, batch, objective)[0]
+
+    def train_critic(self, batch: Batch, objective: algos.ScalarObjective) -> StepResult:
+        """One optimizer step of an offline objective on the scalar-head model (reward-model training)."""
+        return self.critic.dp_split(CriticRole.train, batch, objective)[0]
+
     def memory_peaks(self) -> dict[str, float]:
         """Peak memory of the busiest worker process since the previous call."""
-        per_rank = self.policy.all(PolicyRole.memory_peaks)
+        if self.policy is None:  # a reward model trained alone: its own processes
+            per_rank = self.critic.all(CriticRole.memory_peaks)
+        else:
+            per_rank = self.policy.all(PolicyRole.memory_peaks)
         return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
 
     def save(self, ckpt_dir: Path, step: int) -> None:
-        self.policy.all(PolicyRole.save_checkpoint, str(ckpt_dir / "policy"), step, str(self.source))
+        if self.policy is not None:
+            self.policy.all(PolicyRole.save_checkpoint, str(ckpt_dir / "policy"), step, str(self.source))
         if self.critic is not None:
             self.critic.all(CriticRole.save_checkpoint, str(ckpt_dir / "critic"), step, str(self.source))
 
     def load(self, ckpt_dir: Path) -> None:
         self._held = None  # the policy's weights change: whatever the rollout pool holds is not known to match
-        self.policy.all(PolicyRole.load_checkpoint, str(ckpt_dir / "policy"))
+        if self.policy is not None:
+            self.policy.all(PolicyRole.load_checkpoint, str(ckpt_dir / "policy"))
         if self.critic is not None:
             self.critic.all(CriticRole.load_checkpoint, str(ckpt_dir / "critic"))
 

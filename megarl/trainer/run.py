@@ -122,6 +122,12 @@ class Run:
             num_errors = self.experience.score(batch, records)
         return self.experience.rollout_metrics(batch) | self.experience.reward_metrics(batch, prefix, num_errors)
 
+    def examples(self) -> tuple[Batch, dict[str, float]]:
+        """An offline program's rows for this step (``trainer.program``: sft, dpo, reward_model): ``data.batch_size``
+        examples of ``data.train`` in the data order a checkpoint keeps, pairs as two consecutive rows (chosen,
+        rejected); ``response_mask`` marks the tokens the loss counts."""
+        return self.source.next_batch(self.step, self.timer)
+
     def sampling(self, **changes: Any) -> SamplingConfig:
         """``rollout.sampling`` with ``changes`` (e.g. ``n=8``, ``temperature=0.7``)."""
         return dataclasses.replace(self.cfg.rollout.sampling, **changes)
@@ -157,6 +163,24 @@ class Run:
             return {}  # no old log-probs: the update reports actor/kl from its forward at the same weights
         kl = algos.kl_divergence(batch["old_log_probs"], batch["ref_log_probs"], a.kl_estimator, a.kl_clamp)
         return {"actor/kl": algos.masked_mean(kl, batch["response_mask"]).item()}
+
+    def reference_sequence_log_probs(self, batch: Batch) -> dict[str, float]:
+        """``ref_logps`` [B]: the reference model's log-probability of each row's counted tokens (summed), at
+        temperature 1 in an offline program (DPO's reference term)."""
+        lp = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
+        batch.tensors["ref_logps"] = (lp["log_probs"].double() * batch["response_mask"]).sum(-1)
+        return {}
+
+    def train_policy(self, batch: Batch, objective: algos.LMObjective) -> dict[str, float]:
+        """One optimizer step of the policy on ``objective`` (:mod:`megarl.algos.offline`: ``SFTObjective``,
+        ``DPOObjective``, or one of the user's with the same ``loss``), over the whole batch; its metrics under
+        TRL's names (``loss``, ``grad_norm``, ``lr`` and the objective's terms)."""
+        return self.cluster.train_policy(batch, objective).metrics("")
+
+    def train_critic(self, batch: Batch, objective: algos.ScalarObjective) -> dict[str, float]:
+        """One optimizer step of the scalar-head model (the critic role) on ``objective``: reward-model training
+        (``BradleyTerryObjective``); its metrics as :meth:`train_policy`'s."""
+        return self.cluster.train_critic(batch, objective).metrics("")
 
     def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
         """``teacher_log_probs``: the distillation teacher's log-probs of the sampled tokens, and

@@ -40,8 +40,9 @@ import torch
 from megarl.algos.dapo import ShortBatch
 from megarl.algos.plugins import GROUP_FILTER, checked_keep, resolve
 from megarl.config.resolve import sampling_params
-from megarl.config.train import Role, Schedule, TrainConfig
+from megarl.config.train import DataKind, Role, Schedule, TrainConfig
 from megarl.data.batch import Batch
+from megarl.data.examples import Example, ExampleKind, example_rows
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
 from megarl.errors import MegarlError
 from megarl.trainer.asynchronous import RolloutProducer, groups_batch
@@ -333,7 +334,34 @@ SOURCES: dict[Schedule, type[RolloutSource]] = {Schedule.SYNC: SyncSource, Sched
                                                 Schedule.ASYNC: AsyncSource}
 
 
-def make_source(cfg: TrainConfig, cluster: Any, experience: Experience, data: PromptDataset) -> RolloutSource:
+class ExampleSource(RolloutSource):
+    """An offline program's rows (``trainer.program``: sft, dpo, reward_model): ``data.batch_size`` examples of the
+    dataset per step in the sampler's order (pairs as two consecutive rows, chosen then rejected), laid out by
+    :func:`megarl.data.examples.example_rows`; nothing is generated or scored. A checkpoint keeps the position."""
+
+    def __init__(self, cfg: TrainConfig, cluster: Any, experience: Experience, data: list[Example],
+                 pad_token_id: int) -> None:
+        super().__init__(cfg, cluster, experience, data)
+        self.pad_token_id = pad_token_id
+
+    def next_batch(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+        with timer("data"):
+            picked = [self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)]
+            o = self.cfg.offline  # cut as TRL's collators cut (the examples keep whole completions)
+            batch = example_rows(picked, ExampleKind(self.cfg.data_kind.value), self.pad_token_id,
+                                 max_length=o.max_length, truncation=o.truncation)
+        return batch, {"data/epoch": float(self.sampler.epoch)}
+
+    def draw(self) -> list[PromptRecord]:
+        raise MegarlError(f"trainer.program={self.cfg.trainer.program} reads examples (run.examples()), not prompts "
+                          "to generate from: run.draw(), run.rollout() and run.generate() need an RL program's "
+                          "prompt data.")
+
+
+def make_source(cfg: TrainConfig, cluster: Any, experience: Experience, data: PromptDataset | list[Example],
+                pad_token_id: int = 0) -> RolloutSource:
+    if cfg.data_kind is not DataKind.PROMPTS:
+        return ExampleSource(cfg, cluster, experience, data, pad_token_id)
     return SOURCES[cfg.rollout.schedule](cfg, cluster, experience, data)
 
 

@@ -40,6 +40,8 @@ from megarl.config.train import (
     PROGRAM_SIGNATURE,
     PROGRAMS,
     CorruptCheckpoint,
+    DataKind,
+    Role,
     TrainConfig,
     check_config,
     dump_config,
@@ -48,6 +50,7 @@ from megarl.config.train import (
 from megarl.config.user_code import load_function
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
+from megarl.data.examples import ExampleKind, load_examples
 from megarl.data.prompts import load_prompts, load_row_adapter
 from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
@@ -79,8 +82,9 @@ class Trainer:
         check_frozen_models(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
-        self.reward_fns = {name: resolve_reward_function(spec.function, **spec.options)
-                           for name, spec in cfg.reward.named_functions().items()}
+        self.reward_fns = ({} if cfg.data_kind is not DataKind.PROMPTS  # an offline program scores nothing
+                           else {name: resolve_reward_function(spec.function, **spec.options)
+                                 for name, spec in cfg.reward.named_functions().items()})
         self._check_reward_columns()
         self.stop_token_ids = stop_token_ids(cfg.rollout, self.tokenizer.eos_token_id)
         check_rollout_function(cfg, self.tokenizer, self.stop_token_ids)
@@ -127,7 +131,7 @@ class Trainer:
         self.cluster = Cluster(self.cfg, self.out, on_ray_started=self.stop.install)  # Ray replaces SIGTERM's handler
         self.experience = Experience(self.cfg, self.cluster, self.tokenizer, self.reward_fns, self.stop_token_ids,
                                      self._stage)
-        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data)
+        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data, self._pad_token_id())
         self._reset()
         if self.resume_from is not None:
             self._restore(self.resume_from)
@@ -136,6 +140,10 @@ class Trainer:
         """The checkpoint to resume from (``trainer.on_corrupt_checkpoint`` decides about corrupt ones)."""
         fallback = self.cfg.trainer.on_corrupt_checkpoint is CorruptCheckpoint.FALLBACK
         return run_checkpoints.resume_point(self.out, fallback=fallback)
+
+    def _pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else 0
 
     @property
     def complete(self) -> bool:
@@ -151,7 +159,13 @@ class Trainer:
                     monitor.check_columns(name, fn, [r.row for r in data.records])
 
     def _load_data(self, path: str):
-        d = self.cfg.data
+        d, kind = self.cfg.data, self.cfg.data_kind
+        if kind is not DataKind.PROMPTS:  # an offline program's examples, tokenized as TRL's trainers do
+            o = self.cfg.offline
+            return load_examples(path, ExampleKind(kind.value), self.tokenizer, max_length=o.max_length,
+                                 truncation=o.truncation, completion_only_loss=o.completion_only_loss,
+                                 assistant_only_loss=o.assistant_only_loss,
+                                 for_reward_model=Role.CRITIC in self.cfg.roles())
         adapter = load_row_adapter(d.row_adapter) if d.row_adapter else None
         # it warns of dropped prompts and refuses ones the tokenizer cannot represent or the model cannot embed
         return load_prompts(path, d, self.tokenizer, adapter, vocab_size=policy_vocab_size(self.cfg))
@@ -244,7 +258,7 @@ class Trainer:
             raise WorkersLostError(f"{error} Fresh workers could not be started ({e}); the run resumes from its "
                                    "newest intact checkpoint when run again (on a new allocation if a node is "
                                    "gone).") from e
-        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data)
+        self.source = make_source(self.cfg, self.cluster, self.experience, self.train_data, self._pad_token_id())
         self._reset()
         if ckpt is not None:
             self._restore(ckpt)
@@ -325,7 +339,8 @@ def load_program(program: str) -> Callable[[Run], dict[str, float]]:
     function by path (its signature was checked with the config)."""
     if is_spec(program):
         return load_function(program, "program", (None,), PROGRAM_SIGNATURE)
-    return importlib.import_module(PROGRAMS[program]).step
+    module, function = PROGRAMS[program].target.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def run(cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> list[dict[str, Any]]:
