@@ -100,8 +100,8 @@ class DPOObjective:
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"offline.dpo.label_smoothing must lie in [0, 0.5), found {self.label_smoothing}")
         if self.label_smoothing and self.loss_type is not DPOLoss.ROBUST:
-            raise ConfigError(f"offline.dpo.label_smoothing applies to the robust loss only (TRL 1.16's {self.loss_type.value} has "
-                             "none); set it to 0 or loss_type to robust")
+            raise ConfigError(f"offline.dpo.label_smoothing applies to the robust loss only (TRL 1.16's "
+                              f"{self.loss_type.value} has none); set it to 0 or loss_type to robust")
 
     def loss(self, log_probs, entropy, mb, counts):
         mask = mb["response_mask"].to(log_probs.dtype)
