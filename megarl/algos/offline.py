@@ -89,8 +89,8 @@ class DPOObjective:
     ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins`` (the implicit rewards ``beta (pi - ref)``),
     ``logps/chosen``, ``logps/rejected``, and ``entropy`` (token mean over every counted token)."""
 
-    beta: float = 0.1
-    loss_type: DPOLoss = DPOLoss.SIGMOID
+    beta: float = 0.1  # the KL regularisation's strength (IPO: its tau)
+    loss_type: DPOLoss = DPOLoss.SIGMOID  # sigmoid (DPO), robust, hinge (RSO), ipo
     label_smoothing: float = 0.0  # robust only (TRL 1.16: the sigmoid loss has none)
     group: ClassVar[int] = 2
 

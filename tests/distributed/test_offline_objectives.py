@@ -119,9 +119,9 @@ def _rm_reference(hf_dir):
 
 
 def _world(rank, world_size, lm_ckpt, rm_ckpt, ref_logps):
+    from megarl.algos.config import AlgorithmConfig
     from megarl.algos.offline import BradleyTerryObjective, DPOObjective, SFTObjective
     from megarl.algos.preference import DPOLoss
-    from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
