@@ -279,6 +279,7 @@ PROGRAMS = {
     "sft": BuiltinProgram("megarl.recipes.offline:sft", DataKind.SFT, (Role.POLICY,)),
     "dpo": BuiltinProgram("megarl.recipes.offline:dpo", DataKind.PREFERENCE, (Role.POLICY, Role.REFERENCE)),
     "reward_model": BuiltinProgram("megarl.recipes.offline:reward_model", DataKind.PREFERENCE, (Role.CRITIC,)),
+    "online_dpo": BuiltinProgram("megarl.recipes.online_dpo:step", DataKind.PROMPTS, (Role.REFERENCE,)),
 }
 PROGRAM_SIGNATURE = "step(run: megarl.program.Run) -> dict[str, float]"
 
@@ -376,21 +377,17 @@ class TrainConfig:
         program = self.builtin_program
         return DataKind.PROMPTS if program is None else program.data
 
-    @property
-    def log_prob_temperature(self) -> float:
-        """The temperature of the policy's and reference's log-probs: the sampling distribution's in RL, the model's
-        own (1) for an offline program (its tokens are the data's, not samples)."""
-        program = self.builtin_program
-        return 1.0 if program is not None and program.offline else self.rollout.sampling.temperature
-
     def roles(self) -> list[Role]:
         """The roles this run needs, the trained one first."""
         program = self.builtin_program
         if program is not None and program.offline:
             return list(program.roles)
         a = self.algorithm
-        optional = ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic),
-                    (Role.REWARD_MODEL, self.reward_model is not None), (Role.COST_MODEL, self.cost_model is not None),
+        classifiers = ((Role.REWARD_MODEL, self.reward_model is not None),
+                       (Role.COST_MODEL, self.cost_model is not None))
+        if program is not None and program.roles:  # a program of its own roles over the rollout (online DPO)
+            return [Role.POLICY, Role.ROLLOUT, *program.roles] + [r for r, on in classifiers if on]
+        optional = ((Role.REFERENCE, a.needs_reference), (Role.CRITIC, a.needs_critic), *classifiers,
                     (Role.TEACHER, self.teacher is not None))
         return [Role.POLICY, Role.ROLLOUT] + [r for r, on in optional if on]
 
@@ -448,6 +445,9 @@ def check_config(cfg: TrainConfig) -> None:
         _check_offline(cfg, program)
         return
     _check_rl(cfg, layout)
+    if cfg.trainer.program == "online_dpo" and cfg.rollout.sampling.n < 2:
+        raise ConfigError(f"trainer.program=online_dpo pairs each prompt's best response with its worst: set "
+                          f"rollout.sampling.n >= 2 (TRL samples 2), found {cfg.rollout.sampling.n}.")
 
 
 def _check_rl(cfg: TrainConfig, layout: ParallelLayout) -> None:

@@ -133,9 +133,10 @@ class PolicyRole(Role):
             raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
         return self.rollout
 
-    def compute_log_probs(self, batch: Batch) -> Batch | None:
-        """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``."""
-        return _log_probs(self.engine, self.ctx, batch, self.temperature)
+    def compute_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch | None:
+        """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``; at the sampling
+        temperature the role was built with, or ``temperature`` (1: the model's own, for offline objectives)."""
+        return _log_probs(self.engine, self.ctx, batch, self.temperature if temperature is None else temperature)
 
     def update(self, batch: Batch) -> StepResult:
         """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together): each
@@ -220,9 +221,9 @@ class ReferenceRole(Role):
         self.engine = MegatronEngine(spec, ctx.layout, engine, checkpoint_dir=checkpoint_dir, trainable=False,
                                      groups=process_groups())
 
-    def compute_log_probs(self, batch: Batch) -> Batch | None:
+    def compute_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S] of the reference model (see PolicyRole)."""
-        return _log_probs(self.engine, self.ctx, batch, self.temperature)
+        return _log_probs(self.engine, self.ctx, batch, self.temperature if temperature is None else temperature)
 
 
 _CORRECTION_EXTREMES = {"mismatch/ratio_max": Extreme.MAX, "mismatch/ratio_min": Extreme.MIN}

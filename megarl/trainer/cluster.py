@@ -107,8 +107,7 @@ class Cluster:
 
     def _add_roles(self, cfg: TrainConfig) -> None:
         roles, a, src, c = cfg.roles(), cfg.algorithm, str(self.source), cfg.cluster
-        # the policy's log-probs are of the sampling distribution; an offline program's of the model's own
-        temperature = cfg.log_prob_temperature
+        temperature = cfg.rollout.sampling.temperature  # the log-probs are of the sampling distribution by default
         rollout_ranks = c.pool(Role.ROLLOUT).world_size if c.rollout_apart and Role.ROLLOUT in roles else None
         self.policy = (self.placement.add_role(
             Role.POLICY.value, PolicyRole, checkpoint_dir=src, engine=cfg.policy, algorithm=a,
@@ -217,8 +216,9 @@ class Cluster:
         stay awake on their own devices)."""
         return max(self.policy.all(PolicyRole.to_train)) if self.rollout is None else 0.0
 
-    def old_log_probs(self, batch: Batch) -> Batch:
-        return self.policy.dp(PolicyRole.compute_log_probs, batch)
+    def old_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch:
+        """The policy's ``log_probs`` (at the sampling temperature unless ``temperature`` is given)."""
+        return self.policy.dp(PolicyRole.compute_log_probs, batch, temperature)
 
     def reward_scores(self, batch: Batch) -> Batch:
         """``scores`` [B] of the reward model (``input_ids``, right-padded ``attention_mask``)."""
@@ -235,8 +235,9 @@ class Cluster:
     def cost_scores_async(self, batch: Batch) -> PendingCall[Batch]:
         return self.cost_model.dp_async(RewardModelRole.compute_scores, batch)
 
-    def reference_log_probs(self, batch: Batch) -> Batch:
-        return self.reference.dp(ReferenceRole.compute_log_probs, batch)
+    def reference_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch:
+        """The reference's ``log_probs`` (at the sampling temperature unless ``temperature`` is given)."""
+        return self.reference.dp(ReferenceRole.compute_log_probs, batch, temperature)
 
     def teacher_log_probs(self, batch: Batch) -> Batch:
         """The distillation teacher's ``log_probs`` of the sampled tokens (same temperature as the policy's)."""

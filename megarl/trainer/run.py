@@ -166,21 +166,36 @@ class Run:
 
     def reference_sequence_log_probs(self, batch: Batch) -> dict[str, float]:
         """``ref_logps`` [B]: the reference model's log-probability of each row's counted tokens (summed), at
-        temperature 1 in an offline program (DPO's reference term)."""
-        lp = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask", "response_mask"))
+        temperature 1 (DPO's reference term, offline or online)."""
+        lp = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask"), temperature=1.0)
         batch.tensors["ref_logps"] = (lp["log_probs"].double() * batch["response_mask"]).sum(-1)
         return {}
+
+    def preference_pairs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Scored rollout rows (``rollout.sampling.n`` >= 2 per prompt) as preference pairs, interleaved (chosen,
+        rejected) like an offline DPO batch: each prompt's best-scored response against its worst (the earlier one
+        chosen on a tie, as TRL's online DPO does for its two samples). Metrics as TRL's online DPO names them:
+        ``objective/scores`` (mean over every row), ``objective/scores_margin`` (chosen minus rejected)."""
+        scores, groups = batch["scores"].double(), batch["prompt_uid"]
+        order = []
+        for g in torch.unique(groups, sorted=True).tolist():
+            rows = (groups == g).nonzero().flatten().tolist()
+            best = max(rows, key=lambda i: (scores[i].item(), -i))  # on a tie the earliest
+            order += [best, min((i for i in rows if i != best), key=lambda i: (scores[i].item(), i))]
+        pairs = batch.index(order)
+        margin = scores[order[0::2]] - scores[order[1::2]]
+        return pairs, {"objective/scores": scores.mean().item(), "objective/scores_margin": margin.mean().item()}
 
     def train_policy(self, batch: Batch, objective: algos.LMObjective) -> dict[str, float]:
         """One optimizer step of the policy on ``objective`` (:mod:`megarl.algos.offline`: ``SFTObjective``,
         ``DPOObjective``, or one of the user's with the same ``loss``), over the whole batch; its metrics under
         TRL's names (``loss``, ``grad_norm``, ``lr`` and the objective's terms)."""
-        return self.cluster.train_policy(batch, objective).metrics("")
+        return self.cluster.train_policy(_tensors(batch), objective).metrics("")
 
     def train_critic(self, batch: Batch, objective: algos.ScalarObjective) -> dict[str, float]:
         """One optimizer step of the scalar-head model (the critic role) on ``objective``: reward-model training
         (``BradleyTerryObjective``); its metrics as :meth:`train_policy`'s."""
-        return self.cluster.train_critic(batch, objective).metrics("")
+        return self.cluster.train_critic(_tensors(batch), objective).metrics("")
 
     def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
         """``teacher_log_probs``: the distillation teacher's log-probs of the sampled tokens, and
@@ -285,6 +300,11 @@ def student_log_probs(batch: Batch) -> torch.Tensor:
     """The policy's log-probs of its sampled tokens at the sampling weights: the training model's where they
     were recomputed, else the rollout engine's (the same up to ``rollout/logprob_abs_diff``)."""
     return batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+
+
+def _tensors(batch: Batch) -> Batch:
+    """The batch's tensors only (an objective reads no per-row Python lists: they need not cross to the workers)."""
+    return batch.select(*batch.tensors.keys())
 
 
 def _routing(batch: Batch) -> tuple[str, ...]:
