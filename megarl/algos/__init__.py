@@ -15,7 +15,7 @@ the driver and the workers call into this package, never the other way round.
 - :mod:`megarl.algos.kl`         ``KL_ESTIMATORS`` (k1, k2, k3, abs), KL penalty and loss, KL controllers
 - :mod:`megarl.algos.correction` rollout-training mismatch: truncated / masked importance weights, diagnostics
 - :mod:`megarl.algos.preference` DPO and its variants (robust, hinge, IPO) over sequence log-probs (issue #44)
-- :mod:`megarl.algos.offline` offline objectives per micro-batch: SFT, DPO, Bradley-Terry reward model
+- :mod:`megarl.algos.offline` offline objectives per micro-batch: SFT, DPO, KTO, Bradley-Terry reward model
 - :mod:`megarl.algos.objective`  what an update optimises: token-level reward shaping (:func:`token_rewards`) and
   the policy objective of one micro-batch (:func:`policy_objective`: correction, masks, loss, entropy, KL)
 """
@@ -76,6 +76,7 @@ from megarl.algos.offline import (
     BradleyTerryObjective,
     Counts,
     DPOObjective,
+    KTOObjective,
     LMObjective,
     ScalarObjective,
     SFTObjective,
@@ -101,11 +102,14 @@ from megarl.algos.plugins import (
     reward_stage,
     rollout_function,
 )
+from megarl.algos.preference import DPOLoss, kto_kl
 
 __all__ = [
     "BradleyTerryObjective",
     "Counts",
+    "DPOLoss",
     "DPOObjective",
+    "KTOObjective",
     "LMObjective",
     "SFTObjective",
     "ScalarObjective",
@@ -157,6 +161,7 @@ __all__ = [
     "high_entropy_mask",
     "kl_divergence",
     "kl_loss",
+    "kto_kl",
     "masked_count",
     "masked_mean",
     "masked_sum",

@@ -23,9 +23,8 @@ import dataclasses
 from typing import ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
-from megarl.algos.preference import DPOLoss, dpo_losses
+from megarl.algos.preference import DPOLoss, dpo_losses, kto_losses, kto_metrics, reward_model_losses
 from megarl.errors import ConfigError
 
 
@@ -42,6 +41,10 @@ class Counts:
         return torch.stack([response_mask.double().sum(), sample_mask.double().sum()])
 
 
+def _report(terms: dict[str, float]) -> dict[str, float]:
+    return terms
+
+
 class LMObjective(Protocol):
     """An objective on a language model's per-token log-probs (temperature 1) and entropies."""
 
@@ -49,6 +52,10 @@ class LMObjective(Protocol):
 
     def loss(self, log_probs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor],
              counts: Counts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def report(self, terms: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from the loss's terms summed over micro-batches and ranks (most: as they are)."""
+        ...
 
 
 class ScalarObjective(Protocol):
@@ -60,6 +67,8 @@ class ScalarObjective(Protocol):
              counts: Counts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def extremes(self) -> dict[str, str]: ...
+
+    def report(self, terms: dict[str, float]) -> dict[str, float]: ...
 
 
 def _sequence_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -78,6 +87,8 @@ class SFTObjective:
         mask = mb["response_mask"].to(log_probs.dtype) * mb["sample_mask"].to(log_probs.dtype)[:, None]
         loss = -(log_probs * mask).sum() / counts.tokens
         return loss, {"entropy": (entropy.detach() * mask).sum() / counts.tokens}
+
+    report = staticmethod(_report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +141,8 @@ class DPOObjective:
                       "logps/chosen": mean(chosen.detach()), "logps/rejected": mean(rejected.detach()),
                       "entropy": (entropy.detach() * mask * real[:, None]).sum() / counts.tokens}
 
+    report = staticmethod(_report)
+
 
 @dataclasses.dataclass(frozen=True)
 class BradleyTerryObjective:
@@ -147,12 +160,10 @@ class BradleyTerryObjective:
         pair_real = real.view(-1, 2)[:, 0]
         pairs = counts.rows / 2
         chosen, rejected = scores.view(-1, 2).unbind(-1)
-        diff = chosen - rejected
-        if "margin" in mb:
-            diff = diff - mb["margin"].to(scores.dtype).view(-1, 2)[:, 0]
-        loss = (-F.logsigmoid(diff) * pair_real).sum() / pairs
-        if self.center_rewards_coefficient is not None:
-            loss = loss + self.center_rewards_coefficient * (((chosen + rejected) ** 2) * pair_real).sum() / pairs
+        margin = mb["margin"].to(scores.dtype).view(-1, 2)[:, 0] if "margin" in mb else None
+        out = reward_model_losses(chosen, rejected, margin=margin,
+                                  center_rewards_coefficient=self.center_rewards_coefficient)
+        loss = (out.losses * pair_real).sum() / pairs
         s = scores.detach()
         big = torch.finfo(s.dtype).max
         return loss, {"accuracy": ((chosen > rejected).to(s.dtype) * pair_real).sum() / pairs,
@@ -163,3 +174,45 @@ class BradleyTerryObjective:
 
     def extremes(self) -> dict[str, str]:
         return {"min_reward": "min", "max_reward": "max"}
+
+    report = staticmethod(_report)
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOObjective:
+    """KTO (Ethayarajh et al. 2024; TRL's ``KTOTrainer``, :func:`megarl.algos.preference.kto_losses`) on unpaired
+    rows: ``label`` [B] (1: desirable), the reference's sequence log-probs ``ref_logps`` [B] and the batch's KL
+    estimate ``kto_kl`` [B] (one value, from the mismatched prompt/completion rows: :func:`kto_kl`). Loss: the mean
+    of every row's weighted term over the batch's rows. Metrics as TRL names them: ``kl``, ``rewards/chosen``,
+    ``logps/chosen`` (means over the desirable rows, when the batch has any), the ``rejected`` ones likewise,
+    ``rewards/margins`` (when it has both), ``entropy``."""
+
+    beta: float = 0.1  # the KL regularisation's strength
+    desirable_weight: float = 1.0  # lambda_D: weight of a desirable row's term
+    undesirable_weight: float = 1.0  # lambda_U: weight of an undesirable row's term
+    group: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0 or self.desirable_weight < 0 or self.undesirable_weight < 0:
+            raise ConfigError(f"offline.kto needs beta > 0 and weights >= 0, found beta={self.beta}, "
+                              f"desirable_weight={self.desirable_weight}, undesirable_weight={self.undesirable_weight}")
+
+    def loss(self, log_probs, entropy, mb, counts):
+        mask = mb["response_mask"].to(log_probs.dtype)
+        real = mb["sample_mask"].to(log_probs.dtype)
+        logps = _sequence_sums(log_probs, mask)
+        labels = mb["label"] > 0.5
+        out = kto_losses(logps, mb["ref_logps"].to(logps.dtype), labels, mb["kto_kl"][0], beta=self.beta,
+                         desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight)
+        chosen, rejected = labels.to(logps.dtype) * real, (~labels).to(logps.dtype) * real
+        return (out.losses * real).sum() / counts.rows, {
+            "rewards/chosen_sum": (out.rewards * chosen).sum(), "logps/chosen_sum": (out.logps * chosen).sum(),
+            "count/chosen": chosen.sum(), "rewards/rejected_sum": (out.rewards * rejected).sum(),
+            "logps/rejected_sum": (out.logps * rejected).sum(), "count/rejected": rejected.sum(),
+            "kl": (mb["kto_kl"].to(logps.dtype) * real).sum() / counts.rows,
+            "entropy": (entropy.detach() * mask * real[:, None]).sum() / counts.tokens}
+
+    @staticmethod
+    def report(terms: dict[str, float]) -> dict[str, float]:
+        sums = {k: terms.pop(k) for k in list(terms) if k.endswith("_sum") or k.startswith("count/")}
+        return terms | kto_metrics(sums, terms["kl"])

@@ -29,7 +29,7 @@ import yaml
 from megarl.algos.advantages import RewardScale, estimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
-from megarl.algos.offline import BradleyTerryObjective, DPOObjective, SFTObjective
+from megarl.algos.offline import BradleyTerryObjective, DPOObjective, KTOObjective, SFTObjective
 from megarl.algos.plugins import ROLLOUT_FUNCTION, check_plugins, is_spec, resolve
 from megarl.config.loader import from_dict, read_data
 from megarl.config.user_code import load_function
@@ -256,6 +256,7 @@ class DataKind(enum.Enum):
     PROMPTS = "prompts"  # prompts the policy answers (RL)
     SFT = "sft"  # text, prompt/completion or messages: the tokens to imitate
     PREFERENCE = "preference"  # prompt/chosen/rejected pairs (DPO, reward models)
+    UNPAIRED = "unpaired"  # prompt/completion/label rows, or pairs unpaired (KTO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +279,7 @@ PROGRAMS = {
     "rl": BuiltinProgram("megarl.recipes.rl:step"),
     "sft": BuiltinProgram("megarl.recipes.offline:sft", DataKind.SFT, (Role.POLICY,)),
     "dpo": BuiltinProgram("megarl.recipes.offline:dpo", DataKind.PREFERENCE, (Role.POLICY, Role.REFERENCE)),
+    "kto": BuiltinProgram("megarl.recipes.offline:kto", DataKind.UNPAIRED, (Role.POLICY, Role.REFERENCE)),
     "reward_model": BuiltinProgram("megarl.recipes.offline:reward_model", DataKind.PREFERENCE, (Role.CRITIC,)),
     "online_dpo": BuiltinProgram("megarl.recipes.online_dpo:step", DataKind.PROMPTS, (Role.REFERENCE,)),
 }
@@ -334,9 +336,10 @@ class ClusterConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OfflineSection:
-    """The offline programs' settings (``trainer.program``: ``sft``, ``dpo``, ``reward_model``; docs/offline.md):
-    how examples are cut and each objective's hyper-parameters (:mod:`megarl.algos.offline`). A step is one
-    optimizer step on ``data.batch_size`` examples (pairs for ``dpo`` and ``reward_model``)."""
+    """The offline programs' settings (``trainer.program``: ``sft``, ``dpo``, ``kto``, ``reward_model``;
+    docs/offline.md): how examples are cut and each objective's hyper-parameters (:mod:`megarl.algos.offline`); ``dpo``
+    also serves ``online_dpo``. A step is one optimizer step on ``data.batch_size`` examples (pairs for ``dpo`` and
+    ``reward_model``)."""
 
     max_length: int | None = 1024  # tokens of prompt + completion per row, as TRL counts them (null: no limit)
     truncation: Truncation = Truncation.KEEP_START  # what a longer row keeps (keep_end: sft and dpo only)
@@ -344,6 +347,7 @@ class OfflineSection:
     assistant_only_loss: bool = False  # sft on messages: the loss on the assistant's tokens ({% generation %})
     sft: SFTObjective = SFTObjective()
     dpo: DPOObjective = DPOObjective()
+    kto: KTOObjective = KTOObjective()
     reward_model: BradleyTerryObjective = BradleyTerryObjective()
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
-"""The offline programs (``trainer.program``: ``sft``, ``dpo``, ``reward_model``; docs/offline.md), on the public API
-only: each step draws ``data.batch_size`` examples and takes one optimizer step on the objective of
-``offline.<program>`` (:mod:`megarl.algos.offline`), as TRL's ``SFTTrainer``, ``DPOTrainer`` and ``RewardTrainer``
-do with one process and no gradient accumulation. Checkpoints, resume, signals and restarts are the loop's, as in RL.
+"""The offline programs (``trainer.program``: ``sft``, ``dpo``, ``kto``, ``reward_model``; docs/offline.md), on the
+public API only: each step draws ``data.batch_size`` examples and takes one optimizer step on the objective of
+``offline.<program>`` (:mod:`megarl.algos.offline`), as TRL's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and
+``RewardTrainer`` do with one process and no gradient accumulation. Checkpoints, resume, signals and restarts are
+the loop's, as in RL.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ def dpo(run: Run) -> dict[str, float]:
         metrics |= run.reference_sequence_log_probs(batch)
     with run.stage("update_policy"):
         metrics |= run.train_policy(batch, run.cfg.offline.dpo)
+    return metrics | run.end(batch)
+
+
+def kto(run: Run) -> dict[str, float]:
+    batch, metrics = run.examples()
+    with run.stage("reference"):  # the reference's log-prob of each completion; the batch's KL estimate
+        metrics |= run.reference_sequence_log_probs(batch) | run.kto_kl(batch)
+    with run.stage("update_policy"):
+        metrics |= run.train_policy(batch, run.cfg.offline.kto)
     return metrics | run.end(batch)
 
 

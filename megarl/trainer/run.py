@@ -186,16 +186,31 @@ class Run:
         margin = scores[order[0::2]] - scores[order[1::2]]
         return pairs, {"objective/scores": scores.mean().item(), "objective/scores_margin": margin.mean().item()}
 
+    def kto_kl(self, batch: Batch) -> dict[str, float]:
+        """``kto_kl`` [B]: KTO's KL estimate of this batch (TRL's: the mean over its KL rows, ``kl_*``, of the policy's
+        minus the reference's summed log-prob, both at temperature 1, clamped at 0), on every row; the KL rows leave
+        the batch."""
+        kl = Batch.from_dict({k.removeprefix("kl_"): batch.tensors.pop(k)
+                              for k in ("kl_input_ids", "kl_attention_mask", "kl_response_mask")})
+        rows, mask = kl.select("input_ids", "attention_mask"), kl["response_mask"].double()
+        policy = (self.cluster.old_log_probs(rows, temperature=1.0)["log_probs"].double() * mask).sum(-1)
+        reference = (self.cluster.reference_log_probs(rows, temperature=1.0)["log_probs"].double() * mask).sum(-1)
+        z = algos.kto_kl(policy, reference)
+        batch.tensors["kto_kl"] = z.expand(len(batch)).clone()
+        return {}
+
     def train_policy(self, batch: Batch, objective: algos.LMObjective) -> dict[str, float]:
         """One optimizer step of the policy on ``objective`` (:mod:`megarl.algos.offline`: ``SFTObjective``,
-        ``DPOObjective``, or one of the user's with the same ``loss``), over the whole batch; its metrics under
-        TRL's names (``loss``, ``grad_norm``, ``lr`` and the objective's terms)."""
-        return self.cluster.train_policy(_tensors(batch), objective).metrics("")
+        ``DPOObjective``, ``KTOObjective``, or one of the user's with the same ``loss`` and ``report``), over the
+        whole batch; its metrics under TRL's names (``loss``, ``grad_norm``, ``lr`` and the objective's)."""
+        result = self.cluster.train_policy(_tensors(batch), objective)
+        return dataclasses.replace(result, terms=objective.report(dict(result.terms))).metrics("")
 
     def train_critic(self, batch: Batch, objective: algos.ScalarObjective) -> dict[str, float]:
         """One optimizer step of the scalar-head model (the critic role) on ``objective``: reward-model training
         (``BradleyTerryObjective``); its metrics as :meth:`train_policy`'s."""
-        return self.cluster.train_critic(_tensors(batch), objective).metrics("")
+        result = self.cluster.train_critic(_tensors(batch), objective)
+        return dataclasses.replace(result, terms=objective.report(dict(result.terms))).metrics("")
 
     def teacher_log_probs(self, batch: Batch) -> dict[str, float]:
         """``teacher_log_probs``: the distillation teacher's log-probs of the sampled tokens, and

@@ -42,7 +42,7 @@ from megarl.algos.plugins import GROUP_FILTER, checked_keep, resolve
 from megarl.config.resolve import sampling_params
 from megarl.config.train import DataKind, Role, Schedule, TrainConfig
 from megarl.data.batch import Batch
-from megarl.data.examples import Example, ExampleKind, example_rows
+from megarl.data.examples import Example, ExampleKind, example_rows, kl_examples
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
 from megarl.errors import MegarlError
 from megarl.trainer.asynchronous import RolloutProducer, groups_batch
@@ -335,9 +335,11 @@ SOURCES: dict[Schedule, type[RolloutSource]] = {Schedule.SYNC: SyncSource, Sched
 
 
 class ExampleSource(RolloutSource):
-    """An offline program's rows (``trainer.program``: sft, dpo, reward_model): ``data.batch_size`` examples of the
-    dataset per step in the sampler's order (pairs as two consecutive rows, chosen then rejected), laid out by
-    :func:`megarl.data.examples.example_rows`; nothing is generated or scored. A checkpoint keeps the position."""
+    """An offline program's rows (``trainer.program``: sft, dpo, kto, reward_model): ``data.batch_size`` examples of
+    the dataset per step in the sampler's order (pairs as two consecutive rows, chosen then rejected), laid out by
+    :func:`megarl.data.examples.example_rows`; for KTO also its KL rows (``kl_input_ids``, ...: each prompt with the
+    previous example's completion, as TRL forms them per batch); nothing is generated or scored. A checkpoint keeps
+    the position."""
 
     def __init__(self, cfg: TrainConfig, cluster: Any, experience: Experience, data: list[Example],
                  pad_token_id: int) -> None:
@@ -347,9 +349,14 @@ class ExampleSource(RolloutSource):
     def next_batch(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         with timer("data"):
             picked = [self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)]
-            o = self.cfg.offline  # cut as TRL's collators cut (the examples keep whole completions)
-            batch = example_rows(picked, ExampleKind(self.cfg.data_kind.value), self.pad_token_id,
-                                 max_length=o.max_length, truncation=o.truncation)
+            o, kind = self.cfg.offline, ExampleKind(self.cfg.data_kind.value)
+            # cut as TRL's collators cut (the examples keep whole completions)
+            batch = example_rows(picked, kind, self.pad_token_id, max_length=o.max_length, truncation=o.truncation)
+            if kind is ExampleKind.UNPAIRED:  # KTO's KL rows: each prompt with the batch's previous completion
+                kl = example_rows(kl_examples(picked), kind, self.pad_token_id, max_length=o.max_length,
+                                  truncation=o.truncation)
+                for key in ("input_ids", "attention_mask", "response_mask"):
+                    batch.tensors[f"kl_{key}"] = kl[key]
         return batch, {"data/epoch": float(self.sampler.epoch)}
 
     def draw(self) -> list[PromptRecord]:

@@ -1,9 +1,10 @@
 """Offline objectives inside the Megatron engine (issue #44) against `transformers` autograd, in one spawned gloo
 world of 4 at TP2 x DP2 and at PP2 x DP2 (megatron-core re-initialised between the two).
 
-A policy takes three SGD steps in a row: SFT (token-mean NLL of the response tokens), DPO with the sigmoid loss
-and DPO with TRL's length-normalised IPO loss, on pairs of rows (chosen, rejected) split over the data-parallel
-ranks and over several micro-batches (each pair kept in one); a sequence classifier takes one Bradley-Terry step
+A policy takes four SGD steps in a row: SFT (token-mean NLL of the response tokens), DPO with the sigmoid loss,
+DPO with TRL's length-normalised IPO loss and KTO (rows unpaired, with labels and a given KL estimate); the DPO
+steps on pairs of rows (chosen, rejected) split over the data-parallel ranks and over several micro-batches (each
+pair kept in one); a sequence classifier takes one Bradley-Terry step
 (with per-pair margins and the centering term). The reference writes each loss out on transformers' float32
 log-probs / scores (never through megarl's objectives), steps SGD by hand, and gives every loss, TRL's metrics and
 every weight after the steps; each layout must equal it (1e-5 relative), so the two layouts equal each other too.
@@ -25,6 +26,9 @@ pytestmark = pytest.mark.dist
 LR = 0.1
 BETA = 0.2
 CENTER = 0.05
+KTO_KL = 0.3  # the batch's KL estimate, formed by the driver (Run.kto_kl) and handed in
+LABELS = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]  # KTO: desirable rows
+WEIGHTS = (1.0, 1.5)  # desirable, undesirable
 LAYOUTS = [dict(tp=2), dict(pp=2)]  # x dp 2 in a world of 4
 
 
@@ -95,6 +99,18 @@ def _policy_reference(hf_dir, ref_logps):
                       "rewards/accuracies": (cw > rw).float().mean().item(), "rewards/margins": (cw - rw).mean().item(),
                       "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item()})
         _sgd(model)
+    logps = _seq_logps(model, ids, attn, resp).sum(-1)  # KTO, TRL 1.16's formula written out
+    ratio, labels = logps - ref_logps, torch.tensor(LABELS).bool()
+    terms = torch.where(labels, WEIGHTS[0] * (1 - torch.sigmoid(BETA * (ratio - KTO_KL))),
+                        WEIGHTS[1] * (1 - torch.sigmoid(BETA * (KTO_KL - ratio))))
+    loss = terms.mean()
+    loss.backward()
+    rewards = BETA * ratio.detach()
+    chosen, rejected = rewards[labels].mean().item(), rewards[~labels].mean().item()
+    steps.append({"loss": loss.item(), "kl": KTO_KL, "rewards/chosen": chosen, "rewards/rejected": rejected,
+                  "rewards/margins": chosen - rejected, "logps/chosen": logps[labels].mean().item(),
+                  "logps/rejected": logps[~labels].mean().item()})
+    _sgd(model)
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     return steps, _to_mcore(spec, {n: p.detach() for n, p in model.named_parameters()})
 
@@ -120,7 +136,7 @@ def _rm_reference(hf_dir):
 
 def _world(rank, world_size, lm_ckpt, rm_ckpt, ref_logps):
     from megarl.algos.config import AlgorithmConfig
-    from megarl.algos.offline import BradleyTerryObjective, DPOObjective, SFTObjective
+    from megarl.algos.offline import BradleyTerryObjective, DPOObjective, KTOObjective, SFTObjective
     from megarl.algos.preference import DPOLoss
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
@@ -142,11 +158,15 @@ def _world(rank, world_size, lm_ckpt, rm_ckpt, ref_logps):
         coords = layout.coords(rank)
         ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
         full = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
-                                "ref_logps": torch.tensor(ref_logps), "margin": margins})
+                                "ref_logps": torch.tensor(ref_logps), "margin": margins,
+                                "label": torch.tensor(LABELS), "kto_kl": torch.full((8,), KTO_KL)})
         shard = full.chunk(layout.dp)[coords.dp]
         policy = PolicyRole(ctx, checkpoint_dir=lm_ckpt, engine=engine, algorithm=AlgorithmConfig(), temperature=1.0)
-        steps = [policy.train(shard, objective).metrics("") for objective in (
-            SFTObjective(), DPOObjective(beta=BETA), DPOObjective(beta=BETA, loss_type=DPOLoss.IPO))]
+        steps = []
+        for objective in (SFTObjective(), DPOObjective(beta=BETA), DPOObjective(beta=BETA, loss_type=DPOLoss.IPO),
+                          KTOObjective(beta=BETA, desirable_weight=WEIGHTS[0], undesirable_weight=WEIGHTS[1])):
+            result = policy.train(shard, objective)
+            steps.append(result.metrics("") | objective.report(dict(result.terms)))
         lm_params = {n: p.detach().tolist() for c in policy.engine.chunks for n, p in global_named_parameters(c)}
         del policy
         critic = CriticRole(ctx, checkpoint_dir=rm_ckpt, engine=engine, value_clip=None)
@@ -208,13 +228,17 @@ def _check_params(results, key, maps, expected):
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["tp2_dp2", "pp2_dp2"])
-def test_sft_and_dpo_steps_equal_transformers(setup, layout):
+def test_sft_dpo_and_kto_steps_equal_transformers(setup, layout):
     ((steps, weights), _), (lm_maps, _), world = setup
     results = [r[layout] for r in world]
     for r in results:
         for got, expected in zip(r["steps"], steps, strict=True):
+            # implicit rewards are beta times differences of ~50-nat sums: 1e-5 of those sums, not of the difference
+            scale = BETA * max(abs(v) for k, v in expected.items() if k.startswith("logps/")) if "kl" in expected \
+                else 0.0
             for name, value in expected.items():
-                assert _close(got[name], value), (r["layout"], name, got[name], value)
+                tol = 1e-5 * scale if name.startswith("rewards/") else 1e-6
+                assert _close(got[name], value, abs_=max(tol, 1e-6)), (r["layout"], name, got[name], value)
         assert math.isfinite(r["steps"][0]["entropy"]) and r["steps"][0]["grad_norm"] > 0
     assert steps[1]["rewards/accuracies"] not in (0.0, 1.0)  # the batch tells right from wrong pairs
     _check_params(results, "lm_params", lm_maps, weights)

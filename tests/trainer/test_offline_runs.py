@@ -109,6 +109,31 @@ def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
     assert accuracy >= 0.7, accuracy  # chance: 0.5 (0.81 measured on this machine)
 
 
+def test_kto_starts_at_one_half_and_learns_the_held_out_preferences(task, tmp_path):
+    """KTO on the pairs unpaired: at step 1 the policy is its reference, so the KL estimate is 0 and every row's
+    term is 1 - sigma(0) = 1/2 (loss 0.5, implicit rewards 0); after 60 steps the policy's log-ratio to the start
+    ranks held-out pairs (after 60 steps)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.checkpoint.convert import convert_megatron_to_hf
+
+    history = _run(task, tmp_path / "kto", "kto.yaml", "pairs.jsonl", 60)
+    first = history[0]
+    assert first["loss"] == pytest.approx(0.5, rel=1e-6)
+    assert first["kl"] == 0.0 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert statistics.mean(m["rewards/margins"] for m in history[-10:]) > 0.0
+    convert_megatron_to_hf(tmp_path / "kto" / "checkpoints" / "step_000060" / "policy", tmp_path / "kto_hf")
+    tokenizer = AutoTokenizer.from_pretrained(task / "model")
+    pairs = _jsonl(task / "pairs_val.jsonl")
+    prompts = [p["prompt"] for p in pairs]
+    chosen, rejected = (_rows(tokenizer, prompts, [p[k] for p in pairs]) for k in ("chosen", "rejected"))
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "kto_hf", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
+    ratio = [_sequence_logps(trained, *rows) - _sequence_logps(start, *rows) for rows in (chosen, rejected)]
+    accuracy = (ratio[0] > ratio[1]).double().mean().item()
+    assert accuracy >= 0.7, accuracy  # chance: 0.5
+
+
 class _Scores:
     def __init__(self) -> None:
         self.batches = []

@@ -40,6 +40,8 @@ DISTINCT = {
               "is kept apart, for a program's constraint), the one field the cost model's section overrides",
     "function": "reward.function (a reward function: a built-in key or a file's function) vs rollout.function (a "
                 "rollout function by path, null: none)",
+    "beta": "offline.dpo.beta vs offline.kto.beta: each objective's own regularisation strength (TRL's DPOConfig and "
+            "KTOConfig each default it to 0.1)",
 }
 
 

@@ -19,7 +19,7 @@ from megarl.rewards import resolve_reward_function
 from megarl.rollout.config import RolloutBackend
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-CONFIGS = sorted(EXAMPLES.glob("*/config.yaml"))
+CONFIGS = sorted(EXAMPLES.glob("*/*.yaml"))  # config.yaml, and the several configs of one task (offline programs)
 
 # (num_hidden_layers, num_attention_heads, num_key_value_heads) from the HF config.json files:
 QWEN25_05B = (24, 14, 2)  # huggingface.co/Qwen/Qwen2.5-0.5B-Instruct/blob/main/config.json
@@ -38,12 +38,31 @@ GPU_EXAMPLES = {
 }
 
 
+# offline programs (docs/offline.md): example/config -> (model dims, layout, GPUs)
+GPU_OFFLINE = {f"offline_qwen2.5_7b/{program}.yaml": (QWEN25_7B, ParallelLayout(tp=4, pp=1, dp=2), 8)
+               for program in ("sft", "dpo", "reward_model")}
+
+
 def test_examples_are_found():
     names = {p.parent.name for p in CONFIGS}
     assert set(GPU_EXAMPLES) <= names and "grpo_addition_tiny" in names
+    assert {str(p.relative_to(EXAMPLES)) for p in CONFIGS} >= set(GPU_OFFLINE)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("name", sorted(GPU_OFFLINE))
+def test_offline_gpu_layout_divides_the_model(name):
+    (layers, heads, kv_heads), expected, gpus = GPU_OFFLINE[name]
+    cfg = load_config(EXAMPLES / name)
+    trained = cfg.roles()[0]
+    layout = cfg.cluster.layout(trained)
+    assert layout == expected and layout.world_size == gpus
+    layout.check_model(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
+    engine = cfg.critic if trained.value == "critic" else cfg.policy
+    assert engine.precision.value == "bfloat16" and cfg.cluster.pool(trained).device.value == "gpu"
+    assert cfg.data.batch_size % layout.dp == 0
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_config_loads_and_passes_checks(path, tmp_path):
     cfg = load_config(path)
     # check_config needs model.path to be a directory; everything else (layout vs world, batch and
