@@ -183,12 +183,32 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
         if spec.head is Head.SCALAR and model.post_process:
             model.output_layer = ScalarHead(spec.hidden_size, opts.dtype, opts.seed, opts.init_weights,
                                             sequence_parallel=config.sequence_parallel)
+        if not opts.init_weights:
+            mark_tensor_parallel_weights(model)
         # megatron's local-spec norms ignore params_dtype; keep one dtype like Float16Module does
         model.to(dtype=opts.dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Mark each tensor-parallel weight as split (``tensor_model_parallel``, its partition dim), as megatron-core's
+    own initialisation does: built without it (``perform_initialization=False``: the weights are loaded),
+    megatron-core's local layers leave the mark off, and its gradient-norm (``param_is_not_tensor_parallel_duplicate``)
+    then counts every TP rank's shard of those weights but rank 0's as a duplicate: at TP2 the norm, and with
+    ``clip_grad`` the clipped update, came out wrong (0.90x of TP1's on the tiny model). Transformer Engine's layers
+    mark their weights themselves."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    dims = ((ColumnParallelLinear, 0), (RowParallelLinear, 1), (VocabParallelEmbedding, 0))
+    for module in model.modules():
+        dim = next((d for cls, d in dims if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def global_named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter]]:

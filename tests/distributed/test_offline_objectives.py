@@ -7,7 +7,9 @@ steps on pairs of rows (chosen, rejected) split over the data-parallel ranks and
 pair kept in one); a sequence classifier takes one Bradley-Terry step
 (with per-pair margins and the centering term). The reference writes each loss out on transformers' float32
 log-probs / scores (never through megarl's objectives), steps SGD by hand, and gives every loss, TRL's metrics and
-every weight after the steps; each layout must equal it (1e-5 relative), so the two layouts equal each other too.
+every weight after the steps, and each step's gradient norm (every tensor-parallel shard counted once: a weight
+loaded without megatron-core's initialisation once lacked its split mark and TP2's norm came out 0.9x); each
+layout must equal it (1e-5 relative), so the two layouts equal each other too.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def _seq_logps(model, ids, attn, resp):
     return lp * resp
 
 
+def _grad_norm(model):
+    return math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
+
+
 def _sgd(model):
     with torch.no_grad():
         for p in model.parameters():
@@ -81,7 +87,7 @@ def _policy_reference(hf_dir, ref_logps):
     lp = _seq_logps(model, ids, attn, resp)  # SFT: TRL's sum over label tokens / their number
     loss = -lp.sum() / resp.sum()
     loss.backward()
-    steps.append({"loss": loss.item()})
+    steps.append({"loss": loss.item(), "grad_norm": _grad_norm(model)})
     _sgd(model)
     counts = resp.sum(-1)
     for kind in ("sigmoid", "ipo"):
@@ -97,7 +103,8 @@ def _policy_reference(hf_dir, ref_logps):
         cw, rw = BETA * (c - rc).detach(), BETA * (r - rr).detach()
         steps.append({"loss": loss.item(), "rewards/chosen": cw.mean().item(), "rewards/rejected": rw.mean().item(),
                       "rewards/accuracies": (cw > rw).float().mean().item(), "rewards/margins": (cw - rw).mean().item(),
-                      "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item()})
+                      "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item(),
+                      "grad_norm": _grad_norm(model)})
         _sgd(model)
     logps = _seq_logps(model, ids, attn, resp).sum(-1)  # KTO, TRL 1.16's formula written out
     ratio, labels = logps - ref_logps, torch.tensor(LABELS).bool()
@@ -109,7 +116,7 @@ def _policy_reference(hf_dir, ref_logps):
     chosen, rejected = rewards[labels].mean().item(), rewards[~labels].mean().item()
     steps.append({"loss": loss.item(), "kl": KTO_KL, "rewards/chosen": chosen, "rewards/rejected": rejected,
                   "rewards/margins": chosen - rejected, "logps/chosen": logps[labels].mean().item(),
-                  "logps/rejected": logps[~labels].mean().item()})
+                  "logps/rejected": logps[~labels].mean().item(), "grad_norm": _grad_norm(model)})
     _sgd(model)
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     return steps, _to_mcore(spec, {n: p.detach() for n, p in model.named_parameters()})
@@ -128,7 +135,8 @@ def _rm_reference(hf_dir):
     loss.backward()
     s = scores.detach()
     metrics = {"loss": loss.item(), "accuracy": (c > r).float().mean().item(), "margin": (c - r).mean().item(),
-               "mean_reward": s.mean().item(), "min_reward": s.min().item(), "max_reward": s.max().item()}
+               "mean_reward": s.mean().item(), "min_reward": s.min().item(), "max_reward": s.max().item(),
+               "grad_norm": _grad_norm(rm)}
     _sgd(rm)
     spec = spec_from_hf_config(load_hf_config(hf_dir))
     return metrics, _to_mcore(spec, {n: p.detach() for n, p in rm.named_parameters()})
@@ -232,13 +240,15 @@ def test_sft_dpo_and_kto_steps_equal_transformers(setup, layout):
     ((steps, weights), _), (lm_maps, _), world = setup
     results = [r[layout] for r in world]
     for r in results:
-        for got, expected in zip(r["steps"], steps, strict=True):
-            # implicit rewards are beta times differences of ~50-nat sums: 1e-5 of those sums, not of the difference
+        for i, (got, expected) in enumerate(zip(r["steps"], steps, strict=True)):
+            # KTO's implicit rewards are beta times differences of ~50-nat sums: 1e-5 of those sums, not of the
+            # difference; its gradient (through sigma of those differences, after three steps) to 1e-4
             scale = BETA * max(abs(v) for k, v in expected.items() if k.startswith("logps/")) if "kl" in expected \
                 else 0.0
             for name, value in expected.items():
                 tol = 1e-5 * scale if name.startswith("rewards/") else 1e-6
-                assert _close(got[name], value, abs_=max(tol, 1e-6)), (r["layout"], name, got[name], value)
+                rel = 1e-4 if name == "grad_norm" and "kl" in expected else 1e-5
+                assert _close(got[name], value, rel, max(tol, 1e-6)), (r["layout"], i, name, got[name], value)
         assert math.isfinite(r["steps"][0]["entropy"]) and r["steps"][0]["grad_norm"] > 0
     assert steps[1]["rewards/accuracies"] not in (0.0, 1.0)  # the batch tells right from wrong pairs
     _check_params(results, "lm_params", lm_maps, weights)
