@@ -507,9 +507,6 @@ def _check_offline(cfg: TrainConfig, program: BuiltinProgram) -> None:
                           f"{', '.join(unused)} would score samples it never draws: remove "
                           f"{'it' if len(unused) == 1 else 'them'} (a reward model trained by the reward_model "
                           "program is used by an RL run's reward_model.model.path).")
-    if cfg.trainer.val_every:
-        raise ConfigError(f"trainer.val_every={cfg.trainer.val_every}: evaluation on data.val is not built yet for "
-                          f"the offline program {cfg.trainer.program}; set trainer.val_every=0.")
 
 
 def _check_program(program: str) -> None:

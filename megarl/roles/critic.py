@@ -80,6 +80,11 @@ class CriticRole(Role):
         extremes = {k: Extreme(v) for k, v in objective.extremes().items()}
         return self.engine.train_step(with_sample_mask(batch), loss_fn, extremes, group=objective.group)
 
+    def compute_scores(self, batch: Batch) -> Batch | None:
+        """``scores`` [B]: the head at each row's last real token, as a reward model scores (evaluation of a reward
+        model in training)."""
+        return _last_token_scores(self.engine, self.ctx, batch)
+
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak memory since the last call (see PolicyRole.memory_peaks)."""
         out = peaks().metrics()
@@ -102,8 +107,12 @@ class RewardModelRole(Role):
 
     def compute_scores(self, batch: Batch) -> Batch | None:
         """``scores`` [B]: the head at each sequence's last real token (``attention_mask`` right-padded)."""
-        out = self.engine.forward(batch, lambda o, mb: {"raw": o.squeeze(-1).float()})
-        if out is None or not self.ctx.is_collect_rank:
-            return None
-        last = batch["attention_mask"].sum(-1).long() - 1
-        return Batch.from_dict({"scores": out["raw"].gather(1, last.unsqueeze(1)).squeeze(1)})
+        return _last_token_scores(self.engine, self.ctx, batch)
+
+
+def _last_token_scores(engine: MegatronEngine, ctx: WorkerContext, batch: Batch) -> Batch | None:
+    out = engine.forward(batch, lambda o, mb: {"raw": o.squeeze(-1).float()})
+    if out is None or not ctx.is_collect_rank:
+        return None
+    last = batch["attention_mask"].sum(-1).long() - 1
+    return Batch.from_dict({"scores": out["raw"].gather(1, last.unsqueeze(1)).squeeze(1)})

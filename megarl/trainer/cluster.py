@@ -243,6 +243,10 @@ class Cluster:
         """The distillation teacher's ``log_probs`` of the sampled tokens (same temperature as the policy's)."""
         return self.teacher.dp(ReferenceRole.compute_log_probs, batch)
 
+    def critic_scores(self, batch: Batch) -> Batch:
+        """The trained scalar-head model's ``scores`` at each row's last real token (a reward model in training)."""
+        return self.critic.dp(CriticRole.compute_scores, batch)
+
     def values(self, batch: Batch) -> Batch:
         return self.critic.dp(CriticRole.compute_values, batch)
 

@@ -291,12 +291,37 @@ class Run:
 
     def validate(self) -> dict[str, float]:
         """Sample the validation prompts with ``rollout.validation`` at the current weights and score them:
-        sampling only (no training forward, no log-prob check), so any temperature and ``n`` work."""
+        sampling only (no training forward, no log-prob check), so any temperature and ``n`` work. An offline
+        program's validation is its objective on ``data.val`` (:meth:`evaluate`)."""
+        program = self.cfg.builtin_program
+        if program is not None and program.offline:
+            return self.evaluate(getattr(self.cfg.offline, self.cfg.trainer.program))
         records = self.val_data.records
         self.cluster.sync_weights(self.step)
         batch, _ = self.experience.rollout(records, self.cfg.rollout.validation, self.source.seed(self.step))
         num_errors = self.experience.score(batch, records, stage="validation")
         return self.experience.reward_metrics(batch, "val/reward", num_errors)
+
+    def evaluate(self, objective: algos.LMObjective | algos.ScalarObjective) -> dict[str, float]:
+        """``objective``'s loss and metrics on all of ``data.val`` (examples) at the current weights, forward only,
+        as ``val/<name>`` (TRL's ``eval_<name>``, over the whole set at once: TRL averages per-batch values, equal
+        when its eval batches are of equal size; KTO's KL estimate is the whole set's)."""
+        batch = self.source.rows(self.val_data)
+        if "kl_input_ids" in batch:
+            self.kto_kl(batch)
+        rows = batch.select("input_ids", "attention_mask")
+        mb = dict(_tensors(batch).tensors.items()) | {"sample_mask": torch.ones(len(batch))}
+        counts = algos.Counts(tokens=float(batch["response_mask"].sum()), rows=float(len(batch)))
+        if self.cluster.policy is None:  # the trained model is the scalar-head one (reward-model training)
+            loss, terms = objective.loss(self.cluster.critic_scores(rows)["scores"], mb, counts)
+        else:
+            if self.cluster.reference is not None:
+                self.reference_sequence_log_probs(batch)
+                mb["ref_logps"] = batch["ref_logps"]
+            out = self.cluster.old_log_probs(rows, temperature=1.0)
+            loss, terms = objective.loss(out["log_probs"].double(), out["entropy"].double(), mb, counts)
+        metrics = {"loss": float(loss)} | objective.report({k: float(v) for k, v in terms.items()})
+        return {f"val/{k}": v for k, v in metrics.items()}
 
     def _version_lag(self, batch: Batch) -> dict[str, float]:
         """How many updates behind the trained weights each sample's generating weights are; at most what the

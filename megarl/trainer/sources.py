@@ -348,16 +348,20 @@ class ExampleSource(RolloutSource):
 
     def next_batch(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         with timer("data"):
-            picked = [self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)]
-            o, kind = self.cfg.offline, ExampleKind(self.cfg.data_kind.value)
-            # cut as TRL's collators cut (the examples keep whole completions)
-            batch = example_rows(picked, kind, self.pad_token_id, max_length=o.max_length, truncation=o.truncation)
-            if kind is ExampleKind.UNPAIRED:  # KTO's KL rows: each prompt with the batch's previous completion
-                kl = example_rows(kl_examples(picked), kind, self.pad_token_id, max_length=o.max_length,
-                                  truncation=o.truncation)
-                for key in ("input_ids", "attention_mask", "response_mask"):
-                    batch.tensors[f"kl_{key}"] = kl[key]
+            batch = self.rows([self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)])
         return batch, {"data/epoch": float(self.sampler.epoch)}
+
+    def rows(self, examples: list[Example]) -> Batch:
+        """``examples`` laid out for the objective, cut as TRL's collators cut (the examples keep whole
+        completions); for KTO with its KL rows (each prompt with the previous example's completion)."""
+        o, kind = self.cfg.offline, ExampleKind(self.cfg.data_kind.value)
+        batch = example_rows(examples, kind, self.pad_token_id, max_length=o.max_length, truncation=o.truncation)
+        if kind is ExampleKind.UNPAIRED:
+            kl = example_rows(kl_examples(examples), kind, self.pad_token_id, max_length=o.max_length,
+                              truncation=o.truncation)
+            for key in ("input_ids", "attention_mask", "response_mask"):
+                batch.tensors[f"kl_{key}"] = kl[key]
+        return batch
 
     def draw(self) -> list[PromptRecord]:
         raise MegarlError(f"trainer.program={self.cfg.trainer.program} reads examples (run.examples()), not prompts "

@@ -89,7 +89,8 @@ def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
 
     from megarl.checkpoint.convert import convert_megatron_to_hf
 
-    history = _run(task, tmp_path / "dpo", "dpo.yaml", "pairs.jsonl", 40)
+    history = _run(task, tmp_path / "dpo", "dpo.yaml", "pairs.jsonl", 40,
+                   **{"data.val": task / "pairs_val.jsonl", "trainer.val_every": 40})
     first = history[0]
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)  # the policy is its reference
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
@@ -107,6 +108,11 @@ def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
     ratio = [_sequence_logps(trained, *rows) - _sequence_logps(start, *rows) for rows in (chosen, rejected)]
     accuracy = (ratio[0] > ratio[1]).double().mean().item()
     assert accuracy >= 0.7, accuracy  # chance: 0.5 (0.81 measured on this machine)
+    # the run's own evaluation of data.val at step 40 (TRL's eval_*): the same pairs, the DPO loss of these ratios
+    val = history[-1]
+    assert val["val/rewards/accuracies"] == pytest.approx(accuracy, abs=1.5 / len(pairs))  # a near-tie may flip
+    expected = torch.nn.functional.softplus(-0.1 * (ratio[0] - ratio[1])).mean().item()  # -log sigma(beta delta)
+    assert val["val/loss"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_kto_starts_at_one_half_and_learns_the_held_out_preferences(task, tmp_path):
@@ -152,7 +158,8 @@ def test_reward_model_trained_here_ranks_held_out_pairs_and_scores_an_rl_run(tas
     from megarl.checkpoint.convert import convert_megatron_to_hf
     from megarl.testing.addition import make_dataset
 
-    history = _run(task, tmp_path / "rm", "reward_model.yaml", "pairs.jsonl", 60)
+    history = _run(task, tmp_path / "rm", "reward_model.yaml", "pairs.jsonl", 60,
+                   **{"data.val": task / "pairs_val.jsonl", "trainer.val_every": 60})
     assert all(math.isfinite(m["loss"]) for m in history)
     ckpt = tmp_path / "rm" / "checkpoints" / "step_000060" / "critic"
     convert_megatron_to_hf(ckpt, tmp_path / "rm_hf")
@@ -165,6 +172,9 @@ def test_reward_model_trained_here_ranks_held_out_pairs_and_scores_an_rl_run(tas
                   for k in ("chosen", "rejected")]
     accuracy = (scores[0] > scores[1]).double().mean().item()
     assert accuracy >= 0.7, accuracy  # chance: 0.5 (0.83 measured on this machine)
+    assert history[-1]["val/accuracy"] == pytest.approx(accuracy, abs=1.5 / len(pairs))  # the run's evaluation
+    expected = torch.nn.functional.softplus(-(scores[0] - scores[1])).mean().item()
+    assert history[-1]["val/loss"] == pytest.approx(expected, rel=1e-4)
 
     # the checkpoint as an RL run's reward model, as it is: every row's reward is its score
     make_dataset(tmp_path / "prompts.jsonl", 32, seed=5)
