@@ -345,6 +345,8 @@ class OfflineSection:
     truncation: Truncation = Truncation.KEEP_START  # what a longer row keeps (keep_end: sft and dpo only)
     completion_only_loss: bool | None = None  # sft: the loss on completion tokens only (null: for prompt/completion)
     assistant_only_loss: bool = False  # sft on messages: the loss on the assistant's tokens ({% generation %})
+    # dpo / kto: the reference's log-probs of every training example computed once, on first use, instead of each step
+    precompute_ref_log_probs: bool = False
     sft: SFTObjective = SFTObjective()
     dpo: DPOObjective = DPOObjective()
     kto: KTOObjective = KTOObjective()

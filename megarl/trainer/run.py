@@ -166,7 +166,10 @@ class Run:
 
     def reference_sequence_log_probs(self, batch: Batch) -> dict[str, float]:
         """``ref_logps`` [B]: the reference model's log-probability of each row's counted tokens (summed), at
-        temperature 1 (DPO's reference term, offline or online)."""
+        temperature 1 (DPO's reference term, offline or online). Already there when the source precomputed them
+        (``offline.precompute_ref_log_probs``)."""
+        if "ref_logps" in batch:
+            return {}
         lp = self.cluster.reference_log_probs(batch.select("input_ids", "attention_mask"), temperature=1.0)
         batch.tensors["ref_logps"] = (lp["log_probs"].double() * batch["response_mask"]).sum(-1)
         return {}

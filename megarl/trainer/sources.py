@@ -345,11 +345,33 @@ class ExampleSource(RolloutSource):
                  pad_token_id: int) -> None:
         super().__init__(cfg, cluster, experience, data)
         self.pad_token_id = pad_token_id
+        self._ref: dict[int, torch.Tensor] | None = None  # offline.precompute_ref_log_probs: by example index
 
     def next_batch(self, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
         with timer("data"):
-            batch = self.rows([self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)])
+            picked = [self.data[i] for i in self.sampler.next_batch(self.cfg.data.batch_size)]
+            batch = self.rows(picked)
+        if self.cfg.offline.precompute_ref_log_probs:
+            with timer("reference"):
+                batch.tensors["ref_logps"] = torch.cat([self._reference_logps()[e.index] for e in picked])
         return batch, {"data/epoch": float(self.sampler.epoch)}
+
+    def _reference_logps(self) -> dict[int, torch.Tensor]:
+        """Each training example's reference log-probs (one per completion, summed over its counted tokens, at
+        temperature 1), computed once over the whole dataset on first use (TRL's ``precompute_ref_log_probs``;
+        again after a restart or resume: the reference is frozen, the numbers are the same)."""
+        if self._ref is None:
+            self._ref = {}
+            size = self.cfg.data.batch_size
+            for start in range(0, len(self.data), size):
+                chunk = self.data[start:start + size]
+                rows = self.rows(chunk)
+                lp = self.cluster.reference_log_probs(rows.select("input_ids", "attention_mask"), temperature=1.0)
+                sums = (lp["log_probs"].double() * rows["response_mask"]).sum(-1)
+                for e, part in zip(chunk, sums.split([len(e.completions) for e in chunk]), strict=True):
+                    self._ref[e.index] = part
+            logger.info("reference log-probs of %d training examples computed once", len(self._ref))
+        return self._ref
 
     def rows(self, examples: list[Example]) -> Batch:
         """``examples`` laid out for the objective, cut as TRL's collators cut (the examples keep whole

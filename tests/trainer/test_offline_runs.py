@@ -140,6 +140,18 @@ def test_kto_starts_at_one_half_and_learns_the_held_out_preferences(task, tmp_pa
     assert accuracy >= 0.7, accuracy  # chance: 0.5
 
 
+def test_precomputed_reference_log_probs_give_the_on_the_fly_steps(task, tmp_path, caplog):
+    """offline.precompute_ref_log_probs (TRL's option): the reference's log-probs of every example computed once
+    up front give the steps that computing them each step gives (the same frozen model, other micro-batches)."""
+    with caplog.at_level("INFO", logger="megarl.trainer.sources"):
+        runs = [_run(task, tmp_path / f"kto{i}", "kto.yaml", "pairs.jsonl", 6,
+                     **{"offline.precompute_ref_log_probs": flag}) for i, flag in enumerate(("false", "true"))]
+    assert "reference log-probs of 512 training examples computed once" in caplog.text  # 256 pairs, unpaired
+    for on_the_fly, precomputed in zip(*runs, strict=True):
+        for key in ("loss", "kl", "rewards/chosen", "grad_norm"):
+            assert precomputed[key] == pytest.approx(on_the_fly[key], rel=1e-5, abs=1e-7), key
+
+
 class _Scores:
     def __init__(self) -> None:
         self.batches = []
