@@ -140,6 +140,18 @@ def test_kto_starts_at_one_half_and_learns_the_held_out_preferences(task, tmp_pa
     assert accuracy >= 0.7, accuracy  # chance: 0.5
 
 
+def test_an_offline_run_resumes_where_it_stopped(task, tmp_path):
+    """DPO stopped after step 3 (its checkpoint: policy, optimizer, the data position) and started again to 6 gives
+    the steps 4-6 of an uninterrupted run."""
+    whole = _run(task, tmp_path / "whole", "dpo.yaml", "pairs.jsonl", 6)
+    _run(task, tmp_path / "parts", "dpo.yaml", "pairs.jsonl", 3)
+    resumed = _run(task, tmp_path / "parts", "dpo.yaml", "pairs.jsonl", 6)
+    assert len(resumed) == 3  # steps 4, 5, 6
+    for a, b in zip(whole[3:], resumed, strict=True):
+        for key in ("loss", "rewards/margins", "grad_norm", "logps/chosen"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+
+
 def test_precomputed_reference_log_probs_give_the_on_the_fly_steps(task, tmp_path, caplog):
     """offline.precompute_ref_log_probs (TRL's option): the reference's log-probs of every example computed once
     up front give the steps that computing them each step gives (the same frozen model, other micro-batches)."""
