@@ -5,7 +5,8 @@ References: `transformers` for the first SFT step's loss (the first batch's rows
 character vocabulary, ``data.shuffle: false``) and for every score of the trained reward model (its checkpoint
 exported to HF and run as ``Qwen2ForSequenceClassification``); ln 2 and zero implicit rewards for DPO's first step
 (the policy equals its reference); held-out pairs for what the reward model and DPO learned; an RL run with that
-checkpoint as its ``reward_model.model.path`` (no conversion), each row's reward equal to transformers' score.
+checkpoint as its ``reward_model.model.path`` (no conversion; PPO with a critic), each row's reward equal to
+transformers' score.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def test_reward_model_trained_here_ranks_held_out_pairs_and_scores_an_rl_run(tas
     expected = torch.nn.functional.softplus(-(scores[0] - scores[1])).mean().item()
     assert history[-1]["val/loss"] == pytest.approx(expected, rel=1e-4)
 
-    # the checkpoint as an RL run's reward model, as it is: every row's reward is its score
+    # the checkpoint as a PPO run's reward model, as it is: every row's reward is its score
     make_dataset(tmp_path / "prompts.jsonl", 32, seed=5)
     recorder = _Scores()
     from megarl.program import load_config, train
@@ -209,7 +210,8 @@ def test_reward_model_trained_here_ranks_held_out_pairs_and_scores_an_rl_run(tas
                  "trainer.output_dir": tmp_path / "grpo", "trainer.tensorboard": "false", "trainer.total_steps": 2,
                  "trainer.val_every": 0, "cluster.launcher": "local", "cluster.pools.main.devices_per_node": 1,
                  "cluster.pools.main.tp": 1, "data.batch_size": 4, "rollout.sampling.n": 4,
-                 "reward.function": "null", "reward_model.model.path": ckpt, "reward_model.weight": 1.0}
+                 "reward.function": "null", "reward_model.model.path": ckpt, "reward_model.weight": 1.0,
+                 "algorithm.advantage.estimator": "gae", "algorithm.kl_loss_coef": 0}  # PPO with a critic
     train(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
                       [f"{k}={v}" for k, v in overrides.items()]), None, (recorder,))
     assert len(recorder.batches) == 2
