@@ -1,9 +1,10 @@
-"""The offline trainers against TRL 1.16 on the same work (issue #44): megarl's ``trainer.program: sft | dpo |
-reward_model`` and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``RewardTrainer`` from the same weights, on the same
-examples in the same order, with the same optimizer; every step's loss, grad norm, learning rate and objective
-metrics compared, and the weights after the last step, tensor by tensor.
+"""The offline trainers against TRL 1.16 on the same work (issue #44): megarl's ``trainer.program: sft | dpo | kto |
+reward_model`` and TRL's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and ``RewardTrainer`` from the same weights,
+on the same examples in the same order, with the same optimizer; every step's loss, grad norm, learning rate and
+objective metrics compared, and the weights after the last step, tensor by tensor.
 
-    .venv/bin/python benchmarks/offline_parity.py [--cases sft,reward_model,dpo_sigmoid,dpo_ipo,dpo_hinge,dpo_robust]
+    .venv/bin/python benchmarks/offline_parity.py
+        [--cases sft,reward_model,dpo_sigmoid,dpo_ipo,dpo_hinge,dpo_robust,kto]
         [--layouts tp1,tp2,pp2] [--big-cases sft,dpo_sigmoid] [--big-layouts tp1] [--steps 10] [--batch 8]
         [--trl-python .venv-trl/bin/python] [--work outputs/offline_parity] [--results FILE]
 
@@ -21,7 +22,17 @@ Models and data (built offline, :mod:`megarl.testing.addition`): ``tiny`` (``mak
   causal LM; offline_trl.py's ``save_initial`` keeps that model (a ``Qwen2ForSequenceClassification``), and
   megarl's ``model.path`` is that directory, so both start from the same weights, head included;
 - ``dpo_sigmoid``, ``dpo_ipo``, ``dpo_hinge``, ``dpo_robust`` (``label_smoothing`` 0.1): beta 0.1, the reference
-  the frozen starting model, computed on the fly on both sides.
+  the frozen starting model, computed on the fly on both sides;
+- ``kto``: beta 0.1, desirable and undesirable weight 1, the reference as DPO's. Unpaired rows from pairs: TRL's
+  KTOTrainer unpairs a preference dataset per chunk of 1000 pairs, every chosen (desirable) then every rejected,
+  and megarl's ``load_examples`` does the same, so with ``data.shuffle=false`` megarl trains the unpaired rows in
+  that order. TRL is given the unpaired file (written by TRL's own ``unpair_preference_dataset``; offline_trl.py
+  orders rows before TRL would unpair) and the same index lists; ``prepare_kto`` checks megarl's unpaired rows
+  (token ids, label) against it row by row. The file is the first ``steps * batch / 2 + batch / 2`` pairs (44 by
+  default), not all 256: with all of them the first 256 unpaired rows, every step of a short run, are desirable;
+  with 44, steps 1-5 are desirable, step 6 half and half, steps 7-10 undesirable. KL estimate: TRL rotates the
+  completions by one within each ``per_device_train_batch_size`` chunk of its prepared dataset, megarl within each
+  step's batch: the same pairs here, where the steps are consecutive chunks in order (no accumulation).
 
 Settings, both sides: ``--steps`` optimizer steps of ``--batch`` examples (pairs), no gradient accumulation; the
 examples in file order (megarl ``data.shuffle=false`` takes rows ``0..B-1``, ``B..2B-1``, ...; TRL is given these
@@ -38,7 +49,11 @@ step: megarl's checkpoint converted to HF (``megarl.checkpoint.convert.convert_m
 ``|a - b| / |b - w0|`` (relative to the update since the start ``w0``). Two more comparisons set the scale:
 megarl TP2 and PP2 against TP1 (the same program, another split), and TRL against itself with the step's batch in
 2 micro-batches (``gradient_accumulation_steps=2``, the same loss by construction for these cases: every micro-batch
-holds equally many pairs / SFT divides by the whole step's tokens): the difference rounding alone makes.
+holds equally many pairs / SFT divides by the whole step's tokens): the difference rounding alone makes. KTO's
+control is TRL with each step's rows rotated by half a batch instead (TRL forms the KL estimate per micro-batch,
+so 2 micro-batches would be other work; a cyclic rotation keeps every row and every mismatched KL pair).
+Metrics that some steps lack (KTO's ``rewards/chosen`` when a batch has no desirable row) are compared on the steps
+where both sides log them.
 
 Speed and memory (megarl TP1 and TRL, the same runs): median step time over steps 2..N (megarl's
 ``timing/step_s``; TRL from ``on_step_begin`` to ``on_step_end``) and the peak RSS sum of the run's process tree,
@@ -156,7 +171,8 @@ def compare_metrics(ours: list[dict], theirs: list[dict], rename: dict[str, str]
     # where both sides log it; a step where only one side does is listed under "one_sided"
     ours_keys = list(dict.fromkeys(k for o in ours for k in o))
     names = [k for k in ours_keys if not k.startswith(BOOKKEEPING)
-             and any(numeric(o.get(k)) and numeric(t.get(rename.get(k, k))) for o, t in zip(ours, theirs))]
+             and any(numeric(o.get(k)) and numeric(t.get(rename.get(k, k)))
+                     for o, t in zip(ours, theirs, strict=True))]
     out = {}
     for k in names:
         diffs = [(rel(o[k], t[rename.get(k, k)]), i + 1, o[k], t[rename.get(k, k)]) for i, (o, t) in
@@ -166,7 +182,7 @@ def compare_metrics(ours: list[dict], theirs: list[dict], rename: dict[str, str]
         scale = max(max(abs(d[2]), abs(d[3])) for d in diffs)
         out[k] = {"rel": worst[0], "step": worst[1], "ours": worst[2], "theirs": worst[3],
                   "per_step": [d[0] for d in diffs], "steps": [d[1] for d in diffs],
-                  "one_sided": [i + 1 for i, (o, t) in enumerate(zip(ours, theirs))
+                  "one_sided": [i + 1 for i, (o, t) in enumerate(zip(ours, theirs, strict=True))
                                 if numeric(o.get(k)) != numeric(t.get(rename.get(k, k)))],
                   "abs_over_scale": max(abs(d[2] - d[3]) for d in diffs) / scale if scale else 0.0}
     theirs_named = {rename.get(k, k) for k in ours_keys}
@@ -467,8 +483,8 @@ def _w(d: dict) -> str:
 
 
 def report(results: list[dict], meta: dict) -> str:
-    lines = [f"# Offline trainers against TRL {meta['versions'].get('TRL venv trl', '?')}: SFT, reward model, DPO, KTO, "
-             f"{meta['date']}", "",
+    lines = [f"# Offline trainers against TRL {meta['versions'].get('TRL venv trl', '?')}: SFT, reward model, DPO, "
+             f"KTO, {meta['date']}", "",
              f"- megarl commit {meta['commit']}; {meta['machine']}",
              "- " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- load average (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}",
@@ -496,8 +512,8 @@ def report(results: list[dict], meta: dict) -> str:
              "preference file (it unpairs it the same way; checked row by row before the runs).", ""]
     lines += ["## Summary", "",
               "| model | case | metrics megarl TP1 vs TRL: worst (metric, step) | weights megarl TP1 vs TRL | "
-              "control TRL vs TRL (GA2; KTO: rows rotated): metrics / weights | TP2 vs TP1: metrics / weights | PP2 vs TP1: "
-              "metrics / weights |", "|---|---|---|---|---|---|---|"]
+              "control TRL vs TRL (GA2; KTO: rows rotated): metrics / weights | TP2 vs TP1: metrics / weights | "
+              "PP2 vs TP1: metrics / weights |", "|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []
         tp1 = r["megarl"].get("tp1")
