@@ -1,9 +1,10 @@
-"""The offline trainers against TRL 1.16 on the same work (issue #44): megarl's ``trainer.program: sft | dpo |
-reward_model`` and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``RewardTrainer`` from the same weights, on the same
-examples in the same order, with the same optimizer; every step's loss, grad norm, learning rate and objective
-metrics compared, and the weights after the last step, tensor by tensor.
+"""The offline trainers against TRL 1.16 on the same work (issue #44): megarl's ``trainer.program: sft | dpo | kto |
+reward_model`` and TRL's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and ``RewardTrainer`` from the same weights,
+on the same examples in the same order, with the same optimizer; every step's loss, grad norm, learning rate and
+objective metrics compared, and the weights after the last step, tensor by tensor.
 
-    .venv/bin/python benchmarks/offline_parity.py [--cases sft,reward_model,dpo_sigmoid,dpo_ipo,dpo_hinge,dpo_robust]
+    .venv/bin/python benchmarks/offline_parity.py
+        [--cases sft,reward_model,dpo_sigmoid,dpo_ipo,dpo_hinge,dpo_robust,kto]
         [--layouts tp1,tp2,pp2] [--big-cases sft,dpo_sigmoid] [--big-layouts tp1] [--steps 10] [--batch 8]
         [--trl-python .venv-trl/bin/python] [--work outputs/offline_parity] [--results FILE]
 
@@ -21,7 +22,17 @@ Models and data (built offline, :mod:`megarl.testing.addition`): ``tiny`` (``mak
   causal LM; offline_trl.py's ``save_initial`` keeps that model (a ``Qwen2ForSequenceClassification``), and
   megarl's ``model.path`` is that directory, so both start from the same weights, head included;
 - ``dpo_sigmoid``, ``dpo_ipo``, ``dpo_hinge``, ``dpo_robust`` (``label_smoothing`` 0.1): beta 0.1, the reference
-  the frozen starting model, computed on the fly on both sides.
+  the frozen starting model, computed on the fly on both sides;
+- ``kto``: beta 0.1, desirable and undesirable weight 1, the reference as DPO's. Unpaired rows from pairs: TRL's
+  KTOTrainer unpairs a preference dataset per chunk of 1000 pairs, every chosen (desirable) then every rejected,
+  and megarl's ``load_examples`` does the same, so with ``data.shuffle=false`` megarl trains the unpaired rows in
+  that order. TRL is given the unpaired file (written by TRL's own ``unpair_preference_dataset``; offline_trl.py
+  orders rows before TRL would unpair) and the same index lists; ``prepare_kto`` checks megarl's unpaired rows
+  (token ids, label) against it row by row. The file is the first ``steps * batch / 2 + batch / 2`` pairs (44 by
+  default), not all 256: with all of them the first 256 unpaired rows, every step of a short run, are desirable;
+  with 44, steps 1-5 are desirable, step 6 half and half, steps 7-10 undesirable. KL estimate: TRL rotates the
+  completions by one within each ``per_device_train_batch_size`` chunk of its prepared dataset, megarl within each
+  step's batch: the same pairs here, where the steps are consecutive chunks in order (no accumulation).
 
 Settings, both sides: ``--steps`` optimizer steps of ``--batch`` examples (pairs), no gradient accumulation; the
 examples in file order (megarl ``data.shuffle=false`` takes rows ``0..B-1``, ``B..2B-1``, ...; TRL is given these
@@ -38,7 +49,11 @@ step: megarl's checkpoint converted to HF (``megarl.checkpoint.convert.convert_m
 ``|a - b| / |b - w0|`` (relative to the update since the start ``w0``). Two more comparisons set the scale:
 megarl TP2 and PP2 against TP1 (the same program, another split), and TRL against itself with the step's batch in
 2 micro-batches (``gradient_accumulation_steps=2``, the same loss by construction for these cases: every micro-batch
-holds equally many pairs / SFT divides by the whole step's tokens): the difference rounding alone makes.
+holds equally many pairs / SFT divides by the whole step's tokens): the difference rounding alone makes. KTO's
+control is TRL with each step's rows rotated by half a batch instead (TRL forms the KL estimate per micro-batch,
+so 2 micro-batches would be other work; a cyclic rotation keeps every row and every mismatched KL pair).
+Metrics that some steps lack (KTO's ``rewards/chosen`` when a batch has no desirable row) are compared on the steps
+where both sides log them.
 
 Speed and memory (megarl TP1 and TRL, the same runs): median step time over steps 2..N (megarl's
 ``timing/step_s``; TRL from ``on_step_begin`` to ``on_step_end``) and the peak RSS sum of the run's process tree,
@@ -86,6 +101,10 @@ class Case:
     data: str  # file under the task directory
     role: str  # megarl's trained role: its optim section and checkpoint subdirectory
     dpo: dict = dataclasses.field(default_factory=dict)  # beta, loss_type, label_smoothing
+    kto: dict = dataclasses.field(default_factory=dict)  # beta, desirable_weight, undesirable_weight
+    # the TRL-against-TRL rounding control: "ga2" each step in 2 micro-batches; "rotate" each step's rows rotated by
+    # half a batch (KTO: its KL estimate is per micro-batch, so GA2 is other work; a rotation keeps every KL pair)
+    control: str = "ga2"
 
 
 def _dpo(loss_type: str, label_smoothing: float = 0.0) -> dict:
@@ -99,7 +118,10 @@ CASES = {
     "dpo_ipo": Case("dpo", "dpo", "pairs.jsonl", "policy", _dpo("ipo")),
     "dpo_hinge": Case("dpo", "dpo", "pairs.jsonl", "policy", _dpo("hinge")),
     "dpo_robust": Case("dpo", "dpo", "pairs.jsonl", "policy", _dpo("robust", 0.1)),
+    "kto": Case("kto", "kto", "pairs.jsonl", "policy",
+                kto=dict(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0), control="rotate"),
 }
+CONTROLS = {"ga2": "TRL GA2", "rotate": "TRL rows rotated"}
 
 
 # ------------------------------------------------------------------------------------ TRL side (TRL venv)
@@ -143,23 +165,32 @@ def compare_metrics(ours: list[dict], theirs: list[dict], rename: dict[str, str]
     if len(ours) != len(theirs):
         raise SystemExit(f"{len(ours)} steps against {len(theirs)}")
     def numeric(x) -> bool:
-        return isinstance(x, int | float) and not isinstance(x, bool)
+        return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)
 
-    names = [k for k in ours[0] if not k.startswith(BOOKKEEPING) and numeric(ours[0][k])
-             and numeric(theirs[0].get(rename.get(k, k)))]
+    # a metric some steps lack (KTO's rewards/chosen when the batch has no desirable row): compared on the steps
+    # where both sides log it; a step where only one side does is listed under "one_sided"
+    ours_keys = list(dict.fromkeys(k for o in ours for k in o))
+    names = [k for k in ours_keys if not k.startswith(BOOKKEEPING)
+             and any(numeric(o.get(k)) and numeric(t.get(rename.get(k, k)))
+                     for o, t in zip(ours, theirs, strict=True))]
     out = {}
     for k in names:
         diffs = [(rel(o[k], t[rename.get(k, k)]), i + 1, o[k], t[rename.get(k, k)]) for i, (o, t) in
-                 enumerate(zip(ours, theirs, strict=True))]
+                 enumerate(zip(ours, theirs, strict=True))
+                 if numeric(o.get(k)) and numeric(t.get(rename.get(k, k)))]
         worst = max(diffs)
         scale = max(max(abs(d[2]), abs(d[3])) for d in diffs)
         out[k] = {"rel": worst[0], "step": worst[1], "ours": worst[2], "theirs": worst[3],
-                  "per_step": [d[0] for d in diffs],
+                  "per_step": [d[0] for d in diffs], "steps": [d[1] for d in diffs],
+                  "one_sided": [i + 1 for i, (o, t) in enumerate(zip(ours, theirs, strict=True))
+                                if numeric(o.get(k)) != numeric(t.get(rename.get(k, k)))],
                   "abs_over_scale": max(abs(d[2] - d[3]) for d in diffs) / scale if scale else 0.0}
-    theirs_named = {rename.get(k, k) for k in ours[0]}
+    theirs_named = {rename.get(k, k) for k in ours_keys}
+    theirs_keys = list(dict.fromkeys(k for t in theirs for k in t))
     return {"metrics": out,
-            "only_ours": sorted(k for k in ours[0] if not k.startswith(BOOKKEEPING) and k not in names and k != "rows"),
-            "only_theirs": sorted(k for k in theirs[0] if k not in theirs_named
+            "only_ours": sorted(k for k in ours_keys if not k.startswith(BOOKKEEPING) and k not in names
+                                and k != "rows"),
+            "only_theirs": sorted(k for k in theirs_keys if k not in theirs_named
                                   and k not in ("step", "rows", "compute_loss", "epoch"))}
 
 
@@ -238,16 +269,17 @@ def base_env() -> dict[str, str]:
                   "PYTHONPATH": str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")}
 
 
-def run_trl(case: Case, task: Path, out: Path, steps: list[list[int]], trl_python: str, accum: int = 1) -> dict:
+def run_trl(case: Case, task: Path, out: Path, steps: list[list[int]], trl_python: str, accum: int = 1,
+            data: Path | None = None) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     o = OPTIM
-    spec = dict(trainer=case.trainer, model=str(task / "model"), data=str(task / case.data), steps=steps,
+    spec = dict(trainer=case.trainer, model=str(task / "model"), data=str(data or task / case.data), steps=steps,
                 output_dir=str(out), threads=2, gradient_accumulation_steps=accum, learning_rate=o["lr"],
                 adam_beta1=o["adam_beta1"], adam_beta2=o["adam_beta2"], adam_epsilon=o["adam_eps"],
                 weight_decay=o["weight_decay"], max_grad_norm=o["clip_grad"], seed=SEED, max_length=MAX_LENGTH,
-                **case.dpo, save_initial=case.trainer == "reward")
+                **case.dpo, **case.kto, save_initial=case.trainer == "reward")
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     wall, sampler = run_measured([trl_python, str(Path(__file__).resolve()), "--trl-timed", str(out / "spec.json")],
                                  out / "log.txt", base_env())
@@ -274,13 +306,15 @@ def megarl_config(case: Case, model_path: Path, task: Path, out: Path, layout: s
                                        "pp": lay["pp"]}}},
         case.role: {"optim": {"optimizer": "adam", **o, "lr_warmup_steps": 0, "lr_decay": "constant"},
                     "precision": "float32"},
-        "offline": {"max_length": MAX_LENGTH, **({"dpo": case.dpo} if case.dpo else {})},
+        "offline": {"max_length": MAX_LENGTH, **({"dpo": case.dpo} if case.dpo else {}),
+                    **({"kto": case.kto} if case.kto else {})},
         "trainer": {"program": case.program, "total_steps": steps, "output_dir": str(out), "save_every": 0,
                     "tensorboard": False, "seed": SEED, "resume": False},
     }
 
 
-def run_megarl(case: Case, model_path: Path, task: Path, out: Path, layout: str, steps: int, batch: int) -> dict:
+def run_megarl(case: Case, model_path: Path, task: Path, out: Path, layout: str, steps: int, batch: int,
+               data: Path | None = None) -> dict:
     import yaml
 
     from megarl.metrics.tracking import read_metrics
@@ -289,7 +323,10 @@ def run_megarl(case: Case, model_path: Path, task: Path, out: Path, layout: str,
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(yaml.safe_dump(megarl_config(case, model_path, task, out, layout, steps, batch), sort_keys=False))
+    config = megarl_config(case, model_path, task, out, layout, steps, batch)
+    if data:
+        config["data"]["train"] = str(data)
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
     wall, sampler = run_measured([sys.executable, "-m", "megarl.cli.main", "train", str(cfg)], out.parent /
                                  f"{out.name}.log", base_env())
     records = read_metrics(out)
@@ -333,20 +370,77 @@ def check_resolved(resolved: dict, role: str) -> list[str]:
     return bad
 
 
+UNPAIR = """import json, sys
+from datasets import Dataset
+from trl.data_utils import unpair_preference_dataset
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+with open(sys.argv[2], "w") as f:
+    for row in unpair_preference_dataset(Dataset.from_list(rows)):
+        f.write(json.dumps(row) + "\\n")
+"""
+
+
+def prepare_kto(task: Path, base: Path, n_rows: int, batch: int, trl_python: str) -> tuple[Path, Path, dict]:
+    """KTO's data on both sides. megarl reads a preference file and unpairs it as TRL's KTOTrainer does (per chunk of
+    1000 pairs every chosen, then every rejected; megarl.data.examples._unpair), and with ``data.shuffle=false``
+    trains the unpaired rows in that order. offline_trl.py takes an unpaired file (TRL would unpair a paired one
+    *after* offline_trl.py has ordered its rows): TRL 1.16's own ``unpair_preference_dataset`` (TRL venv) writes it
+    from the same preference file, and the steps' index lists point into it. The preference file is the first
+    ``n_rows / 2 + batch / 2`` pairs of pairs.jsonl, so that the run's unpaired rows hold desirable-only steps, one
+    step half desirable and half undesirable, and undesirable-only steps (all of pairs.jsonl would give 256
+    desirable rows first: every step of a 10-step run desirable). Checked here: megarl's ``load_examples`` gives
+    the same rows (token ids of prompt and completion, label) in the same order as TRL's unpaired file."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.data.examples import ExampleKind, load_examples
+
+    n_pairs = n_rows // 2 + batch // 2
+    lines = (task / "pairs.jsonl").read_text().splitlines()
+    if n_pairs > len(lines):
+        raise SystemExit(f"kto: {n_pairs} pairs needed, pairs.jsonl has {len(lines)}")
+    base.mkdir(parents=True, exist_ok=True)
+    pairs, unpaired = base / f"pairs-{n_pairs}.jsonl", base / f"unpaired-{n_pairs}.jsonl"
+    pairs.write_text("\n".join(lines[:n_pairs]) + "\n")
+    subprocess.run([trl_python, "-c", UNPAIR, str(pairs), str(unpaired)], check=True, env=base_env())
+    rows = [json.loads(line) for line in unpaired.read_text().splitlines()]
+    tok = PreTrainedTokenizerFast.from_pretrained(str(task / "model"))
+    ours = load_examples(pairs, ExampleKind.UNPAIRED, tok, max_length=MAX_LENGTH)
+    if len(ours) != len(rows):
+        raise SystemExit(f"kto: megarl unpairs {len(ours)} rows, TRL {len(rows)}")
+    for i, (e, r) in enumerate(zip(ours, rows, strict=True)):
+        ids = tok(r["prompt"] + r["completion"] + tok.eos_token)["input_ids"]
+        if e.label != r["label"] or e.prompt_ids + e.completions[0] != ids or len(e.completions) != 1:
+            raise SystemExit(f"kto: unpaired row {i} differs: megarl {e}, TRL {r} ({ids})")
+    labels = [r["label"] for r in rows[:n_rows]]
+    info = {"pairs": n_pairs, "unpaired_rows": len(rows),
+            "per_step_desirable": [sum(labels[k:k + batch]) for k in range(0, n_rows, batch)]}
+    return pairs, unpaired, info
+
+
 def run_case(name: str, model: str, layouts: list[str], task: Path, work: Path, n_steps: int, batch: int,
              trl_python: str) -> dict:
     case = CASES[name]
     steps = [list(range(batch * k, batch * (k + 1))) for k in range(n_steps)]
     base = work / model / name
+    ours_data = trl_data = None
+    extra = {}
+    if case.trainer == "kto":
+        ours_data, trl_data, extra["kto_data"] = prepare_kto(task, base, n_steps * batch, batch, trl_python)
     logger.info("%s %s: TRL", model, name)
-    trl = run_trl(case, task, base / "trl", steps, trl_python)
-    logger.info("%s %s: TRL, 2 micro-batches (control)", model, name)
-    trl_ga2 = run_trl(case, task, base / "trl-ga2", steps, trl_python, accum=2)
+    trl = run_trl(case, task, base / "trl", steps, trl_python, data=trl_data)
+    if case.control == "ga2":
+        logger.info("%s %s: TRL, 2 micro-batches (control)", model, name)
+        trl_ga2 = run_trl(case, task, base / "trl-ga2", steps, trl_python, accum=2, data=trl_data)
+    else:
+        logger.info("%s %s: TRL, each step's rows rotated by half a batch (control)", model, name)
+        rotated = [s[batch // 2:] + s[:batch // 2] for s in steps]
+        trl_ga2 = run_trl(case, task, base / "trl-ga2", rotated, trl_python, data=trl_data)
     start_dir = base / "trl" / "initial" if case.trainer == "reward" else task / "model"
     start = load_weights(start_dir)
     trl_w = load_weights(base / "trl" / "final")
     rename = {"lr": "learning_rate"}
-    result = {"case": name, "model": model, "dpo": case.dpo, "trl": trl, "trl_ga2": trl_ga2,
+    result = {"case": name, "model": model, "dpo": case.dpo or case.kto, "control": CONTROLS[case.control],
+              **extra, "trl": trl, "trl_ga2": trl_ga2,
               "trl_ga2_vs_trl": {"metrics": compare_metrics(trl_ga2["steps"], trl["steps"], {})["metrics"],
                                  "weights": weight_diff(load_weights(base / "trl-ga2" / "final"), trl_w, start)},
               "megarl": {}}
@@ -357,7 +451,7 @@ def run_case(name: str, model: str, layouts: list[str], task: Path, work: Path, 
     for layout in layouts:
         logger.info("%s %s: megarl %s", model, name, layout)
         out = base / f"megarl-{layout}"
-        r = run_megarl(case, start_dir, task, out, layout, n_steps, batch)
+        r = run_megarl(case, start_dir, task, out, layout, n_steps, batch, data=ours_data)
         r["config_problems"] = check_resolved(r.pop("resolved"), case.role)
         ckpt = out / "checkpoints" / f"step_{n_steps:06d}" / case.role
         weights[layout] = load_weights(to_hf(ckpt, base / f"megarl-{layout}-hf"))
@@ -390,7 +484,7 @@ def _w(d: dict) -> str:
 
 def report(results: list[dict], meta: dict) -> str:
     lines = [f"# Offline trainers against TRL {meta['versions'].get('TRL venv trl', '?')}: SFT, reward model, DPO, "
-             f"{meta['date']}", "",
+             f"KTO, {meta['date']}", "",
              f"- megarl commit {meta['commit']}; {meta['machine']}",
              "- " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- load average (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}",
@@ -411,11 +505,15 @@ def report(results: list[dict], meta: dict) -> str:
              "*to update* `|a - b| / |b - w0|`, *max-abs* `max|a - b| / max|b|` per tensor. Bold: above "
              f"{TOLERANCE:g}. **Control**: TRL against itself with each step in 2 micro-batches "
              "(`gradient_accumulation_steps=2`, the same loss for these cases): what reordered fp32 rounding alone "
-             "makes of the same work.", ""]
+             "makes of the same work. KTO's control instead rotates each step's rows by half a batch (TRL forms "
+             "KTO's KL estimate per micro-batch, so GA2 would be other work; a rotation keeps every mismatched KL "
+             "pair and every row, in another order). KTO's data: the first pairs of pairs.jsonl unpaired as TRL's "
+             "KTOTrainer unpairs them (all chosen, then all rejected), TRL given that unpaired file and megarl the "
+             "preference file (it unpairs it the same way; checked row by row before the runs).", ""]
     lines += ["## Summary", "",
               "| model | case | metrics megarl TP1 vs TRL: worst (metric, step) | weights megarl TP1 vs TRL | "
-              "control TRL GA2 vs TRL: metrics / weights | TP2 vs TP1: metrics / weights | PP2 vs TP1: "
-              "metrics / weights |", "|---|---|---|---|---|---|---|"]
+              "control TRL vs TRL (GA2; KTO: rows rotated): metrics / weights | TP2 vs TP1: metrics / weights | "
+              "PP2 vs TP1: metrics / weights |", "|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []
         tp1 = r["megarl"].get("tp1")
@@ -455,18 +553,25 @@ def report(results: list[dict], meta: dict) -> str:
     lines += ["", "## Per case", ""]
     for r in results:
         lines += [f"### {r['model']} {r['case']}" + (f" ({r['dpo']})" if r["dpo"] else ""), ""]
+        ctl = r.get("control", "TRL GA2")
+        if "kto_data" in r:
+            k = r["kto_data"]
+            lines += [f"Data: the first {k['pairs']} pairs of pairs.jsonl, unpaired into {k['unpaired_rows']} rows; "
+                      f"desirable rows per step: {k['per_step_desirable']} (of {meta['batch']}).", ""]
         if "initial_heads_equal" in r:
             lines.append(f"TRL's initial model identical in both TRL runs (seeded head): {r['initial_heads_equal']}.")
             lines.append("")
         tp1 = r["megarl"].get("tp1")
         if tp1:
             v = tp1["vs_trl"]
-            lines += ["| metric | megarl TP1 vs TRL: max rel (step: megarl / TRL) | abs/scale | control GA2 vs TRL |"
+            lines += [f"| metric | megarl TP1 vs TRL: max rel (step: megarl / TRL) | abs/scale | control {ctl} vs TRL |"
                       + "".join(f" {lay.upper()} vs TP1 |" for lay in r["megarl"] if lay != "tp1"),
                       "|---|---|---|---|" + "---|" * (len(r["megarl"]) - 1)]
             for k, m in v["metrics"].items():
                 ctrl = r["trl_ga2_vs_trl"]["metrics"].get({"lr": "learning_rate"}.get(k, k))
-                row = (f"| {k} | {_mark(m['rel'])} ({m['step']}: {m['ours']:.8g} / {m['theirs']:.8g}) | "
+                few = (f", steps {m['steps'][0]}-{m['steps'][-1]}" if len(m.get("steps", [])) < meta["steps"]
+                       else "") + (f", one side only at {m['one_sided']}" if m.get("one_sided") else "")
+                row = (f"| {k}{few} | {_mark(m['rel'])} ({m['step']}: {m['ours']:.8g} / {m['theirs']:.8g}) | "
                        f"{_e(m['abs_over_scale'])} | {_e(ctrl['rel']) if ctrl else '-'} |")
                 for lay, x in r["megarl"].items():
                     if lay != "tp1":
@@ -482,7 +587,7 @@ def report(results: list[dict], meta: dict) -> str:
                       + " ".join(_e(x) for x in v["metrics"]["grad_norm"]["per_step"]),
                       "", "Weights after the last step, the 5 tensors most apart (rel | max-abs | to update), megarl "
                       "TP1 vs TRL, and the control:", "",
-                      "| tensor | megarl TP1 vs TRL | control GA2 vs TRL |", "|---|---|---|"]
+                      f"| tensor | megarl TP1 vs TRL | control {ctl} vs TRL |", "|---|---|---|"]
             p, cp = v["weights"]["params"], r["trl_ga2_vs_trl"]["weights"]["params"]
             for n in sorted(p, key=lambda n: -p[n]["rel"])[:5]:
                 lines.append(f"| {n} | {_mark(p[n]['rel'])} / {_e(p[n]['max_rel'])} / {_e(p[n]['rel_update'])} | "
