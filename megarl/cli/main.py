@@ -19,7 +19,8 @@ def _train(args: argparse.Namespace) -> int:
     allocator.exec_with(allocator.Allocator(cluster.get("allocator", allocator.DEFAULT)
                                             if isinstance(cluster, dict) else allocator.DEFAULT))
 
-    from megarl.config.train import check_config, load_config
+    from megarl.config.checks import check_config
+    from megarl.config.train import load_config
 
     cfg = load_config(args.config, args.overrides)
     check_config(cfg)  # config errors in ~4 s: before megatron-core and Ray are imported

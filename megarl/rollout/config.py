@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from megarl.engine.config import Precision
 
-# why policy.router_replay with the vLLM backend needs rollout tp 1 (megarl.config.train.check_config, the engine)
+# why policy.router_replay with the vLLM backend needs rollout tp 1 (megarl.config.checks.check_config, the engine)
 ROUTER_REPLAY_TP_REASON = (
     "policy.router_replay with the vLLM backend needs rollout.engine.tp=1, found tp={tp}: vLLM 0.32 keeps the routed "
     "experts on the first rank of a TP group only (vllm/distributed/aux_output_connector/worker.py), while each "

@@ -4,7 +4,7 @@ A step is a controller program, ``step(run) -> metrics`` (``trainer.program``; d
 PPO-family one (:mod:`megarl.recipes.rl`) or a user's given by path, both over :class:`megarl.trainer.run.Run` (the
 run's roles and stages: :class:`megarl.trainer.cluster.Cluster` for the workers, the schedule's rollout source,
 the stages' math from :mod:`megarl.algos`). The loop is the same for every program. Everything checkable is
-checked before a worker starts (:func:`megarl.config.train.check_config`, the program's signature, the dataset,
+checked before a worker starts (:func:`megarl.config.checks.check_config`, the program's signature, the dataset,
 the reward function, the frozen models' tokens: :func:`megarl.trainer.checks.check_frozen_models`);
 :func:`megarl.config.resolve.resolve` then makes every "auto" decision, and the run writes that config to
 ``<output_dir>/config.yaml``.
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from megarl.algos.plugins import is_spec
 from megarl.checkpoint import run as run_checkpoints
+from megarl.config.checks import check_config
 from megarl.config.resolve import resolve, stop_token_ids
 from megarl.config.train import (
     PROGRAM_SIGNATURE,
@@ -43,7 +44,6 @@ from megarl.config.train import (
     DataKind,
     Role,
     TrainConfig,
-    check_config,
     dump_config,
     to_plain,
 )

@@ -20,8 +20,9 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install brings its CPU build)")
 
+from megarl.config.checks import check_config  # noqa: E402
 from megarl.config.resolve import resolve  # noqa: E402
-from megarl.config.train import check_config, load_config  # noqa: E402
+from megarl.config.train import load_config  # noqa: E402
 from megarl.errors import ConfigError, MegarlError  # noqa: E402
 from megarl.rollout.base import SamplingParams  # noqa: E402
 from megarl.rollout.config import RolloutConfig  # noqa: E402

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.config.checks import check_config
 from megarl.config.resolve import resolve
-from megarl.config.train import TrainConfig, check_config, load_config
+from megarl.config.train import TrainConfig, load_config
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptRecord
 from megarl.errors import ConfigError

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megarl.config.checks import check_config
 from megarl.config.reference import render
 from megarl.config.resolve import resolve
-from megarl.config.train import RewardModelSection, TeacherSection, TrainConfig, check_config, load_config, to_plain
+from megarl.config.train import RewardModelSection, TeacherSection, TrainConfig, load_config, to_plain
 from megarl.controller.spec import GroupOptions
 from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError

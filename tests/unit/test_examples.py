@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.train import check_config, load_config
+from megarl.config.checks import check_config
+from megarl.config.train import load_config
 from megarl.data.prompts import DataError, PromptConfig, load_prompts
 from megarl.parallel.layout import ParallelLayout
 from megarl.rewards import resolve_reward_function

@@ -390,7 +390,8 @@ def test_check_config_takes_every_algorithm_feature_with_multi_turn(tmp_path):
     rollouts pass the config check; the overlong ramp must fit the conversation's budget, not max_new_tokens."""
     from pathlib import Path
 
-    from megarl.config.train import check_config, load_config
+    from megarl.config.checks import check_config
+    from megarl.config.train import load_config
     from megarl.errors import ConfigError
 
     example = Path(__file__).resolve().parents[2] / "examples" / "multiturn_lookup_tiny" / "config.yaml"

@@ -141,7 +141,8 @@ def test_environment_plays_a_conversation_as_its_docstring_says():
 
 
 def test_multiturn_config_passes_the_checks_and_builds_its_environment(tmp_path):
-    from megarl.config.train import check_config, load_config
+    from megarl.config.checks import check_config
+    from megarl.config.train import load_config
     from megarl.multiturn.environment import environment_factory
 
     cfg = load_config(EXAMPLE / "multiturn.yaml", [f"model.path={tmp_path}",

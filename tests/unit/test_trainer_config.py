@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config.train import TrainConfig, check_config, dump_config, load_config
+from megarl.config.checks import check_config
+from megarl.config.train import TrainConfig, dump_config, load_config
 from megarl.engine.config import EngineConfig
 from megarl.errors import ConfigError, LayoutError
 from megarl.trainer.callbacks import STAGES, Callback
