@@ -24,7 +24,14 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from megarl.algos.preference import DPOLoss, dpo_losses, kto_losses, kto_metrics, reward_model_losses
+from megarl.algos.preference import (
+    DPOLoss,
+    dpo_losses,
+    kto_losses,
+    kto_metrics,
+    reward_model_losses,
+    reward_model_metrics,
+)
 from megarl.errors import ConfigError
 
 
@@ -71,8 +78,15 @@ class ScalarObjective(Protocol):
     def report(self, terms: dict[str, float]) -> dict[str, float]: ...
 
 
-def _sequence_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum(-1)
+def _sequences(log_probs: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A micro-batch's counted-token mask [b, s], real-row mask [b] and each row's summed log-prob [b]."""
+    mask = mb["response_mask"].to(log_probs.dtype)
+    return mask, mb["sample_mask"].to(log_probs.dtype), (log_probs * mask).sum(-1)
+
+
+def _sums_only(terms: dict[str, float]) -> dict[str, float]:
+    """The loss terms that are sums for a report to finish (``*_sum``, ``count/*``), taken out of ``terms``."""
+    return {k: terms.pop(k) for k in list(terms) if k.endswith("_sum") or k.startswith("count/")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +129,7 @@ class DPOObjective:
                               f"{self.loss_type.value} has none); set it to 0 or loss_type to robust")
 
     def loss(self, log_probs, entropy, mb, counts):
-        mask = mb["response_mask"].to(log_probs.dtype)
-        real = mb["sample_mask"].to(log_probs.dtype)
-        logps = _sequence_sums(log_probs, mask)
+        mask, real, logps = _sequences(log_probs, mb)
         ref = mb["ref_logps"].to(logps.dtype)
         pair_real = real.view(-1, 2)[:, 0]
         pairs = counts.rows / 2
@@ -156,26 +168,21 @@ class BradleyTerryObjective:
     group: ClassVar[int] = 2
 
     def loss(self, scores, mb, counts):
-        real = mb["sample_mask"].to(scores.dtype)
-        pair_real = real.view(-1, 2)[:, 0]
-        pairs = counts.rows / 2
-        chosen, rejected = scores.view(-1, 2).unbind(-1)
-        margin = mb["margin"].to(scores.dtype).view(-1, 2)[:, 0] if "margin" in mb else None
+        real = mb["sample_mask"].view(-1, 2)[:, 0] > 0  # the real pairs (none in an idle micro-batch)
+        chosen, rejected = (x[real] for x in scores.view(-1, 2).unbind(-1))
+        margin = mb["margin"].to(scores.dtype).view(-1, 2)[:, 0][real] if "margin" in mb else None
         out = reward_model_losses(chosen, rejected, margin=margin,
                                   center_rewards_coefficient=self.center_rewards_coefficient)
-        loss = (out.losses * pair_real).sum() / pairs
-        s = scores.detach()
-        big = torch.finfo(s.dtype).max
-        return loss, {"accuracy": ((chosen > rejected).to(s.dtype) * pair_real).sum() / pairs,
-                      "margin": ((chosen - rejected).detach() * pair_real).sum() / pairs,
-                      "mean_reward": (s * real).sum() / counts.rows,
-                      "min_reward": torch.where(real > 0, s, big).min(),
-                      "max_reward": torch.where(real > 0, s, -big).max()}
+        return out.losses.sum() / (counts.rows / 2), out.metric_sums()
 
     def extremes(self) -> dict[str, str]:
         return {"min_reward": "min", "max_reward": "max"}
 
-    report = staticmethod(_report)
+    @staticmethod
+    def report(terms: dict[str, float]) -> dict[str, float]:
+        sums = _sums_only(terms)
+        extremes = {k: terms.pop(k) for k in ("min_reward", "max_reward")}
+        return terms | reward_model_metrics(sums | extremes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,21 +205,16 @@ class KTOObjective:
                               f"desirable_weight={self.desirable_weight}, undesirable_weight={self.undesirable_weight}")
 
     def loss(self, log_probs, entropy, mb, counts):
-        mask = mb["response_mask"].to(log_probs.dtype)
-        real = mb["sample_mask"].to(log_probs.dtype)
-        logps = _sequence_sums(log_probs, mask)
-        labels = mb["label"] > 0.5
-        out = kto_losses(logps, mb["ref_logps"].to(logps.dtype), labels, mb["kto_kl"][0], beta=self.beta,
-                         desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight)
-        chosen, rejected = labels.to(logps.dtype) * real, (~labels).to(logps.dtype) * real
-        return (out.losses * real).sum() / counts.rows, {
-            "rewards/chosen_sum": (out.rewards * chosen).sum(), "logps/chosen_sum": (out.logps * chosen).sum(),
-            "count/chosen": chosen.sum(), "rewards/rejected_sum": (out.rewards * rejected).sum(),
-            "logps/rejected_sum": (out.logps * rejected).sum(), "count/rejected": rejected.sum(),
+        mask, real, logps = _sequences(log_probs, mb)
+        keep = real > 0  # the real rows (none in an idle micro-batch)
+        out = kto_losses(logps[keep], mb["ref_logps"].to(logps.dtype)[keep], mb["label"][keep] > 0.5,
+                         mb["kto_kl"][0], beta=self.beta, desirable_weight=self.desirable_weight,
+                         undesirable_weight=self.undesirable_weight)
+        return out.losses.sum() / counts.rows, out.metric_sums() | {
             "kl": (mb["kto_kl"].to(logps.dtype) * real).sum() / counts.rows,
             "entropy": (entropy.detach() * mask * real[:, None]).sum() / counts.tokens}
 
     @staticmethod
     def report(terms: dict[str, float]) -> dict[str, float]:
-        sums = {k: terms.pop(k) for k in list(terms) if k.endswith("_sum") or k.startswith("count/")}
+        sums = _sums_only(terms)
         return terms | kto_metrics(sums, terms["kl"])

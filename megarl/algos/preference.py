@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -199,9 +200,10 @@ class RewardModelOutput:
         by :func:`combine_metric_sums` (``min_reward`` / ``max_reward`` by min / max, the rest by addition)."""
         c, r = self.chosen_rewards, self.rejected_rewards
         both = torch.cat([c, r])
+        inf = both.new_tensor(math.inf)  # no pair (an idle micro-batch): no extreme
         return {"count/pairs": torch.tensor(float(c.numel()), dtype=c.dtype, device=c.device),
                 "accuracy_sum": (c > r).to(c.dtype).sum(), "margin_sum": (c - r).sum(), "reward_sum": both.sum(),
-                "min_reward": both.min(), "max_reward": both.max()}
+                "min_reward": both.min() if both.numel() else inf, "max_reward": both.max() if both.numel() else -inf}
 
 
 def reward_model_losses(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *,

@@ -29,7 +29,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.algos.offline import BradleyTerryObjective, DPOObjective, KTOObjective, SFTObjective
 from megarl.config.loader import from_dict, read_data
 from megarl.controller.spec import Launcher, PoolSpec, Timeouts
-from megarl.data.examples import Truncation
+from megarl.data.examples import ExampleKind, Truncation
 from megarl.data.prompts import PromptConfig
 from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.errors import ConfigError
@@ -244,38 +244,31 @@ class TrainerSection:
     program: str = "rl"  # the step: a built-in (PROGRAMS) or path/to/file.py:function (docs/programming.md §3)
 
 
-class DataKind(enum.Enum):
-    """What ``data.train`` holds for a program (docs/offline.md §2 lists the columns of each)."""
-
-    PROMPTS = "prompts"  # prompts the policy answers (RL)
-    SFT = "sft"  # text, prompt/completion or messages: the tokens to imitate
-    PREFERENCE = "preference"  # prompt/chosen/rejected pairs (DPO, reward models)
-    UNPAIRED = "unpaired"  # prompt/completion/label rows, or pairs unpaired (KTO)
-
-
 @dataclasses.dataclass(frozen=True)
 class BuiltinProgram:
-    """A built-in step program: ``module:function``, the data it reads, and (offline programs) the roles it trains
-    and needs; RL's roles follow from the algorithm (:meth:`TrainConfig.roles`)."""
+    """A built-in step program: ``module:function``; for an offline program the examples it reads from ``data.train``
+    (docs/offline.md §2 lists the columns of each kind; None: prompts the policy answers); the roles it needs beyond
+    RL's, or (offline) all its roles, the trained one first. RL's roles follow from the algorithm
+    (:meth:`TrainConfig.roles`)."""
 
     target: str
-    data: DataKind = DataKind.PROMPTS
+    examples: ExampleKind | None = None
     roles: tuple[Role, ...] = ()
 
     @property
     def offline(self) -> bool:
         """Trains on a dataset's own tokens: no rollout engine, no reward."""
-        return self.data is not DataKind.PROMPTS
+        return self.examples is not None
 
 
 # the built-in step programs by name
 PROGRAMS = {
     "rl": BuiltinProgram("megarl.recipes.rl:step"),
-    "sft": BuiltinProgram("megarl.recipes.offline:sft", DataKind.SFT, (Role.POLICY,)),
-    "dpo": BuiltinProgram("megarl.recipes.offline:dpo", DataKind.PREFERENCE, (Role.POLICY, Role.REFERENCE)),
-    "kto": BuiltinProgram("megarl.recipes.offline:kto", DataKind.UNPAIRED, (Role.POLICY, Role.REFERENCE)),
-    "reward_model": BuiltinProgram("megarl.recipes.offline:reward_model", DataKind.PREFERENCE, (Role.CRITIC,)),
-    "online_dpo": BuiltinProgram("megarl.recipes.online_dpo:step", DataKind.PROMPTS, (Role.REFERENCE,)),
+    "sft": BuiltinProgram("megarl.recipes.offline:sft", ExampleKind.SFT, (Role.POLICY,)),
+    "dpo": BuiltinProgram("megarl.recipes.offline:dpo", ExampleKind.PREFERENCE, (Role.POLICY, Role.REFERENCE)),
+    "kto": BuiltinProgram("megarl.recipes.offline:kto", ExampleKind.UNPAIRED, (Role.POLICY, Role.REFERENCE)),
+    "reward_model": BuiltinProgram("megarl.recipes.offline:reward_model", ExampleKind.PREFERENCE, (Role.CRITIC,)),
+    "online_dpo": BuiltinProgram("megarl.recipes.online_dpo:step", None, (Role.REFERENCE,)),
 }
 PROGRAM_SIGNATURE = "step(run: megarl.program.Run) -> dict[str, float]"
 
@@ -373,9 +366,10 @@ class TrainConfig:
         return PROGRAMS.get(self.trainer.program)
 
     @property
-    def data_kind(self) -> DataKind:
+    def example_kind(self) -> ExampleKind | None:
+        """The examples an offline program reads; None: prompts (RL, online DPO, a program by path)."""
         program = self.builtin_program
-        return DataKind.PROMPTS if program is None else program.data
+        return None if program is None else program.examples
 
     def roles(self) -> list[Role]:
         """The roles this run needs, the trained one first."""

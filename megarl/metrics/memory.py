@@ -54,3 +54,10 @@ def reset_peaks(*, trim: bool = True) -> None:
 def peaks() -> MemoryPeaks:
     device = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     return MemoryPeaks(_status_kb("VmRSS") * 1024, _status_kb("VmHWM") * 1024, device)
+
+
+def take_peaks() -> dict[str, float]:
+    """This process's peak memory metrics since the last phase began, then a new phase begins."""
+    out = peaks().metrics()
+    reset_peaks()
+    return out

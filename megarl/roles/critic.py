@@ -19,7 +19,7 @@ from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import Extreme, MegatronEngine
 from megarl.engine.results import StepResult
-from megarl.metrics.memory import peaks, reset_peaks
+from megarl.metrics.memory import take_peaks
 from megarl.models.spec import Head, spec_from_hf_config
 from megarl.parallel.init import process_groups
 from megarl.roles.policy import global_normalizer, offline_counts, with_sample_mask
@@ -73,9 +73,7 @@ class CriticRole(Role):
         counts = offline_counts(batch, self.engine.groups.dp)
 
         def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
-            last = (mb["attention_mask"].sum(-1).long() - 1).clamp(min=0)
-            scores = output.squeeze(-1).float().gather(1, last.unsqueeze(1)).squeeze(1)
-            return objective.loss(scores, mb, counts)
+            return objective.loss(_at_last_token(output.squeeze(-1).float(), mb["attention_mask"]), mb, counts)
 
         extremes = {k: Extreme(v) for k, v in objective.extremes().items()}
         return self.engine.train_step(with_sample_mask(batch), loss_fn, extremes, group=objective.group)
@@ -87,9 +85,7 @@ class CriticRole(Role):
 
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak memory since the last call (see PolicyRole.memory_peaks)."""
-        out = peaks().metrics()
-        reset_peaks()
-        return out
+        return take_peaks()
 
     def save_checkpoint(self, out_dir: str, step: int, source_dir: str) -> None:
         """Collective: model + optimizer + scheduler + RNG to ``out_dir`` (atomic), recorded as a sequence
@@ -114,5 +110,10 @@ def _last_token_scores(engine: MegatronEngine, ctx: WorkerContext, batch: Batch)
     out = engine.forward(batch, lambda o, mb: {"raw": o.squeeze(-1).float()})
     if out is None or not ctx.is_collect_rank:
         return None
-    last = batch["attention_mask"].sum(-1).long() - 1
-    return Batch.from_dict({"scores": out["raw"].gather(1, last.unsqueeze(1)).squeeze(1)})
+    return Batch.from_dict({"scores": _at_last_token(out["raw"], batch["attention_mask"])})
+
+
+def _at_last_token(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> [b]: each right-padded row's value at its last real token (a row of none: its first)."""
+    last = (attention_mask.sum(-1).long() - 1).clamp(min=0)
+    return per_token.gather(1, last.unsqueeze(1)).squeeze(1)

@@ -27,7 +27,7 @@ from megarl.engine.engine import Extreme, MegatronEngine
 from megarl.engine.results import StepResult
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
-from megarl.metrics.memory import peaks, reset_peaks
+from megarl.metrics.memory import peaks, take_peaks
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel import collectives
 from megarl.parallel.init import process_groups
@@ -190,9 +190,7 @@ class PolicyRole(Role):
     def memory_peaks(self) -> dict[str, float]:
         """This process's peak host (and device) memory since the last call, then a new phase starts
         (the process hosts every colocated role, so this covers them all)."""
-        out = peaks().metrics()
-        reset_peaks()
-        return out
+        return take_peaks()
 
     def resources(self) -> RankResources:
         """What this rank holds and moved: training-state bytes and the latest weight sync's traffic."""

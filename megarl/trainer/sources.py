@@ -40,7 +40,7 @@ import torch
 from megarl.algos.dapo import ShortBatch
 from megarl.algos.plugins import GROUP_FILTER, checked_keep, resolve
 from megarl.config.resolve import sampling_params
-from megarl.config.train import DataKind, Role, Schedule, TrainConfig
+from megarl.config.train import Role, Schedule, TrainConfig
 from megarl.data.batch import Batch
 from megarl.data.examples import Example, ExampleKind, example_rows, kl_examples
 from megarl.data.prompts import PromptDataset, PromptRecord, PromptSampler
@@ -376,7 +376,7 @@ class ExampleSource(RolloutSource):
     def rows(self, examples: list[Example]) -> Batch:
         """``examples`` laid out for the objective, cut as TRL's collators cut (the examples keep whole
         completions); for KTO with its KL rows (each prompt with the previous example's completion)."""
-        o, kind = self.cfg.offline, ExampleKind(self.cfg.data_kind.value)
+        o, kind = self.cfg.offline, self.cfg.example_kind
         batch = example_rows(examples, kind, self.pad_token_id, max_length=o.max_length, truncation=o.truncation)
         if kind is ExampleKind.UNPAIRED:
             kl = example_rows(kl_examples(examples), kind, self.pad_token_id, max_length=o.max_length,
@@ -393,7 +393,7 @@ class ExampleSource(RolloutSource):
 
 def make_source(cfg: TrainConfig, cluster: Any, experience: Experience, data: PromptDataset | list[Example],
                 pad_token_id: int = 0) -> RolloutSource:
-    if cfg.data_kind is not DataKind.PROMPTS:
+    if cfg.example_kind is not None:
         return ExampleSource(cfg, cluster, experience, data, pad_token_id)
     return SOURCES[cfg.rollout.schedule](cfg, cluster, experience, data)
 

@@ -41,7 +41,6 @@ from megarl.config.train import (
     PROGRAM_SIGNATURE,
     PROGRAMS,
     CorruptCheckpoint,
-    DataKind,
     Role,
     TrainConfig,
     dump_config,
@@ -50,7 +49,7 @@ from megarl.config.train import (
 from megarl.config.user_code import load_function
 from megarl.controller.handles import WorkerError
 from megarl.data.batch import Batch
-from megarl.data.examples import ExampleKind, load_examples
+from megarl.data.examples import load_examples
 from megarl.data.prompts import load_prompts, load_row_adapter
 from megarl.errors import MegarlError, RunStopped, WorkersLostError
 from megarl.metrics import trace
@@ -82,7 +81,7 @@ class Trainer:
         check_frozen_models(cfg, self.tokenizer)
         self.train_data = self._load_data(cfg.data.train)
         self.val_data = self._load_data(cfg.data.val) if cfg.data.val else None
-        self.reward_fns = ({} if cfg.data_kind is not DataKind.PROMPTS  # an offline program scores nothing
+        self.reward_fns = ({} if cfg.example_kind is not None  # an offline program scores nothing
                            else {name: resolve_reward_function(spec.function, **spec.options)
                                  for name, spec in cfg.reward.named_functions().items()})
         self._check_reward_columns()
@@ -159,10 +158,10 @@ class Trainer:
                     monitor.check_columns(name, fn, [r.row for r in data.records])
 
     def _load_data(self, path: str):
-        d, kind = self.cfg.data, self.cfg.data_kind
-        if kind is not DataKind.PROMPTS:  # an offline program's examples, tokenized as TRL's trainers do
+        d, kind = self.cfg.data, self.cfg.example_kind
+        if kind is not None:  # an offline program's examples, tokenized as TRL's trainers do
             o = self.cfg.offline
-            return load_examples(path, ExampleKind(kind.value), self.tokenizer, max_length=o.max_length,
+            return load_examples(path, kind, self.tokenizer, max_length=o.max_length,
                                  truncation=o.truncation, completion_only_loss=o.completion_only_loss,
                                  assistant_only_loss=o.assistant_only_loss,
                                  for_reward_model=Role.CRITIC in self.cfg.roles())

@@ -178,7 +178,9 @@ def _world(rank, world_size, lm_ckpt, rm_ckpt, ref_logps):
         lm_params = {n: p.detach().tolist() for c in policy.engine.chunks for n, p in global_named_parameters(c)}
         del policy
         critic = CriticRole(ctx, checkpoint_dir=rm_ckpt, engine=engine, value_clip=None)
-        rm = critic.train(shard, BradleyTerryObjective(center_rewards_coefficient=CENTER)).metrics("")
+        objective = BradleyTerryObjective(center_rewards_coefficient=CENTER)
+        result = critic.train(shard, objective)
+        rm = result.metrics("") | objective.report(dict(result.terms))
         rm_params = {n: p.detach().tolist() for c in critic.engine.chunks for n, p in global_named_parameters(c)}
         del critic
         out.append({"layout": kw, "tp": coords.tp, "steps": steps, "rm": rm, "lm_params": lm_params,

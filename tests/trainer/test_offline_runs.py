@@ -72,6 +72,23 @@ def _sequence_logps(model, ids, attn, resp):
     return (lp * resp[:, 1:]).sum(-1)
 
 
+def _held_out_log_ratios(task, checkpoint, hf_dir):
+    """The held-out pairs and, for their chosen and their rejected responses, the log-ratio of the trained policy
+    (``checkpoint`` exported to ``hf_dir``) to the starting model, from transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.checkpoint.convert import convert_megatron_to_hf
+
+    convert_megatron_to_hf(checkpoint, hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(task / "model")
+    pairs = _jsonl(task / "pairs_val.jsonl")
+    prompts = [p["prompt"] for p in pairs]
+    chosen, rejected = (_rows(tokenizer, prompts, [p[k] for p in pairs]) for k in ("chosen", "rejected"))
+    trained = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
+    return pairs, [_sequence_logps(trained, *rows) - _sequence_logps(start, *rows) for rows in (chosen, rejected)]
+
+
 def test_sft_first_step_equals_transformers_and_the_loss_falls(task, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,10 +103,6 @@ def test_sft_first_step_equals_transformers_and_the_loss_falls(task, tmp_path):
 
 
 def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megarl.checkpoint.convert import convert_megatron_to_hf
-
     history = _run(task, tmp_path / "dpo", "dpo.yaml", "pairs.jsonl", 40,
                    **{"data.val": task / "pairs_val.jsonl", "trainer.val_every": 40})
     first = history[0]
@@ -99,14 +112,8 @@ def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
     assert statistics.mean(m["rewards/accuracies"] for m in late) > 0.8
     assert statistics.mean(m["rewards/margins"] for m in late) > 0.0
     # held out: the trained policy's log-ratio to the starting model ranks chosen over rejected
-    convert_megatron_to_hf(tmp_path / "dpo" / "checkpoints" / "step_000040" / "policy", tmp_path / "dpo_hf")
-    tokenizer = AutoTokenizer.from_pretrained(task / "model")
-    pairs = _jsonl(task / "pairs_val.jsonl")
-    prompts = [p["prompt"] for p in pairs]
-    chosen, rejected = (_rows(tokenizer, prompts, [p[k] for p in pairs]) for k in ("chosen", "rejected"))
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "dpo_hf", dtype=torch.float32)
-    start = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
-    ratio = [_sequence_logps(trained, *rows) - _sequence_logps(start, *rows) for rows in (chosen, rejected)]
+    pairs, ratio = _held_out_log_ratios(task, tmp_path / "dpo" / "checkpoints" / "step_000040" / "policy",
+                                        tmp_path / "dpo_hf")
     accuracy = (ratio[0] > ratio[1]).double().mean().item()
     assert accuracy >= 0.7, accuracy  # chance: 0.5 (0.81 measured on this machine)
     # the run's own evaluation of data.val at step 40 (TRL's eval_*): the same pairs, the DPO loss of these ratios
@@ -119,24 +126,14 @@ def test_dpo_starts_at_ln2_and_learns_the_held_out_preferences(task, tmp_path):
 def test_kto_starts_at_one_half_and_learns_the_held_out_preferences(task, tmp_path):
     """KTO on the pairs unpaired: at step 1 the policy is its reference, so the KL estimate is 0 and every row's
     term is 1 - sigma(0) = 1/2 (loss 0.5, implicit rewards 0); after 60 steps the policy's log-ratio to the start
-    ranks held-out pairs (after 60 steps)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megarl.checkpoint.convert import convert_megatron_to_hf
-
+    ranks held-out pairs."""
     history = _run(task, tmp_path / "kto", "kto.yaml", "pairs.jsonl", 60)
     first = history[0]
     assert first["loss"] == pytest.approx(0.5, rel=1e-6)
     assert first["kl"] == 0.0 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0
     assert statistics.mean(m["rewards/margins"] for m in history[-10:]) > 0.0
-    convert_megatron_to_hf(tmp_path / "kto" / "checkpoints" / "step_000060" / "policy", tmp_path / "kto_hf")
-    tokenizer = AutoTokenizer.from_pretrained(task / "model")
-    pairs = _jsonl(task / "pairs_val.jsonl")
-    prompts = [p["prompt"] for p in pairs]
-    chosen, rejected = (_rows(tokenizer, prompts, [p[k] for p in pairs]) for k in ("chosen", "rejected"))
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "kto_hf", dtype=torch.float32)
-    start = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
-    ratio = [_sequence_logps(trained, *rows) - _sequence_logps(start, *rows) for rows in (chosen, rejected)]
+    _, ratio = _held_out_log_ratios(task, tmp_path / "kto" / "checkpoints" / "step_000060" / "policy",
+                                    tmp_path / "kto_hf")
     accuracy = (ratio[0] > ratio[1]).double().mean().item()
     assert accuracy >= 0.7, accuracy  # chance: 0.5
 
