@@ -44,6 +44,7 @@ setup(
         # CUDA 13 core library, which the "pytorch" extra alone does not install (CUDA 12: [pytorch,core_cu12]).
         # The range is megatron-core's: tests/unit/test_te_packaging.py reads it from megatron-core's metadata.
         "te": ["transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0"],
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        # peft: the reference of the LoRA tests and the reader of megarl's PEFT exports (docs/lora.md)
+        "dev": ["pytest>=8", "ruff>=0.6", "peft==0.21.2"],
     },
 )

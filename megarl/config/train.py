@@ -174,11 +174,14 @@ class FrozenEngineConfig(EngineConfig):
     that it does nothing."""
 
     REFUSED_KEYS: ClassVar[dict[str, str]] = {
-        "optim": "frozen roles are not trained: optim settings do nothing; remove them"}
+        "optim": "frozen roles are not trained: optim settings do nothing; remove them",
+        "lora": "frozen roles are not trained: adapters would stay zero; remove lora (a LoRA policy's reference is "
+                "its base model already)"}
 
     # no config key (init=False): kept at its default so that the role's MegatronEngine takes this as the
     # EngineConfig it is; a frozen engine (trainable=False) builds no optimizer and never reads it
     optim: OptimConfig = dataclasses.field(default=OptimConfig(), init=False, repr=False)
+    lora: None = dataclasses.field(default=None, init=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

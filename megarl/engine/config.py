@@ -73,6 +73,35 @@ class MicroBatchConfig:
                               f"{self.max_size}")
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the model's linears (megarl/models/lora.py): only the adapters train, the base weights
+    stay frozen (and serve as the reference policy). ``targets`` are megatron-core's fused linears: ``qkv`` (q, k
+    and v: one A, their B stacked), ``proj`` (o_proj), ``fc1`` (gate and up: one A), ``fc2`` (down_proj); in an MoE
+    layer ``fc1`` / ``fc2`` are every expert's."""
+
+    rank: int = 8  # r
+    alpha: float = 16.0  # the update is (alpha / r) * B A, as peft's lora_alpha
+    dropout: float = 0.0  # on the adapter's input in training updates, as peft's lora_dropout
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora needs rank >= 1, alpha > 0 and 0 <= dropout < 1, found rank={self.rank}, "
+                              f"alpha={self.alpha}, dropout={self.dropout}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"lora.targets must be distinct names out of {list(LORA_TARGETS)} (q/k/v is 'qkv', "
+                              f"gate/up 'fc1', down_proj 'fc2', o_proj 'proj'), found {self.targets}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 # Forward-only passes by default take the training micro-batch's token budget, which bounds the logits
 # and each layer's transient activations as in training, but FORWARD_ROWS times its row cap: without a
 # backward nothing else accumulates, and for short rows (where the row cap binds) fewer, larger micro-batches
@@ -92,6 +121,7 @@ class EngineConfig:
     moe_aux_loss_coef: float = 0.0  # MoE models: weight of the router's load-balancing loss in updates; 0: off
     router_replay: bool = False  # MoE models: route every token to the rollout's recorded experts (R3)
     sequence_parallel: bool | None = None  # tp > 1; null: MoE models only (training needs it); true: all; false: off
+    lora: LoRAConfig | None = None  # null: every weight trains; else only low-rank adapters (docs/lora.md)
 
     def __post_init__(self) -> None:
         if self.moe_aux_loss_coef < 0:

@@ -37,6 +37,7 @@ from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
 from megarl.engine.results import StepResult
 from megarl.errors import LayoutError, MegarlError
+from megarl.models import lora
 from megarl.models.provider import BuildOptions, build_model
 from megarl.models.spec import ModelSpec
 from megarl.parallel import collectives, cpu_compat
@@ -93,7 +94,12 @@ class MegatronEngine:
         if config.router_replay and spec.moe is None:
             raise MegarlError("router_replay is set but the model is dense: it replays an MoE model's expert choices; "
                               "set router_replay: false.")
+        self.lora = config.lora if trainable else None
+        # LoRA wraps megatron-core's own linears; Transformer Engine fuses the norms into qkv / fc1 (the adapter
+        # would need the normalised input): a LoRA model is built on megatron-core's local spec
+        use_te = False if self.lora is not None else None
         self.chunks = build_model(spec, layout, BuildOptions(dtype=dtype, init_weights=init, seed=config.seed,
+                                                             use_te=use_te,
                                                              moe_aux_loss_coeff=config.moe_aux_loss_coef,
                                                              router_replay=config.router_replay,
                                                              sequence_parallel=self.sequence_parallel))
@@ -106,6 +112,9 @@ class MegatronEngine:
         cpu_compat.unredirect_backward()  # nor in megatron-core's backward
         if checkpoint_dir is not None:  # before DDP copies params into its buffers
             mcore_io.load_model(self.chunks, checkpoint_dir, exclude=load_exclude)
+        if self.lora is not None:  # after the base weights are loaded (the base checkpoint has no adapters)
+            for c in self.chunks:
+                lora.add_adapters(c, self.lora, config.seed)
         self.stats = StepStats()
         self._offloaders = {"params": StorageOffloader(), "grads": StorageOffloader(), "optimizer": StorageOffloader()}
         if not trainable:

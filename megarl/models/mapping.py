@@ -232,12 +232,6 @@ def to_mcore(m: TensorMap, spec: ModelSpec, hf: Sequence[torch.Tensor], padded_v
     """HF tensors of one map -> the full (TP=1) Megatron tensor. Shapes are asserted."""
     for name, t, shape in zip(m.hf, hf, hf_shapes(m, spec), strict=True):
         _check_shape(name, tuple(t.shape), shape, "HF checkpoint")
-    if m.kind is Kind.QKV:
-        g, r, d = spec.num_query_groups, spec.heads_per_group, spec.head_dim
-        q, k, v = (t.reshape(g, n * d, *t.shape[1:]) for t, n in zip(hf, (r, 1, 1), strict=True))
-        return torch.cat((q, k, v), dim=1).reshape(spec.qkv_rows, *hf[0].shape[1:])
-    if m.kind is Kind.GATE_UP:
-        return torch.cat(tuple(hf), dim=0)
     if m.kind is Kind.VOCAB:
         (t,) = hf
         if padded_vocab == t.shape[0]:
@@ -245,7 +239,20 @@ def to_mcore(m: TensorMap, spec: ModelSpec, hf: Sequence[torch.Tensor], padded_v
         out = t.new_zeros((padded_vocab, t.shape[1]))
         out[: t.shape[0]] = t
         return out
-    return hf[0]
+    return pack_rows(m, spec, hf)
+
+
+def pack_rows(m: TensorMap, spec: ModelSpec, hf: Sequence[torch.Tensor]) -> torch.Tensor:
+    """HF tensors of one map -> Megatron's row layout (q/k/v interleaved per group, [gate; up]), whatever their
+    trailing dimensions (a weight's input features, a LoRA factor's rank)."""
+    if m.kind is Kind.QKV:
+        g, r, d = spec.num_query_groups, spec.heads_per_group, spec.head_dim
+        q, k, v = (t.reshape(g, n * d, *t.shape[1:]) for t, n in zip(hf, (r, 1, 1), strict=True))
+        return torch.cat((q, k, v), dim=1).reshape(spec.qkv_rows, *hf[0].shape[1:])
+    if m.kind is Kind.GATE_UP:
+        return torch.cat(tuple(hf), dim=0)
+    (t,) = hf
+    return t
 
 
 def to_hf(m: TensorMap, spec: ModelSpec, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -258,6 +265,11 @@ def to_hf(m: TensorMap, spec: ModelSpec, t: torch.Tensor) -> tuple[torch.Tensor,
             )
         t = t[: spec.vocab_size]
     _check_shape(m.mcore, tuple(t.shape), mcore_shape(m, spec, t.shape[0]), "Megatron checkpoint")
+    return unpack_rows(m, spec, t)
+
+
+def unpack_rows(m: TensorMap, spec: ModelSpec, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`pack_rows`: Megatron's rows -> the map's HF tensors (contiguous)."""
     if m.kind is Kind.QKV:
         g, r, d = spec.num_query_groups, spec.heads_per_group, spec.head_dim
         x = t.reshape(g, r + 2, d, *t.shape[1:])

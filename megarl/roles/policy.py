@@ -28,6 +28,7 @@ from megarl.engine.results import StepResult
 from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, take_peaks
+from megarl.models import lora
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel import collectives
 from megarl.parallel.init import process_groups
@@ -133,10 +134,18 @@ class PolicyRole(Role):
             raise ConfigError("this policy was built without a rollout engine; pass rollout=RolloutConfig(...).")
         return self.rollout
 
-    def compute_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch | None:
+    def compute_log_probs(self, batch: Batch, temperature: float | None = None, adapters: bool = True) -> Batch | None:
         """``log_probs`` and ``entropy`` [B, S], token-aligned, zero outside ``attention_mask``; at the sampling
-        temperature the role was built with, or ``temperature`` (1: the model's own, for offline objectives)."""
-        return _log_probs(self.engine, self.ctx, batch, self.temperature if temperature is None else temperature)
+        temperature the role was built with, or ``temperature`` (1: the model's own, for offline objectives).
+        ``adapters=False``: a LoRA policy's base model (its reference policy)."""
+        temperature = self.temperature if temperature is None else temperature
+        if adapters:
+            return _log_probs(self.engine, self.ctx, batch, temperature)
+        if self.engine.lora is None:
+            raise ConfigError("adapters=False asks for a LoRA policy's base model, but this policy has no adapters "
+                              "(policy.lora is null): the reference is a role of its own.")
+        with lora.adapters_disabled():
+            return _log_probs(self.engine, self.ctx, batch, temperature)
 
     def update(self, batch: Batch) -> StepResult:
         """One optimizer step of the policy loss over this mini-batch (all DP ranks' shards together): each
