@@ -66,7 +66,8 @@ def char_tokenizer(chars: Iterable[str], out_dir: str | Path | None = None, *, s
 
 def tiny_model(out_dir: str | Path, tokenizer: PreTrainedTokenizerFast, *, hidden_size: int = 64,
                num_layers: int = 2, max_position_embeddings: int = 64, seed: int = 0,
-               intermediate_size: int | None = None, num_experts: int = 0, top_k: int = 2) -> Path:
+               intermediate_size: int | None = None, num_experts: int = 0, top_k: int = 2,
+               init_std: float = 0.02) -> Path:
     """A random Qwen2-shaped causal LM over ``tokenizer``'s vocabulary, saved (float32, with the tokenizer) to
     ``out_dir``, which it returns: a run's ``model.path``. 4 attention heads (2 key-value groups) of
     ``hidden_size / 4``; tied embeddings; pad, bos and eos ids from the tokenizer. ``max_position_embeddings``
@@ -86,7 +87,7 @@ def tiny_model(out_dir: str | Path, tokenizer: PreTrainedTokenizerFast, *, hidde
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=hidden_size // HEADS,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, use_sliding_window=False,
+        bos_token_id=tokenizer.eos_token_id, use_sliding_window=False, initializer_range=init_std,
     )
     if num_experts:
         config = Qwen3MoeConfig(**common, intermediate_size=2 * hidden_size, num_experts=num_experts,

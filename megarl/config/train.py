@@ -375,7 +375,12 @@ class TrainConfig:
         return None if program is None else program.examples
 
     def roles(self) -> list[Role]:
-        """The roles this run needs, the trained one first."""
+        """The roles this run needs, the trained one first. A LoRA policy is its own reference (its base model):
+        no reference role."""
+        roles = self._roles()
+        return [r for r in roles if r is not Role.REFERENCE] if self.policy.lora is not None else roles
+
+    def _roles(self) -> list[Role]:
         program = self.builtin_program
         if program is not None and program.offline:
             return list(program.roles)

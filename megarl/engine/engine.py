@@ -38,7 +38,7 @@ from megarl.engine.output_layer import make_logits_batch_major
 from megarl.engine.results import StepResult
 from megarl.errors import LayoutError, MegarlError
 from megarl.models import lora
-from megarl.models.provider import BuildOptions, build_model
+from megarl.models.provider import BuildOptions, build_model, global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.parallel import collectives, cpu_compat
 from megarl.parallel.layout import ParallelLayout
@@ -252,6 +252,16 @@ class MegatronEngine:
                                  if p.untyped_storage().data_ptr() not in taken)
         return {"params": sum(p.nbytes for p in params), "grads": sum(b.grad_data.nbytes for b in buffers),
                 "optimizer": optimizer}
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The model as the rollout engines take it: global local-spec name -> this rank's shard (every chunk's).
+        With LoRA each adapted weight is merged (``W + scale * B A``, from this rank's own tensors, computed as the
+        resharding plan reads it) and the factors are not listed."""
+        params = {n: p for c in self.chunks for n, p in global_named_parameters(c)}
+        if self.lora is None:
+            return params
+        modules = {lora.base_name(n): m for c in self.chunks for n, m in lora.global_adapted_modules(c)}
+        return lora.MergedParameters(params, modules)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for c in self.chunks for p in c.parameters()]

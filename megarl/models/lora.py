@@ -172,10 +172,12 @@ def _adapt(module: torch.nn.Module, config: LoRAConfig, name: str, seed: int) ->
     module.__class__ = _lora_class(type(module))
 
 
-def adapted_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    for name, module in model.named_modules():
-        if isinstance(module, _LoRALinear):
-            yield name, module
+def global_adapted_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(global name of its ``lora_A``, module) of each adapted linear of one model chunk."""
+    owners = {id(m.lora_A): m for m in model.modules() if isinstance(m, _LoRALinear)}
+    for name, p in global_named_parameters(model):
+        if id(p) in owners:
+            yield name, owners[id(p)]
 
 
 def merged_weight(module: torch.nn.Module) -> torch.Tensor:

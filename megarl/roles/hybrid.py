@@ -29,7 +29,6 @@ from megarl.controller.role import WorkerContext
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
-from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.stats import TransferStats
@@ -69,7 +68,7 @@ class HybridRollout:
             self.engine.offload(params=False, grads=True, optimizer=True)
         self.rollout.wake_up()
         stats = TransferStats()
-        params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
+        params = self.engine.weights()
         for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
                                      bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
                                      full_tensors=self.full_tensors):

@@ -28,7 +28,6 @@ from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
-from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding import link as weight_link
@@ -92,7 +91,7 @@ class WeightSender:
     def push(self) -> WeightSync:
         start = time.perf_counter()
         stats = TransferStats()
-        params = {n: p for c in self.engine.chunks for n, p in global_named_parameters(c)}
+        params = self.engine.weights()
         for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
                                      bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
                                      link=self.member.get(), full_tensors=_full_tensors(self.config)):

@@ -30,7 +30,8 @@ def make_tokenizer(out_dir: str | Path | None = None):
 
 def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
                intermediate_size: int | None = None, max_position_embeddings: int = 64, num_experts: int = 0,
-               top_k: int = 2, tokenizer: Callable[[str | Path | None], Any] | None = None) -> Path:
+               top_k: int = 2, tokenizer: Callable[[str | Path | None], Any] | None = None,
+               init_std: float = 0.02) -> Path:
     """A random Qwen2-shaped causal LM over the addition vocabulary, with the tokenizer beside it
     (:func:`megarl.toy.tiny_model`; ``tokenizer``: another task's character tokenizer maker, whose vocabulary the
     model then has). ``max_position_embeddings`` must cover prompt + response (the benchmark's 64-token responses
@@ -38,7 +39,7 @@ def make_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 
     experts of width ``intermediate_size`` (default: the hidden size)."""
     return tiny_model(out_dir, (tokenizer or make_tokenizer)(None), hidden_size=hidden_size, num_layers=num_layers,
                       max_position_embeddings=max_position_embeddings, seed=seed,
-                      intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k)
+                      intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k, init_std=init_std)
 
 
 def make_dataset(path: str | Path, n: int, seed: int) -> Path:

@@ -235,8 +235,16 @@ class Cluster:
     def cost_scores_async(self, batch: Batch) -> PendingCall[Batch]:
         return self.cost_model.dp_async(RewardModelRole.compute_scores, batch)
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run has a reference policy: a role of its own, or a LoRA policy's base model."""
+        return self.reference is not None or (self.policy is not None and self.cfg.policy.lora is not None)
+
     def reference_log_probs(self, batch: Batch, temperature: float | None = None) -> Batch:
-        """The reference's ``log_probs`` (at the sampling temperature unless ``temperature`` is given)."""
+        """The reference's ``log_probs`` (at the sampling temperature unless ``temperature`` is given); with LoRA
+        the policy's, adapters off."""
+        if self.reference is None and self.has_reference:
+            return self.policy.dp(PolicyRole.compute_log_probs, batch, temperature, False)
         return self.reference.dp(ReferenceRole.compute_log_probs, batch, temperature)
 
     def teacher_log_probs(self, batch: Batch) -> Batch:

@@ -318,7 +318,7 @@ class Run:
         if self.cluster.policy is None:  # the trained model is the scalar-head one (reward-model training)
             loss, terms = objective.loss(self.cluster.critic_scores(rows)["scores"], mb, counts)
         else:
-            if self.cluster.reference is not None:
+            if self.cluster.has_reference:
                 self.reference_sequence_log_probs(batch)
                 mb["ref_logps"] = batch["ref_logps"]
             out = self.cluster.old_log_probs(rows, temperature=1.0)
