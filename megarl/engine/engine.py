@@ -37,7 +37,7 @@ from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
 from megarl.engine.results import StepResult
 from megarl.errors import LayoutError, MegarlError
-from megarl.models import lora
+from megarl.models import adapters, lora
 from megarl.models.provider import BuildOptions, build_model, global_named_parameters
 from megarl.models.spec import ModelSpec
 from megarl.parallel import collectives, cpu_compat
@@ -260,7 +260,7 @@ class MegatronEngine:
         params = {n: p for c in self.chunks for n, p in global_named_parameters(c)}
         if self.lora is None:
             return params
-        modules = {lora.base_name(n): m for c in self.chunks for n, m in lora.global_adapted_modules(c)}
+        modules = {adapters.base_name(n): m for c in self.chunks for n, m in lora.global_adapted_modules(c)}
         return lora.MergedParameters(params, modules)
 
     def _params(self) -> list[torch.Tensor]:

@@ -47,19 +47,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megarl.engine.config import LoRAConfig
+from megarl.models.adapters import LORA_A, LORA_B, is_adapter
 from megarl.models.provider import global_named_parameters
-
-LORA_A, LORA_B = "lora_A", "lora_B"
-
-
-def is_adapter(name: str) -> bool:
-    """Whether a parameter name is a LoRA factor's (``...linear_qkv.lora_A``)."""
-    return name.rsplit(".", 1)[-1] in (LORA_A, LORA_B)
-
-
-def base_name(name: str) -> str:
-    """The base weight a factor belongs to: ``...linear_qkv.lora_A`` -> ``...linear_qkv.weight``."""
-    return name.rsplit(".", 1)[0] + ".weight"
 
 
 class _LoRALinear:

@@ -107,7 +107,7 @@ def _world(rank, world_size, ckpt):
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig, OptimizerName
-    from megarl.models import lora, mapping
+    from megarl.models import adapters, mapping
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
@@ -134,11 +134,11 @@ def _world(rank, world_size, ckpt):
         with torch.no_grad():
             for n, p in chunk_params.items():
                 if n.endswith(".lora_B"):
-                    m = maps[lora.base_name(n)]
+                    m = maps[adapters.base_name(n)]
                     full = _b(m.mcore, (mapping.mcore_shape(m, spec, 0)[0], RANK))
                     column = m.tp_dim == 0
                     p.copy_(mapping.tp_shard(m, full, layout.tp, coords.tp) if column else full)
-        base0 = {n: p.detach().clone() for n, p in chunk_params.items() if not lora.is_adapter(n)}
+        base0 = {n: p.detach().clone() for n, p in chunk_params.items() if not adapters.is_adapter(n)}
         a0 = {n: p.detach().tolist() for n, p in chunk_params.items() if n.endswith(".lora_A")}
         rows = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
         lp = policy.compute_log_probs(rows, temperature=1.0)
@@ -147,15 +147,15 @@ def _world(rank, world_size, ckpt):
         base_lp = from_collect_rank(None if base_lp is None else base_lp["log_probs"].tolist(), layout)
         shard = rows.chunk(layout.dp)[coords.dp]
         result = policy.train(shard, SFTObjective())
-        grads = {n: p.main_grad.tolist() for n, p in chunk_params.items() if lora.is_adapter(n)}
+        grads = {n: p.main_grad.tolist() for n, p in chunk_params.items() if adapters.is_adapter(n)}
         trained = sorted(n for n, p in chunk_params.items() if p.requires_grad)
         optimized = sum(p.numel() for g in policy.engine.optimizer.param_groups for p in g["params"])
         for _ in range(19):
             policy.train(shard, SFTObjective())
-        same = all(torch.equal(base0[n], p) for n, p in chunk_params.items() if not lora.is_adapter(n))
+        same = all(torch.equal(base0[n], p) for n, p in chunk_params.items() if not adapters.is_adapter(n))
         out.append({"layout": kw | {"sp": sp}, "tp": coords.tp, "lp": lp, "base_lp": base_lp,
                     "loss": result.loss, "grads": grads, "a0": a0, "trained": trained, "optimized": optimized,
-                    "adapter_numel": sum(p.numel() for n, p in chunk_params.items() if lora.is_adapter(n)),
+                    "adapter_numel": sum(p.numel() for n, p in chunk_params.items() if adapters.is_adapter(n)),
                     "base_same": same})
         del policy
     return out
@@ -180,7 +180,7 @@ def _rel(got, expected):
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["tp1", "tp2", "tp2_sp", "pp2"])
 def test_logits_and_gradients_equal_peft(setup, layout):
-    from megarl.models import lora, mapping
+    from megarl.models import adapters, mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
 
     hf, world, (lp, base_lp, loss, grads) = setup
@@ -198,12 +198,12 @@ def test_logits_and_gradients_equal_peft(setup, layout):
             shards.setdefault(n, {})[r["tp"]] = torch.tensor(g)
     assert set(shards) == set(grads)
     for n, by_tp in shards.items():
-        m = maps[lora.base_name(n)]
+        m = maps[adapters.base_name(n)]
         split = (m.tp_dim == 0) == n.endswith("lora_B")  # B of a column-parallel base, A of a row-parallel one
         full = mapping.tp_gather(m, [by_tp[t] for t in sorted(by_tp)]) if split else by_tp[0]
         assert _rel(full, grads[n]) < 1e-5, (n, _rel(full, grads[n]))
     for r in results:
         assert r["base_same"], "a base weight changed in 20 updates"
-        assert r["trained"] and all(lora.is_adapter(n) for n in r["trained"])
+        assert r["trained"] and all(adapters.is_adapter(n) for n in r["trained"])
         assert r["optimized"] == r["adapter_numel"]
 
