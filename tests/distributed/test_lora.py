@@ -10,8 +10,15 @@ matrix drawn from its global name (so the adapters change the logits and ``A`` h
   onto megatron-core's fused layout: ``A`` of qkv is shared by q, k and v (its gradient is the sum of peft's three),
   ``B`` of qkv is peft's three stacked in megatron's per-group order; ``A`` of fc1 the sum of gate's and up's,
   ``B`` ``[gate; up]`` (1e-5 relative),
+- a GRPO update with the KL loss against the base (``compute_log_probs(adapters=False)``: the reference of a LoRA
+  run) reports the k3 KL that peft's and transformers' log-probs give by hand (1e-5),
 - after 20 updates every base weight is bit-identical to the checkpoint's, and the optimizer holds the adapters
   only.
+
+The tiny Qwen3-MoE model runs the same checks at EP2 and at TP2 x EP2 (sequence parallelism, which megatron-core
+needs to train MoE at TP > 1) with every expert's fc1 / fc2 adapted; peft cannot adapt transformers 5's fused
+expert tensors one expert at a time, so its reference is transformers' forward with each adapted weight replaced by
+``W + scale * B A`` (``torch.func.functional_call``), the factors leaves of torch's autograd.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ pytestmark = pytest.mark.dist
 
 RANK, ALPHA = 4, 8.0
 LAYOUTS = [dict(tp=1), dict(tp=2), dict(tp=2, sp=True), dict(pp=2)]
+MOE_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2)]  # MoE training at TP > 1 runs with sequence parallelism
+KL_COEF = 0.1
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -39,7 +48,8 @@ def _rows():
     ids[attn.bool()] = torch.randint(5, 300, (int(attn.sum()),), generator=g)
     resp = attn.clone()
     resp[:, :3] = 0
-    return ids, attn, resp
+    adv = torch.randn(8, 1, generator=g).expand(8, 12) * resp
+    return ids, attn, resp, adv
 
 
 def _b(name: str, shape) -> torch.Tensor:
@@ -49,10 +59,22 @@ def _b(name: str, shape) -> torch.Tensor:
 
 
 def _adapted_maps(spec):
-    from megarl.models import mapping
+    from megarl.engine.config import LORA_TARGETS
+    from megarl.models import adapters
 
-    return [m for m in mapping.tensor_maps(spec)
-            if m.mcore.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight"))]
+    return adapters.adapted_maps(spec, LORA_TARGETS)
+
+
+def _log_probs(logits, ids, attn):
+    lp = torch.zeros_like(attn)
+    lp[:, 1:] = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return lp * attn
+
+
+def _k3(lp, ref, resp):
+    """k3 of KL(policy || reference) per response token, token mean (the KL loss's estimator, clamps inactive)."""
+    d = ref - lp
+    return float(((torch.exp(d) - d - 1) * resp).sum() / resp.sum())
 
 
 def _peft_reference(hf_dir, a_factors):
@@ -60,11 +82,11 @@ def _peft_reference(hf_dir, a_factors):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from megarl.models import mapping
+    from megarl.models import adapters, mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
 
     spec = spec_from_hf_config(load_hf_config(hf_dir))
-    ids, attn, resp = _rows()
+    ids, attn, resp, adv = _rows()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=PEFT_TARGETS, lora_dropout=0.0))
     modules = dict(model.named_modules())
@@ -82,10 +104,7 @@ def _peft_reference(hf_dir, a_factors):
                 layer.lora_B["default"].weight.copy_(b_part)
 
     def log_probs():
-        logits = model(ids, attention_mask=attn.long()).logits.float()
-        lp = torch.zeros_like(attn)
-        lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return lp * attn
+        return _log_probs(model(ids, attention_mask=attn.long()).logits, ids, attn)
 
     with torch.no_grad(), model.disable_adapter():
         base = log_probs()
@@ -95,13 +114,59 @@ def _peft_reference(hf_dir, a_factors):
     grads = {}
     for m in _adapted_maps(spec):
         layers = [lora_of(n) for n in m.hf]
-        grads[m.mcore.removesuffix("weight") + "lora_A"] = sum(x.lora_A["default"].weight.grad for x in layers)
-        grads[m.mcore.removesuffix("weight") + "lora_B"] = mapping.pack_rows(
+        grads[adapters.factor_name(m.mcore, "lora_A")] = sum(x.lora_A["default"].weight.grad for x in layers)
+        grads[adapters.factor_name(m.mcore, "lora_B")] = mapping.pack_rows(
             m, spec, [x.lora_B["default"].weight.grad for x in layers])
     return lp.detach(), base, loss.item(), grads
 
 
-def _world(rank, world_size, ckpt):
+def _merged_reference(hf_dir, a_factors):
+    """The same outputs without peft: transformers' forward on ``W + scale * B A`` for every adapted weight (MoE
+    experts sliced into transformers 5's fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``), the factors
+    leaves of autograd (megarl's fused layout: qkv's and fc1's A shared by their projections by construction)."""
+    from torch.func import functional_call
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models import adapters, mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    spec = spec_from_hf_config(cfg)
+    ids, attn, resp, adv = _rows()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    leaves, deltas = {}, {}
+    for m in _adapted_maps(spec):
+        a = torch.tensor(a_factors[m.mcore], requires_grad=True)
+        b = _b(m.mcore, (mapping.mcore_shape(m, spec, 0)[0], RANK)).requires_grad_(True)
+        leaves[adapters.factor_name(m.mcore, "lora_A")], leaves[adapters.factor_name(m.mcore, "lora_B")] = a, b
+        for hf_name, d in zip(m.hf, mapping.unpack_rows(m, spec, (ALPHA / RANK) * b @ a), strict=True):
+            deltas[hf_name] = d
+
+    def merged():
+        out = dict(params)
+        for name, w in params.items():
+            if name + ".weight" in deltas or name in deltas:
+                out[name] = w + deltas[name]
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, ...], per expert
+                prefix, kind = name.rsplit(".", 1)
+                parts = []
+                for e in range(w.shape[0]):
+                    names = ((f"{prefix}.{e}.down_proj.weight",) if kind == "down_proj"
+                             else (f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"))
+                    parts.append(torch.cat([deltas[n] for n in names]))
+                out[name] = w + torch.stack(parts)
+        return out
+
+    with torch.no_grad():
+        base = _log_probs(model(ids, attention_mask=attn.long()).logits, ids, attn)
+    lp = _log_probs(functional_call(model, merged(), (ids,), {"attention_mask": attn.long()}).logits, ids, attn)
+    loss = -(lp * resp).sum() / resp.sum()
+    loss.backward()
+    return lp.detach(), base, loss.item(), {n: t.grad for n, t in leaves.items()}
+
+
+def _world(rank, world_size, ckpt, moe_ckpt):
     from megarl.algos.config import AlgorithmConfig
     from megarl.algos.offline import SFTObjective
     from megarl.controller.role import WorkerContext
@@ -114,9 +179,9 @@ def _world(rank, world_size, ckpt):
     from megarl.roles.policy import PolicyRole
     from megarl.testing.dist import from_collect_rank
 
-    ids, attn, resp = _rows()
+    ids, attn, resp, adv = _rows()
     out = []
-    for kw in LAYOUTS:
+    for kw, path in [(kw, ckpt) for kw in LAYOUTS] + [(kw, moe_ckpt) for kw in MOE_LAYOUTS]:
         kw = dict(kw)
         sp = kw.pop("sp", False)
         layout = ParallelLayout.for_world(world_size, **kw)
@@ -125,9 +190,10 @@ def _world(rank, world_size, ckpt):
         ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
         engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-3, clip_grad=0.0,
                                                 use_distributed_optimizer=False),
-                              micro_batch=MicroBatchConfig(max_tokens=24, max_size=2), sequence_parallel=sp,
+                              micro_batch=MicroBatchConfig(max_tokens=24, max_size=2), sequence_parallel=sp or None,
                               lora=LoRAConfig(rank=RANK, alpha=ALPHA))
-        policy = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(), temperature=1.0)
+        algorithm = AlgorithmConfig(kl_loss_coef=KL_COEF, kl_clamp=False)
+        policy = PolicyRole(ctx, checkpoint_dir=path, engine=engine, algorithm=algorithm, temperature=1.0)
         spec = policy.spec
         maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
         chunk_params = {n: p for c in policy.engine.chunks for n, p in global_named_parameters(c)}
@@ -145,6 +211,15 @@ def _world(rank, world_size, ckpt):
         lp = from_collect_rank(None if lp is None else lp["log_probs"].tolist(), layout)
         base_lp = policy.compute_log_probs(rows, temperature=1.0, adapters=False)
         base_lp = from_collect_rank(None if base_lp is None else base_lp["log_probs"].tolist(), layout)
+        # GRPO with the KL loss to the base model (the reference of a LoRA run), at the factors set above; then
+        # the factors are put back (SGD keeps no state) for the SFT update
+        start = {n: p.detach().clone() for n, p in chunk_params.items() if adapters.is_adapter(n)}
+        grpo = rows.update(Batch.from_dict({"advantages": adv, "old_log_probs": torch.tensor(lp),
+                                            "ref_log_probs": torch.tensor(base_lp)}))
+        kl = policy.update(grpo.chunk(layout.dp)[coords.dp]).terms["kl"]
+        with torch.no_grad():
+            for n, t in start.items():
+                chunk_params[n].copy_(t)
         shard = rows.chunk(layout.dp)[coords.dp]
         result = policy.train(shard, SFTObjective())
         grads = {n: p.main_grad.tolist() for n, p in chunk_params.items() if adapters.is_adapter(n)}
@@ -154,7 +229,7 @@ def _world(rank, world_size, ckpt):
             policy.train(shard, SFTObjective())
         same = all(torch.equal(base0[n], p) for n, p in chunk_params.items() if not adapters.is_adapter(n))
         out.append({"layout": kw | {"sp": sp}, "tp": coords.tp, "lp": lp, "base_lp": base_lp,
-                    "loss": result.loss, "grads": grads, "a0": a0, "trained": trained, "optimized": optimized,
+                    "loss": result.loss, "kl": kl, "grads": grads, "a0": a0, "trained": trained, "optimized": optimized,
                     "adapter_numel": sum(p.numel() for n, p in chunk_params.items() if adapters.is_adapter(n)),
                     "base_same": same})
         del policy
@@ -163,14 +238,24 @@ def _world(rank, world_size, ckpt):
 
 @pytest.fixture(scope="module")
 def setup(tiny_hf, tmp_path_factory):
-    hf = tiny_hf("qwen2_untied")
+    hf, moe_hf = tiny_hf("qwen2_untied"), tiny_hf("qwen3_moe")
     root = tmp_path_factory.mktemp("lora")
     convert_hf_to_megatron(hf, root / "lm")
-    world = run_world(_world, 4, str(root / "lm"), timeout_s=900)
-    a_factors = {}  # global A of each adapted weight, from TP rank 0 / 1 of the TP1 layout (A is layout-independent)
-    for name, a in world[0][0]["a0"].items():
-        a_factors[name.removesuffix("lora_A") + "weight"] = a
-    return hf, world, _peft_reference(hf, a_factors)
+    convert_hf_to_megatron(moe_hf, root / "moe", ep=2)
+    world = run_world(_world, 4, str(root / "lm"), str(root / "moe"), timeout_s=900)
+
+    def a_factors(layout):  # every A of the model (EP: each rank holds its experts'), by the weight's name
+        return {adapters_base(n): a for r in world for n, a in r[layout]["a0"].items()}
+
+    dense, moe = a_factors(0), a_factors(len(LAYOUTS))
+    return {"dense": (hf, world, _peft_reference(hf, dense), _merged_reference(hf, dense)),
+            "moe": (moe_hf, world, _merged_reference(moe_hf, moe))}
+
+
+def adapters_base(name):
+    from megarl.models import adapters
+
+    return adapters.base_name(name)
 
 
 def _rel(got, expected):
@@ -178,20 +263,22 @@ def _rel(got, expected):
     return ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["tp1", "tp2", "tp2_sp", "pp2"])
-def test_logits_and_gradients_equal_peft(setup, layout):
+def _check(hf, results, reference):
+    """One layout's results against a reference (log-probs, base log-probs, loss, factor gradients)."""
     from megarl.models import adapters, mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
 
-    hf, world, (lp, base_lp, loss, grads) = setup
+    lp, base_lp, loss, grads = reference
+    _, _, resp, _ = _rows()
     spec = spec_from_hf_config(load_hf_config(hf))
     maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
-    results = [r[layout] for r in world]
     r0 = results[0]
     assert _rel(r0["lp"], lp) < 1e-5
     assert _rel(r0["base_lp"], base_lp) < 1e-5
     assert _rel(r0["base_lp"], lp) > 1e-3  # the adapters do change the model
     assert abs(r0["loss"] - loss) <= 1e-5 * abs(loss)
+    kl = _k3(lp, base_lp, resp)
+    assert kl > 1e-3 and all(abs(r["kl"] - kl) <= 1e-5 * kl for r in results), (kl, [r["kl"] for r in results])
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for r in results:
         for n, g in r["grads"].items():
@@ -199,11 +286,31 @@ def test_logits_and_gradients_equal_peft(setup, layout):
     assert set(shards) == set(grads)
     for n, by_tp in shards.items():
         m = maps[adapters.base_name(n)]
-        split = (m.tp_dim == 0) == n.endswith("lora_B")  # B of a column-parallel base, A of a row-parallel one
-        full = mapping.tp_gather(m, [by_tp[t] for t in sorted(by_tp)]) if split else by_tp[0]
+        split = adapters.split_factor(m, n.rsplit(".", 1)[-1])
+        full = mapping.tp_gather(m, [by_tp[t] for t in sorted(by_tp)]) if split else next(iter(by_tp.values()))
         assert _rel(full, grads[n]) < 1e-5, (n, _rel(full, grads[n]))
+        assert float(grads[n].norm()) > 0, n
     for r in results:
         assert r["base_same"], "a base weight changed in 20 updates"
         assert r["trained"] and all(adapters.is_adapter(n) for n in r["trained"])
         assert r["optimized"] == r["adapter_numel"]
 
+
+def test_merged_reference_equals_peft(setup):
+    """The reference of the MoE layouts (transformers on merged weights) equals peft where peft applies."""
+    _, _, peft, merged = setup["dense"]
+    for got, expected in zip(merged[:3], peft[:3], strict=True):
+        assert _rel(got, expected) < 1e-6
+    assert all(_rel(merged[3][n], peft[3][n]) < 1e-5 for n in peft[3])
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["tp1", "tp2", "tp2_sp", "pp2"])
+def test_logits_and_gradients_equal_peft(setup, layout):
+    hf, world, peft, _ = setup["dense"]
+    _check(hf, [r[layout] for r in world], peft)
+
+
+@pytest.mark.parametrize("layout", range(len(MOE_LAYOUTS)), ids=["ep2", "tp2_ep2_sp"])
+def test_moe_experts_logits_and_gradients_equal_transformers(setup, layout):
+    hf, world, reference = setup["moe"]
+    _check(hf, [r[len(LAYOUTS) + layout] for r in world], reference)
