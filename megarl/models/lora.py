@@ -48,7 +48,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megarl.engine.config import LoRAConfig
 from megarl.models.adapters import LORA_A, LORA_B, is_adapter
-from megarl.models.provider import global_named_parameters
+from megarl.models.provider import ScalarHead, global_named_parameters
 
 
 class _LoRALinear:
@@ -120,11 +120,15 @@ def targets_of(config: LoRAConfig) -> tuple[str, ...]:
 
 
 def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> int:
-    """Give each targeted linear of one model chunk its factors (in place) and freeze everything else; the
-    number of adapted linears. The initial ``A`` of each is drawn from ``seed`` and the weight's global name."""
+    """Give each targeted linear of one model chunk its factors (in place) and freeze everything else but a scalar
+    head (a critic's or reward model's new value head trains whole, as peft's ``modules_to_save`` keeps a sequence
+    classifier's ``score``); the number of adapted linears. The initial ``A`` of each is drawn from ``seed`` and
+    the weight's global name."""
     global_names = {id(p): n for n, p in global_named_parameters(model)}
+    head = getattr(model, "output_layer", None)
+    keep = {id(p) for p in head.parameters()} if isinstance(head, ScalarHead) else set()
     for p in model.parameters():
-        p.requires_grad_(False)
+        p.requires_grad_(id(p) in keep)
     wanted = set(targets_of(config))
     count = 0
     for module_name, module in list(model.named_modules()):

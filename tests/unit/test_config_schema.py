@@ -68,7 +68,7 @@ def _own_defaults(cls: type) -> dict[str, object]:
     own = cls.__dict__.get("__annotations__", {})
     out = {}
     for f in dataclasses.fields(cls):
-        if f.name not in own:
+        if f.name not in own or not f.init:  # no config key (a frozen engine's optim / lora): no default to set
             continue
         if f.default is not dataclasses.MISSING:
             value = f.default
@@ -104,19 +104,20 @@ def test_the_check_sees_a_mirrored_default():
     assert "top_p" in _own_defaults(Mirror) and "top_p" in _own_defaults(SamplingParams.__mro__[1])
 
 
-def test_frozen_roles_take_every_engine_key_but_optim():
-    """reward_model.engine and teacher.engine: the training engine's keys less its optimizer's (nothing trains
-    them), with the same defaults; the reference lists no optim section for them."""
+def test_frozen_roles_take_every_engine_key_but_optim_and_lora():
+    """reward_model.engine and teacher.engine: the training engine's keys less its optimizer's and adapters'
+    (nothing trains them), with the same defaults; the reference lists no optim or lora section for them."""
     def keys(cls: type) -> set[str]:
         return {f.name for f in dataclasses.fields(cls) if f.init}
 
     hints = {cls: typing.get_type_hints(cls)["engine"] for cls in (RewardModelSection, TeacherSection)}
     for engine in hints.values():
-        assert keys(engine) == keys(EngineConfig) - {"optim"}
+        assert keys(engine) == keys(EngineConfig) - {"optim", "lora"}
         assert {k: getattr(engine(), k) for k in keys(engine)} == {k: getattr(EngineConfig(), k) for k in keys(engine)}
     text = (ROOT / "docs" / "config.md").read_text()
     assert "## `policy.optim`" in text and "## `critic.optim`" in text
     assert "## `reward_model.engine.optim`" not in text and "## `teacher.engine.optim`" not in text
+    assert "## `policy.lora`" in text and "## `reward_model.engine.lora`" not in text
 
 
 def test_config_reference_is_current():

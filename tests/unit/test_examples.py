@@ -36,6 +36,7 @@ GPU_EXAMPLES = {
     "multiturn_gsm8k_python_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
     "ppo_llama3_70b": (LLAMA3_70B, ParallelLayout(tp=8, pp=4, dp=2), 64),
     "grpo_gsm8k_qwen3_30b_a3b": (QWEN3_30B_A3B, ParallelLayout(tp=4, pp=1, dp=4, ep=8), 16),
+    "grpo_lora_gsm8k_qwen2.5_7b": (QWEN25_7B, ParallelLayout(tp=2, pp=1, dp=4), 8),
 }
 
 
