@@ -96,7 +96,7 @@ def _peft_reference(hf_dir, a_factors):
 
     with torch.no_grad():
         for m in _adapted_maps(spec):
-            a = torch.tensor(a_factors[m.mcore])
+            a = torch.as_tensor(a_factors[m.mcore])
             b = _b(m.mcore, (mapping.mcore_shape(m, spec, 0)[0], RANK))
             for hf_name, b_part in zip(m.hf, mapping.unpack_rows(m, spec, b), strict=True):
                 layer = lora_of(hf_name)
@@ -120,12 +120,12 @@ def _peft_reference(hf_dir, a_factors):
     return lp.detach(), base, loss.item(), grads
 
 
-def _merged_reference(hf_dir, a_factors):
+def _merged_reference(hf_dir, a_factors, critic=False):
     """The same outputs without peft: transformers' forward on ``W + scale * B A`` for every adapted weight (MoE
     experts sliced into transformers 5's fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``), the factors
     leaves of autograd (megarl's fused layout: qkv's and fc1's A shared by their projections by construction)."""
     from torch.func import functional_call
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from megarl.models import adapters, mapping
     from megarl.models.spec import load_hf_config, spec_from_hf_config
@@ -133,11 +133,14 @@ def _merged_reference(hf_dir, a_factors):
     cfg = load_hf_config(hf_dir)
     spec = spec_from_hf_config(cfg)
     ids, attn, resp, adv = _rows()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = (AutoModelForSequenceClassification if critic else AutoModelForCausalLM).from_pretrained(
+        hf_dir, dtype=torch.float32)
     params = {n: p.detach() for n, p in model.named_parameters()}
     leaves, deltas = {}, {}
+    if critic:  # the value head trains whole
+        params["score.weight"] = leaves["output_layer.weight"] = params["score.weight"].clone().requires_grad_(True)
     for m in _adapted_maps(spec):
-        a = torch.tensor(a_factors[m.mcore], requires_grad=True)
+        a = torch.as_tensor(a_factors[m.mcore]).clone().requires_grad_(True)
         b = _b(m.mcore, (mapping.mcore_shape(m, spec, 0)[0], RANK)).requires_grad_(True)
         leaves[adapters.factor_name(m.mcore, "lora_A")], leaves[adapters.factor_name(m.mcore, "lora_B")] = a, b
         for hf_name, d in zip(m.hf, mapping.unpack_rows(m, spec, (ALPHA / RANK) * b @ a), strict=True):
@@ -158,21 +161,75 @@ def _merged_reference(hf_dir, a_factors):
                 out[name] = w + torch.stack(parts)
         return out
 
+    logits = functional_call(model, merged(), (ids,), {"attention_mask": attn.long()}).logits
+    if critic:  # Bradley-Terry on pairs (chosen, rejected) of the rows' scores at their last real token
+        scores = logits.squeeze(-1)
+        loss = -torch.nn.functional.logsigmoid(scores[0::2] - scores[1::2]).mean()
+        loss.backward()
+        return scores.detach(), None, loss.item(), {n: t.grad for n, t in leaves.items()}
     with torch.no_grad():
         base = _log_probs(model(ids, attention_mask=attn.long()).logits, ids, attn)
-    lp = _log_probs(functional_call(model, merged(), (ids,), {"attention_mask": attn.long()}).logits, ids, attn)
+    lp = _log_probs(logits, ids, attn)
     loss = -(lp * resp).sum() / resp.sum()
     loss.backward()
     return lp.detach(), base, loss.item(), {n: t.grad for n, t in leaves.items()}
 
 
-def _world(rank, world_size, ckpt, moe_ckpt):
+def _set_b(params, spec, layout, coords):
+    """Every ``lora_B`` of this rank set to the test's matrix (:func:`_b`), sliced as the rank holds it."""
+    from megarl.models import adapters, mapping
+
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
+    with torch.no_grad():
+        for n, p in params.items():
+            if n.endswith(".lora_B"):
+                m = maps[adapters.base_name(n)]
+                full = _b(m.mcore, adapters.factor_shape(m, spec, "lora_B", RANK))
+                p.copy_(mapping.tp_shard(m, full, layout.tp, coords.tp) if adapters.split_factor(m, "lora_B")
+                        else full)
+
+
+def _critic(rank, world_size, rm_ckpt):
+    """A LoRA reward model (the scalar head trains whole) at TP2 x DP2 with sequence parallelism: one
+    Bradley-Terry step; the factors' and the head's gradients, the trained parameters."""
+    from megarl.algos.offline import BradleyTerryObjective
+    from megarl.controller.role import WorkerContext
+    from megarl.data.batch import Batch
+    from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig, OptimizerName
+    from megarl.models import adapters
+    from megarl.models.provider import global_named_parameters
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.critic import CriticRole
+
+    ids, attn, _, _ = _rows()
+    layout = ParallelLayout.for_world(world_size, tp=2)
+    init_distributed(layout)
+    coords = layout.coords(rank)
+    ctx = WorkerContext(rank, world_size, layout, coords, "127.0.0.1", "local", 0, "cpu")
+    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-3, clip_grad=0.0,
+                                            use_distributed_optimizer=False),
+                          micro_batch=MicroBatchConfig(max_tokens=24, max_size=2), sequence_parallel=True,
+                          lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+    critic = CriticRole(ctx, checkpoint_dir=rm_ckpt, engine=engine, value_clip=None)
+    params = {n: p for c in critic.engine.chunks for n, p in global_named_parameters(c)}
+    _set_b(params, critic.engine.spec, layout, coords)
+    a0 = {n: p.detach().tolist() for n, p in params.items() if n.endswith(".lora_A")}  # before the step moves it
+    rows = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": attn})
+    result = critic.train(rows.chunk(layout.dp)[coords.dp], BradleyTerryObjective())
+    trained = sorted(n for n, p in params.items() if p.requires_grad)
+    return {"tp": coords.tp, "loss": result.loss, "trained": trained, "a0": a0,
+            "grads": {n: p.main_grad.tolist() for n, p in params.items() if p.requires_grad},
+            "adapters_only": all(adapters.is_adapter(n) or n == "output_layer.weight" for n in trained)}
+
+
+def _world(rank, world_size, ckpt, moe_ckpt, rm_ckpt):
     from megarl.algos.config import AlgorithmConfig
     from megarl.algos.offline import SFTObjective
     from megarl.controller.role import WorkerContext
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig, OptimizerName
-    from megarl.models import adapters, mapping
+    from megarl.models import adapters
     from megarl.models.provider import global_named_parameters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
@@ -194,16 +251,8 @@ def _world(rank, world_size, ckpt, moe_ckpt):
                               lora=LoRAConfig(rank=RANK, alpha=ALPHA))
         algorithm = AlgorithmConfig(kl_loss_coef=KL_COEF, kl_clamp=False)
         policy = PolicyRole(ctx, checkpoint_dir=path, engine=engine, algorithm=algorithm, temperature=1.0)
-        spec = policy.spec
-        maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
         chunk_params = {n: p for c in policy.engine.chunks for n, p in global_named_parameters(c)}
-        with torch.no_grad():
-            for n, p in chunk_params.items():
-                if n.endswith(".lora_B"):
-                    m = maps[adapters.base_name(n)]
-                    full = _b(m.mcore, (mapping.mcore_shape(m, spec, 0)[0], RANK))
-                    column = m.tp_dim == 0
-                    p.copy_(mapping.tp_shard(m, full, layout.tp, coords.tp) if column else full)
+        _set_b(chunk_params, policy.spec, layout, coords)
         base0 = {n: p.detach().clone() for n, p in chunk_params.items() if not adapters.is_adapter(n)}
         a0 = {n: p.detach().tolist() for n, p in chunk_params.items() if n.endswith(".lora_A")}
         rows = Batch.from_dict({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
@@ -233,29 +282,43 @@ def _world(rank, world_size, ckpt, moe_ckpt):
                     "adapter_numel": sum(p.numel() for n, p in chunk_params.items() if adapters.is_adapter(n)),
                     "base_same": same})
         del policy
-    return out
+    return {"policy": out, "critic": _critic(rank, world_size, rm_ckpt)}
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_hf, tmp_path_factory):
-    hf, moe_hf = tiny_hf("qwen2_untied"), tiny_hf("qwen3_moe")
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    hf, moe_hf, rm_hf = tiny_hf("qwen2_untied"), tiny_hf("qwen3_moe"), tiny_hf("qwen2_rm")
     root = tmp_path_factory.mktemp("lora")
     convert_hf_to_megatron(hf, root / "lm")
     convert_hf_to_megatron(moe_hf, root / "moe", ep=2)
-    world = run_world(_world, 4, str(root / "lm"), str(root / "moe"), timeout_s=900)
+    convert_hf_to_megatron(rm_hf, root / "rm")
+    out = run_world(_world, 4, str(root / "lm"), str(root / "moe"), str(root / "rm"), timeout_s=900)
+    world = [r["policy"] for r in out]
+    critic = [r["critic"] for r in out]
 
-    def a_factors(layout):  # every A of the model (EP: each rank holds its experts'), by the weight's name
-        return {adapters_base(n): a for r in world for n, a in r[layout]["a0"].items()}
+    def a_factors(results):
+        """Every A of the model by its weight's name (EP: each rank holds its experts'; TP: shards gathered)."""
+        from megarl.models import adapters
 
-    dense, moe = a_factors(0), a_factors(len(LAYOUTS))
+        by_name: dict[str, dict[int, torch.Tensor]] = {}
+        for r in results:
+            for n, a in r["a0"].items():
+                by_name.setdefault(adapters.base_name(n), {})[r.get("tp", 0)] = torch.tensor(a)
+        out = {}
+        for name, shards in by_name.items():
+            out[name] = (mapping.tp_gather(maps[name], [shards[t] for t in sorted(shards)]) if len(shards) > 1
+                         and adapters.split_factor(maps[name], "lora_A") else next(iter(shards.values())))
+        return out
+
+    maps = {m.mcore: m for path in (hf, moe_hf, rm_hf)
+            for m in mapping.tensor_maps(spec_from_hf_config(load_hf_config(path)))}  # shared names, same kinds
+    dense, moe = a_factors([r[0] for r in world]), a_factors([r[len(LAYOUTS)] for r in world])
     return {"dense": (hf, world, _peft_reference(hf, dense), _merged_reference(hf, dense)),
-            "moe": (moe_hf, world, _merged_reference(moe_hf, moe))}
-
-
-def adapters_base(name):
-    from megarl.models import adapters
-
-    return adapters.base_name(name)
+            "moe": (moe_hf, world, _merged_reference(moe_hf, moe)),
+            "critic": (rm_hf, critic, _merged_reference(rm_hf, a_factors(critic), critic=True))}
 
 
 def _rel(got, expected):
@@ -279,21 +342,42 @@ def _check(hf, results, reference):
     assert abs(r0["loss"] - loss) <= 1e-5 * abs(loss)
     kl = _k3(lp, base_lp, resp)
     assert kl > 1e-3 and all(abs(r["kl"] - kl) <= 1e-5 * kl for r in results), (kl, [r["kl"] for r in results])
+    _check_grads(maps, results, grads)
+    for r in results:
+        assert r["base_same"], "a base weight changed in 20 updates"
+        assert r["trained"] and all(adapters.is_adapter(n) for n in r["trained"])
+        assert r["optimized"] == r["adapter_numel"]
+
+
+def _check_grads(maps, results, grads):
+    """Each rank's gradients (TP shards gathered, every DP replica's alike) against the reference's, 1e-5."""
+    from megarl.models import adapters, mapping
+
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for r in results:
         for n, g in r["grads"].items():
             shards.setdefault(n, {})[r["tp"]] = torch.tensor(g)
     assert set(shards) == set(grads)
     for n, by_tp in shards.items():
-        m = maps[adapters.base_name(n)]
-        split = adapters.split_factor(m, n.rsplit(".", 1)[-1])
-        full = mapping.tp_gather(m, [by_tp[t] for t in sorted(by_tp)]) if split else next(iter(by_tp.values()))
+        split = adapters.is_adapter(n) and adapters.split_factor(maps[adapters.base_name(n)], n.rsplit(".", 1)[-1])
+        full = (mapping.tp_gather(maps[adapters.base_name(n)], [by_tp[t] for t in sorted(by_tp)]) if split
+                else next(iter(by_tp.values())))
         assert _rel(full, grads[n]) < 1e-5, (n, _rel(full, grads[n]))
         assert float(grads[n].norm()) > 0, n
-    for r in results:
-        assert r["base_same"], "a base weight changed in 20 updates"
-        assert r["trained"] and all(adapters.is_adapter(n) for n in r["trained"])
-        assert r["optimized"] == r["adapter_numel"]
+
+
+def test_lora_reward_model_trains_adapters_and_head_at_tp2_sp(setup):
+    """A LoRA critic / reward model: the adapters and the whole value head train (peft's modules_to_save keeps a
+    sequence classifier's score), gradients equal transformers' on merged weights, Bradley-Terry loss alike."""
+    from megarl.models import mapping
+    from megarl.models.spec import load_hf_config, spec_from_hf_config
+
+    hf, results, (_, _, loss, grads) = setup["critic"]
+    spec = spec_from_hf_config(load_hf_config(hf))  # a sequence classifier: the scalar head
+    maps = {m.mcore: m for m in mapping.tensor_maps(spec)}
+    assert all(abs(r["loss"] - loss) <= 1e-5 * abs(loss) for r in results), ([r["loss"] for r in results], loss)
+    assert all(r["adapters_only"] and "output_layer.weight" in r["trained"] for r in results)
+    _check_grads(maps, results, grads)
 
 
 def test_merged_reference_equals_peft(setup):

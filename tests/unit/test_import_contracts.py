@@ -32,6 +32,7 @@ PURE = (
     "megarl.resharding.plan",
     "megarl.models.mapping",
     "megarl.models.spec",
+    "megarl.models.adapters",  # LoRA factor names and their peft layout (export, adapter sync, planner)
     "megarl.checkpoint.format",
     "megarl.planner",  # the run's config (megarl.config.train) is part of megarl.config
     # what the driver reads of the workers: specs, results, the rollout contract, the report
