@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Convert a megarl Megatron checkpoint back into a HuggingFace model directory.
 
-    python tools/convert_megatron_to_hf.py --mcore-dir DIR --out-dir DIR [--max-shard-size 2GB]
+    python tools/convert_megatron_to_hf.py --mcore-dir DIR --out-dir DIR [--max-shard-size 2GB] [--base-dir DIR]
+
+A LoRA run's checkpoint (adapters only) is written merged onto the base checkpoint the run started from (recorded in
+it; --base-dir where that has moved). tools/export_peft.py writes the adapters alone, for peft.
 """
 
 import argparse
@@ -29,6 +32,8 @@ def main() -> int:
     p.add_argument("--mcore-dir", required=True, help="megarl Megatron checkpoint directory")
     p.add_argument("--out-dir", required=True, help="new directory for the HF model")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    p.add_argument("--base-dir", default=None,
+                   help="a LoRA checkpoint's base checkpoint, where it is now (default: the path recorded in it)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args()
 
@@ -36,7 +41,8 @@ def main() -> int:
     from megarl.checkpoint.convert import convert_megatron_to_hf
 
     summary = convert_megatron_to_hf(
-        args.mcore_dir, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress
+        args.mcore_dir, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+        base_dir=args.base_dir,
     )
     print(summary.line())
     return 0

@@ -9,11 +9,14 @@
 - ``mcore_io`` the weights of a Megatron checkpoint: megatron-core dist-checkpoint save/load at any layout.
                Imports megatron-core (through ``megarl.parallel.mcore_compat``); workers and tools only.
 - ``convert``  HF <-> Megatron conversion (the library API behind tools/convert_*.py); megatron-core.
+- ``lora_export`` a LoRA run's checkpoint (adapters only) merged onto its base for ``convert``, or as a peft
+               adapter (tools/export_peft.py); megatron-core.
 - ``cpu_only`` the environment that hides CUDA from a conversion's process, so that it converts in host memory
                whatever GPUs the machine has. Pure (stdlib only: the tools import it before torch).
-- ``training`` a role's training state (model + optimizer + LR schedule + RNG) in a Megatron checkpoint
-               directory; torch.distributed + megatron-core; runs in worker ranks. It may not be imported
-               by ``megarl.engine`` (the engine is only an annotation here, under TYPE_CHECKING).
+- ``training`` a role's training state (model + optimizer + LR schedule + RNG; a LoRA role's: its adapters, not
+               the base) in a Megatron checkpoint directory; torch.distributed + megatron-core; runs in worker
+               ranks. It may not be imported by ``megarl.engine`` (the engine is only an annotation here, under
+               TYPE_CHECKING).
 - ``manifest`` the checksums of every file of a checkpoint (``manifest.json``): written at commit, verified
                before a resume. Pure (stdlib only).
 - ``run``      the run's step directories under ``<output_dir>/checkpoints`` (begin / commit / resume_point /

@@ -5,6 +5,8 @@ TP1/PP1 megatron-core model (one copy of the model in memory) and saves its shar
 Megatron -> HF reads one decoder layer at a time from the dist checkpoint and writes size-capped
 safetensors shards. Outputs are written atomically (temporary directory, then rename). Every
 tensor's name and shape is checked against the model config before anything is written.
+A LoRA run's checkpoint converts to HF merged onto its base (:mod:`megarl.checkpoint.lora_export`, which also
+writes its adapters in peft's format).
 """
 
 from __future__ import annotations
@@ -125,15 +127,25 @@ def _training_notes(spec: ModelSpec) -> tuple[str, ...]:
 
 
 def convert_megatron_to_hf(
-    mcore_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 1024**3, progress: bool = False
+    mcore_dir: str | Path, out_dir: str | Path, *, max_shard_bytes: int = 2 * 1024**3, progress: bool = False,
+    base_dir: str | Path | None = None,
 ) -> ConversionSummary:
-    """Write an HF directory (config.json, safetensors shards, tokenizer files) from a megarl checkpoint."""
+    """Write an HF directory (config.json, safetensors shards, tokenizer files) from a megarl checkpoint.
+
+    A LoRA run's checkpoint (adapters only) is written merged onto its base model: the checkpoint it records, or
+    ``base_dir`` (:class:`megarl.checkpoint.lora_export.MergedWeights`)."""
     start = time.perf_counter()
     meta = read_meta(mcore_dir)
     spec = spec_from_hf_config(meta.hf_config)
-    metadata = mcore_io.tensors_metadata(mcore_dir)
+    if meta.lora is None:
+        weights = _Weights(Path(mcore_dir))
+    else:
+        from megarl.checkpoint.lora_export import MergedWeights  # it builds on this module
+
+        weights = MergedWeights(mcore_dir, meta, spec, base_dir)
+    metadata = weights.metadata
     maps = mapping.tensor_maps(spec)
-    _check_checkpoint_shapes(spec, maps, metadata, meta.padded_vocab_size, Path(mcore_dir))
+    _check_checkpoint_shapes(spec, maps, metadata, meta.padded_vocab_size, weights.path)
     check_output_dir(out_dir)
 
     from megarl.parallel.init import init_distributed
@@ -153,7 +165,7 @@ def convert_megatron_to_hf(
         writer = hf_io.HFWriter(tmp, plan, max_shard_bytes)
         bar = tqdm(total=len(maps), desc="Megatron -> HF", unit="tensor", disable=not progress)
         for key, group in by_key.items():
-            (stacked,) = mcore_io.read_full_tensors(mcore_dir, [key], metadata)
+            stacked = weights.read(key)
             for m in group:
                 full = stacked[m.ckpt_index]
                 for name, t in zip(m.hf, mapping.to_hf(m, spec, full), strict=True):
@@ -170,6 +182,18 @@ def convert_megatron_to_hf(
         hf_io.copy_aux_files(Path(mcore_dir) / HF_SUBDIR, tmp)
     seconds = time.perf_counter() - start
     return ConversionSummary("Megatron -> HF", n_tensors, writer.total_bytes, seconds, Path(out_dir))
+
+
+class _Weights:
+    """A model checkpoint's tensors by checkpoint key, stacked as stored (a LoRA checkpoint's: ``MergedWeights``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metadata = mcore_io.tensors_metadata(path)
+
+    def read(self, key: str) -> torch.Tensor:
+        (stacked,) = mcore_io.read_full_tensors(self.path, [key], self.metadata)
+        return stacked
 
 
 def _dtype_name(name: str) -> str:

@@ -6,6 +6,9 @@ Layout of a checkpoint directory::
     hf/                      config.json + tokenizer files of the source model (for export, rollout)
     weights/                 megatron-core dist_checkpointing (torch_dist) model checkpoint
 
+A LoRA run's training checkpoint (``CheckpointMeta.lora`` set) holds the adapters only: it is not a model, and
+everything that loads one as a model goes through :func:`check_full_model`.
+
 This module is what a driver needs to recognise and describe such a directory: it imports neither
 torch nor megatron-core. Reading and writing the weights is :mod:`megarl.checkpoint.mcore_io`.
 """
@@ -27,6 +30,21 @@ FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAMeta:
+    """The adapters a LoRA run's checkpoint holds (``engine.config.LoRAConfig``'s fields) and the model they adapt."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: list[str]
+    base: str  # absolute path of the base checkpoint the run started from: its weights are not in this one
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointMeta:
     hf_config: dict[str, Any]
     layout: ParallelLayout  # the layout the checkpoint was written for (any layout can load it)
@@ -34,12 +52,15 @@ class CheckpointMeta:
     dtype: str
     megatron_core_version: str
     format_version: int = FORMAT_VERSION
+    lora: LoRAMeta | None = None  # set: adapters + their optimizer state only (a LoRA run's training checkpoint)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["layout"] = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "vpp": self.layout.vpp}
         if self.layout.ep > 1:
             d["layout"]["ep"] = self.layout.ep
+        if self.lora is None:  # a model's metadata reads as it did before LoRA (older megarl reads it too)
+            del d["lora"]
         return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
@@ -67,9 +88,26 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
                 f"{path} has format_version {d['format_version']}; this megarl reads version {FORMAT_VERSION}."
             )
         d["layout"] = ParallelLayout(**d["layout"])
+        if "lora" in d:
+            d["lora"] = LoRAMeta(**d["lora"])
         return CheckpointMeta(**d)
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path} is corrupt ({e!r}); restore it from the original conversion.") from e
+
+
+def check_full_model(ckpt_dir: str | Path) -> None:
+    """Raise where ``ckpt_dir`` holds LoRA adapters only (a LoRA run's training checkpoint) instead of a model:
+    it has no base weights, so loading it as a model would fail deep in megatron-core over the missing tensors."""
+    lora = read_meta(ckpt_dir).lora
+    if lora is None:
+        return
+    raise CheckpointError(
+        f"{ckpt_dir} is a LoRA training checkpoint: it holds rank-{lora.rank} adapters on {lora.targets} (and their "
+        f"optimizer state), not a model; its base model is {lora.base}. To use it as a model, export it merged with "
+        f"tools/convert_megatron_to_hf.py --mcore-dir {ckpt_dir} --out-dir DIR and point model.path at DIR (or "
+        "export the adapters for peft with tools/export_peft.py); to train on, resume its run (the same "
+        "trainer.output_dir), which loads the adapters onto their base."
+    )
 
 
 def weights_dir(ckpt_dir: str | Path) -> Path:

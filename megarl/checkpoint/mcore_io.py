@@ -14,6 +14,7 @@ the checkpoint lacks is an error that names it (:func:`load_sharded`, :func:`loa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import apply_factories
 
-from megarl.checkpoint.format import weights_dir
+from megarl.checkpoint.format import check_full_model, weights_dir
 from megarl.errors import CheckpointError
 from megarl.parallel import mcore_compat
 
@@ -68,8 +69,10 @@ def load_model(chunks: list[torch.nn.Module], ckpt_dir: str | Path, *, exclude: 
     """Collective: load a checkpoint written at any layout into this rank's model chunks.
 
     Parameters whose names start with one of ``exclude`` keep their current values (a critic's new
-    value head on top of a causal LM's checkpoint).
+    value head on top of a causal LM's checkpoint). Every role's model is read here: a LoRA run's
+    checkpoint (adapters only) is refused with what to do instead (:func:`format.check_full_model`).
     """
+    check_full_model(ckpt_dir)
     path = weights_dir(ckpt_dir)
     sharded = _sharded_state_dict(chunks)
     for sd in sharded.values():
@@ -101,11 +104,14 @@ def load_sharded(sharded: dict, path: Path, *, remedy: str) -> dict:
     return state
 
 
-def load_into(chunk: torch.nn.Module, state: dict, path: Path, *, exclude: tuple[str, ...] = ()) -> None:
+def load_into(chunk: torch.nn.Module, state: dict, path: Path, *, exclude: tuple[str, ...] = (),
+              only: Callable[[str], bool] | None = None) -> None:
     """``chunk.load_state_dict(state)``: every parameter and buffer must be there (those starting with one of
-    ``exclude`` may not); a module whose extra state ``state`` lacks keeps its own."""
+    ``exclude`` may not; with ``only``, just the names it accepts: a LoRA checkpoint's adapters, the others keep
+    their values); a module whose extra state ``state`` lacks keeps its own."""
     result = chunk.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.startswith(exclude) and not k.endswith(EXTRA_STATE_SUFFIX)]
+    missing = [k for k in result.missing_keys if not k.startswith(exclude) and not k.endswith(EXTRA_STATE_SUFFIX)
+               and (only is None or only(k))]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"the checkpoint in {path} does not fit this model: it lacks {missing[:3]} and has "
                               f"{result.unexpected_keys[:3]} on top; it belongs to another model.")

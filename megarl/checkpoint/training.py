@@ -6,6 +6,11 @@ tools/convert_megatron_to_hf.py; ``weights/`` additionally holds the optimizer s
 layout-independent "fully reshardable" form for the distributed optimizer, so a different DP size
 can load it) and ``trainer_state.json`` the step, LR-schedule state and per-rank RNG states.
 
+A LoRA engine's checkpoint holds its adapters and their optimizer state only (the base weights are frozen: they
+are the source checkpoint's, recorded as ``CheckpointMeta.lora.base``). It resumes into an engine built from that
+base, as the trainer builds its roles; it is no model (``format.check_full_model``) and exports merged or as a
+peft adapter (:mod:`megarl.checkpoint.lora_export`).
+
 Writes are atomic: every rank writes into one temporary sibling directory; rank 0 renames it into
 place after a barrier, so a crash never leaves a half-written checkpoint under the final name.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,12 +30,14 @@ import torch.distributed as dist
 
 from megarl.checkpoint import mcore_io
 from megarl.checkpoint.atomic import check_output_dir
-from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, read_meta, weights_dir, write_meta
+from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, LoRAMeta, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
+from megarl.models import adapters
 from megarl.models.spec import as_head
 from megarl.parallel import cpu_compat, mcore_compat
 
 if TYPE_CHECKING:
+    from megarl.engine.config import LoRAConfig
     from megarl.engine.engine import MegatronEngine
 
 TRAINER_STATE = "trainer_state.json"
@@ -37,8 +45,11 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _sharded_state(engine: MegatronEngine, *, is_loading: bool) -> dict:
-    # the unwrapped chunks (not DDP): same structure as a converted checkpoint; same Parameter objects
+    # the unwrapped chunks (not DDP): same structure as a converted checkpoint; same Parameter objects. A LoRA
+    # engine's adapters only: its optimizer holds nothing else, and the frozen base is the source checkpoint's
     model_sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(engine.chunks)}
+    if engine.lora is not None:
+        model_sd = {c: {k: v for k, v in sd.items() if adapters.is_adapter(k)} for c, sd in model_sd.items()}
     return model_sd | {
         "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)
     }
@@ -69,7 +80,7 @@ def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, ste
             meta = read_meta(source_dir)  # recorded with the engine's head: a critic started from a causal LM is
             # a sequence classifier from its first checkpoint on (a reward model's path takes it as it is)
             hf_config = as_head(meta.hf_config, engine.spec.head)
-            write_meta(tmp_dir, dataclasses.replace(meta, hf_config=hf_config))
+            write_meta(tmp_dir, dataclasses.replace(meta, hf_config=hf_config, lora=_lora_meta(engine, source_dir)))
             shutil.copytree(Path(source_dir) / HF_SUBDIR, tmp_dir / HF_SUBDIR)
             if hf_config is not meta.hf_config:
                 (tmp_dir / HF_SUBDIR / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
@@ -89,8 +100,10 @@ def save_training_checkpoint(engine: MegatronEngine, out_dir: str | Path, *, ste
 
 @cpu_compat.redirected
 def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> int:
-    """Collective. Restore model, optimizer, schedule and (same world size) RNG; returns the step."""
+    """Collective. Restore model (a LoRA engine: its adapters, onto the base it was built from), optimizer,
+    schedule and (same world size) RNG; returns the step."""
     ckpt_dir = Path(ckpt_dir)
+    _check_adapters(read_meta(ckpt_dir).lora, engine.lora, ckpt_dir)
     path = weights_dir(ckpt_dir)
     state_file = ckpt_dir / TRAINER_STATE
     if not state_file.is_file():
@@ -103,13 +116,37 @@ def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> in
     loaded = mcore_io.load_sharded(_sharded_state(engine, is_loading=True), path,
                                  remedy="move this checkpoint aside to resume from the one before it.")
     for i, m in enumerate(engine.chunks):
-        mcore_io.load_into(m, loaded[f"model{i}"], path)
+        mcore_io.load_into(m, loaded[f"model{i}"], path, only=None if engine.lora is None else adapters.is_adapter)
     engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.stats.skipped_steps = trainer["skipped_steps"]
     if len(trainer["rng"]) == dist.get_world_size():
         _set_rng_state(trainer["rng"][dist.get_rank()])
     return int(trainer["step"])
+
+
+def _lora_meta(engine: MegatronEngine, source_dir: str | Path) -> LoRAMeta | None:
+    c = engine.lora
+    return None if c is None else LoRAMeta(rank=c.rank, alpha=c.alpha, dropout=c.dropout, targets=list(c.targets),
+                                           base=os.path.abspath(source_dir))
+
+
+def _check_adapters(saved: LoRAMeta | None, lora: LoRAConfig | None, ckpt_dir: Path) -> None:
+    """A checkpoint resumes into an engine with the same adapters (rank, alpha, targets: what the adapted model is;
+    dropout may differ), or none with none; otherwise the tensors it holds are not the ones the engine asks for."""
+    if saved is None and lora is None:
+        return
+    if saved is None:
+        raise CheckpointError(
+            f"{ckpt_dir} holds a full model's training state, but this role trains LoRA adapters (lora: rank "
+            f"{lora.rank} on {lora.targets}); resume it without lora, or start a new LoRA run from it (model.path).")
+    if lora is not None and (saved.rank, saved.alpha, set(saved.targets)) == (lora.rank, lora.alpha, set(lora.targets)):
+        return
+    found = "trains every weight (lora: null)" if lora is None else (
+        f"has lora rank {lora.rank}, alpha {lora.alpha} on {lora.targets}")
+    raise CheckpointError(
+        f"{ckpt_dir} holds LoRA adapters of rank {saved.rank}, alpha {saved.alpha} on {saved.targets}, but this role "
+        f"{found}; resume with the lora settings it was saved with.")
 
 
 def _init_optimizer_state(engine: MegatronEngine) -> None:

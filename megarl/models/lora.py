@@ -23,6 +23,9 @@ with no communication, and streams through the existing resharding plan like ``W
 expert-TP 1 (megarl's MoE layout): their factors are whole on each rank and reduced over the expert-data-parallel
 group as the expert weights are (``allreduce = False``).
 
+In a checkpoint each factor is a global tensor in its weight's layout (a gated fc1's ``B`` as ``[gate; up]`` rows,
+through megatron-core's swiglu factory, as the weight), so it loads at any TP size.
+
 Initial factors depend only on the seed and the parameter's global name (drawn whole, then sliced), so any
 TP/PP/EP layout starts from the same adapter. :func:`adapters_disabled` runs the base model (the reference).
 """
@@ -44,6 +47,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megarl.engine.config import LoRAConfig
@@ -58,6 +62,7 @@ class _LoRALinear:
     lora_scale: float
     lora_dropout: float
     lora_column: bool  # the base is column-parallel
+    lora_gated: bool  # the base is a gated MLP's fc1: [gate; up] rows, each half split over TP on its own
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -83,8 +88,13 @@ class _LoRALinear:
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         factors = {LORA_A: self.lora_A, LORA_B: self.lora_B}
         axis = {LORA_B: 0} if self.lora_column else {LORA_A: 1}
-        out.update(make_sharded_tensors_for_checkpoint(factors, prefix, axis, sharded_offsets, tp_group=self.tp_group,
-                                                       dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        sharded = make_sharded_tensors_for_checkpoint(factors, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                      dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if self.lora_gated:  # B's rows as the weight's (megatron-core's MLP): the global [gate; up] at any TP size
+            key = f"{prefix}{LORA_B}"
+            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                        (metadata or {}).get("singleton_local_shards", False))
+        out.update(sharded)
         return out
 
 
@@ -132,13 +142,15 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> int:
     wanted = set(targets_of(config))
     count = 0
     for module_name, module in list(model.named_modules()):
-        if module_name.rsplit(".", 1)[-1] in wanted and isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            _adapt(module, config, global_names[id(module.weight)].removesuffix(".weight"), seed)
+        suffix = module_name.rsplit(".", 1)[-1]
+        if suffix in wanted and isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            gated = suffix == "linear_fc1" and module.config.gated_linear_unit
+            _adapt(module, config, global_names[id(module.weight)].removesuffix(".weight"), seed, gated)
             count += 1
     return count
 
 
-def _adapt(module: torch.nn.Module, config: LoRAConfig, name: str, seed: int) -> None:
+def _adapt(module: torch.nn.Module, config: LoRAConfig, name: str, seed: int, gated: bool) -> None:
     column = isinstance(module, ColumnParallelLinear)
     w = module.weight
     tp, rank = module.tp_group.size(), module.tp_group.rank()
@@ -162,6 +174,7 @@ def _adapt(module: torch.nn.Module, config: LoRAConfig, name: str, seed: int) ->
     module.lora_scale = config.scale
     module.lora_dropout = config.dropout
     module.lora_column = column
+    module.lora_gated = gated
     module.__class__ = _lora_class(type(module))
 
 

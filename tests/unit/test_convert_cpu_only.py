@@ -25,12 +25,15 @@ def _tool(name: str):
     return module
 
 
-@pytest.mark.parametrize("tool, function, args", [
-    ("convert_hf_to_megatron", "convert_hf_to_megatron", ["--hf-dir", "hf", "--out-dir", "out"]),
-    ("convert_megatron_to_hf", "convert_megatron_to_hf", ["--mcore-dir", "mc", "--out-dir", "out"]),
+@pytest.mark.parametrize("tool, module, function, args", [
+    ("convert_hf_to_megatron", "convert", "convert_hf_to_megatron", ["--hf-dir", "hf", "--out-dir", "out"]),
+    ("convert_megatron_to_hf", "convert", "convert_megatron_to_hf", ["--mcore-dir", "mc", "--out-dir", "out"]),
+    ("export_peft", "lora_export", "export_peft", ["--mcore-dir", "mc", "--out-dir", "out"]),
 ])
-def test_tools_convert_with_cuda_hidden(monkeypatch, tool, function, args):
+def test_tools_convert_with_cuda_hidden(monkeypatch, tool, module, function, args):
     """The tool's conversion function is replaced by a recorder of the environment it would run in."""
+    import importlib
+
     from megarl.checkpoint import convert
 
     seen = []
@@ -40,7 +43,7 @@ def test_tools_convert_with_cuda_hidden(monkeypatch, tool, function, args):
         return convert.ConversionSummary(function, 0, 0, 0.0, Path("out"))
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a GPU machine's; restored after the test
-    monkeypatch.setattr(convert, function, record)
+    monkeypatch.setattr(importlib.import_module(f"megarl.checkpoint.{module}"), function, record)
     monkeypatch.setattr(sys, "argv", [tool, *args])
     assert _tool(tool).main() == 0
     assert seen == [""]
