@@ -33,7 +33,7 @@ from megarl.checkpoint.atomic import check_output_dir
 from megarl.checkpoint.format import HF_SUBDIR, WEIGHTS_SUBDIR, LoRAMeta, read_meta, weights_dir, write_meta
 from megarl.errors import CheckpointError
 from megarl.models import adapters
-from megarl.models.spec import as_head
+from megarl.models.spec import Head, as_head
 from megarl.parallel import cpu_compat, mcore_compat
 
 if TYPE_CHECKING:
@@ -44,12 +44,22 @@ TRAINER_STATE = "trainer_state.json"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _trained(engine: MegatronEngine):
+    """Which checkpoint keys a LoRA engine trains (None: every key): its adapters, and a critic's scalar head,
+    which trains whole."""
+    if engine.lora is None:
+        return None
+    head = engine.spec.head is Head.SCALAR
+    return lambda key: adapters.is_adapter(key) or (head and key == "output_layer.weight")
+
+
 def _sharded_state(engine: MegatronEngine, *, is_loading: bool) -> dict:
     # the unwrapped chunks (not DDP): same structure as a converted checkpoint; same Parameter objects. A LoRA
-    # engine's adapters only: its optimizer holds nothing else, and the frozen base is the source checkpoint's
+    # engine's trained tensors only: its optimizer holds nothing else, and the frozen base is the source checkpoint's
     model_sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(engine.chunks)}
-    if engine.lora is not None:
-        model_sd = {c: {k: v for k, v in sd.items() if adapters.is_adapter(k)} for c, sd in model_sd.items()}
+    trained = _trained(engine)
+    if trained is not None:
+        model_sd = {c: {k: v for k, v in sd.items() if trained(k)} for c, sd in model_sd.items()}
     return model_sd | {
         "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)
     }
@@ -116,7 +126,7 @@ def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> in
     loaded = mcore_io.load_sharded(_sharded_state(engine, is_loading=True), path,
                                  remedy="move this checkpoint aside to resume from the one before it.")
     for i, m in enumerate(engine.chunks):
-        mcore_io.load_into(m, loaded[f"model{i}"], path, only=None if engine.lora is None else adapters.is_adapter)
+        mcore_io.load_into(m, loaded[f"model{i}"], path, only=_trained(engine))
     engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.stats.skipped_steps = trainer["skipped_steps"]

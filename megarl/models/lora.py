@@ -71,7 +71,9 @@ class _LoRALinear:
         return output + self._lora(input_).to(output.dtype), bias
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_dropout and self.training:
+        # in updates only: a trainable engine's forward-only passes (old log-probs, the reference) run in train
+        # mode too, without a graph, and must be the deterministic model the rollout engine samples from
+        if self.lora_dropout and self.training and torch.is_grad_enabled():
             x = F.dropout(x, self.lora_dropout)
         group = self.tp_group
         parallel = group.size() > 1 and not getattr(self, "explicit_expert_comm", False)

@@ -43,7 +43,32 @@ def _rows():
     return ids, attn, resp
 
 
-def _world(rank, world_size, base, ckpt):
+def _critic(ctx, rm_base, rm_ckpt, engine, rows):
+    """A LoRA reward model (adapters + its whole scalar head train): 2 Bradley-Terry steps, save, 1 more; a fresh
+    one loads and takes the same step. Returns the names that came back equal and those that trained."""
+    from megarl.algos.offline import BradleyTerryObjective
+    from megarl.models.provider import global_named_parameters
+    from megarl.roles.critic import CriticRole
+
+    def trained(c):
+        return {n: t.detach().clone() for ch in c.engine.chunks for n, t in global_named_parameters(ch)
+                if t.requires_grad}
+
+    first = CriticRole(ctx, checkpoint_dir=rm_base, engine=engine, value_clip=None)
+    for _ in range(2):
+        first.train(rows, BradleyTerryObjective())
+    first.save_checkpoint(rm_ckpt, 2, rm_base)
+    first.train(rows, BradleyTerryObjective())
+    uninterrupted = trained(first)
+    del first
+    resumed = CriticRole(ctx, checkpoint_dir=rm_base, engine=engine, value_clip=None)
+    resumed.load_checkpoint(rm_ckpt)
+    resumed.train(rows, BradleyTerryObjective())
+    again = trained(resumed)
+    return {"trained": sorted(again), "equal": sorted(n for n in again if torch.equal(again[n], uninterrupted[n]))}
+
+
+def _world(rank, world_size, base, ckpt, rm_base, rm_ckpt):
     from megarl.algos.config import AlgorithmConfig
     from megarl.algos.offline import SFTObjective
     from megarl.controller.role import WorkerContext
@@ -92,9 +117,11 @@ def _world(rank, world_size, base, ckpt):
     again = factors(resumed)
     del resumed
 
+    critic = _critic(context(layout), rm_base, rm_ckpt, engine, rows)
+
     tp1 = policy(context(ParallelLayout.for_world(world_size, tp=1)))
     tp1.load_checkpoint(ckpt)
-    return {"lp": lp, "step": step, "lrs": lrs, "resumed_lrs": resumed_lrs, "factors": len(again),
+    return {"critic": critic, "lp": lp, "step": step, "lrs": lrs, "resumed_lrs": resumed_lrs, "factors": len(again),
             "equal": sorted(n for n in again if torch.equal(again[n], uninterrupted[n])),
             "moved": sum(not torch.equal(t, 0 * t) for n, t in again.items() if n.endswith("lora_B")),
             "saved": saved, "tp1": {n: t.tolist() for n, t in factors(tp1).items()}}
@@ -121,10 +148,19 @@ def run(tiny_hf, tmp_path_factory):
     hf = tiny_hf("qwen2_untied")
     root = tmp_path_factory.mktemp("lora_ckpt")
     convert_hf_to_megatron(hf, root / "base")
-    world = run_world(_world, 2, str(root / "base"), str(root / "step3"), timeout_s=300)
+    convert_hf_to_megatron(tiny_hf("qwen2_rm"), root / "rm")
+    world = run_world(_world, 2, str(root / "base"), str(root / "step3"), str(root / "rm"), str(root / "rm_step2"),
+                      timeout_s=300)
     export_peft(root / "step3", root / "peft")
     convert_megatron_to_hf(root / "step3", root / "merged")
     return {"hf": hf, "root": root, "world": world}
+
+
+def test_a_lora_reward_model_resumes_bit_exactly_with_its_head(run):
+    for r in run["world"]:
+        c = r["critic"]
+        assert "output_layer.weight" in c["trained"] and len(c["trained"]) > 1
+        assert c["equal"] == c["trained"]
 
 
 def test_resume_is_bit_exact(run):
