@@ -1,0 +1,85 @@
+"""Adapter-only LoRA sync, the training side: what a sync sends when ``rollout.engine.lora_sync=adapter``.
+
+A LoRA policy's base weights are frozen, so the rollout engine needs them once; afterwards a sync is the adapter
+alone (:mod:`megarl.rollout.vllm_lora`). :class:`AdapterSync` decides per sync whether the base weights go first
+(the engine does not hold them yet, or lost them in a sleep that frees weights) and gathers the adapter: every
+factor whole on every rank of the policy's model-parallel group (TP x PP of one data-parallel replica), from this
+rank's shards (megarl/models/lora.py: ``B`` of a column-parallel base split like ``W``'s rows, ``A`` of a
+row-parallel one like its columns, the other factor replicated). The factors are tiny (rank x width), so one
+``all_gather_object`` carries them; each rank hosting an engine then holds the whole adapter, which vLLM slices to
+its own TP rank itself. Split placement sends the gathered adapter over the weight link (:mod:`megarl.roles.split`).
+
+Uses torch.distributed and the policy's Megatron engine; no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from megarl.engine.config import LoRAConfig
+from megarl.engine.engine import MegatronEngine
+from megarl.errors import ConfigError
+from megarl.models import adapters, mapping
+from megarl.models.provider import global_named_parameters
+from megarl.models.spec import ModelSpec
+from megarl.rollout.config import ADAPTER_SYNC_EXPERTS_REASON
+
+
+class AdapterSync:
+    """What one policy rank sends at each adapter-only sync."""
+
+    def __init__(self, engine: MegatronEngine, spec: ModelSpec) -> None:
+        if engine.lora is None:
+            raise ConfigError("rollout.engine.lora_sync=adapter sends a LoRA policy's adapter, but the policy has no "
+                              "adapters (policy.lora is null): set policy.lora or rollout.engine.lora_sync=merged.")
+        check_targets(spec, engine.lora, "the policy")
+        self.engine, self.spec, self.lora = engine, spec, engine.lora
+        self._maps = {m.mcore: m for m in adapters.adapted_maps(spec, self.lora.targets)}
+
+    def base_weights(self) -> Mapping[str, torch.Tensor]:
+        """The frozen base weights as the resharding plan streams them (no factor, nothing merged)."""
+        return {n: p for c in self.engine.chunks for n, p in global_named_parameters(c) if not adapters.is_adapter(n)}
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """Every factor of the adapter, global name -> the whole tensor (on the host), on every rank of the
+        model-parallel group (collective over it)."""
+        group = self.engine.groups.mp
+        tp_rank = self.engine.groups.tp.rank()
+        local = {n: p.detach().to("cpu", copy=True) for c in self.engine.chunks
+                 for n, p in global_named_parameters(c) if adapters.is_adapter(n)}
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (tp_rank, local), group=group)
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for rank, tensors in gathered:
+            for name, t in tensors.items():
+                shards.setdefault(name, {})[rank] = t
+        out = {}
+        tp = self.engine.layout.tp
+        for name, by_tp in shards.items():
+            m = self._maps[adapters.base_name(name)]
+            if adapters.split_factor(m, name.rsplit(".", 1)[-1]):
+                if sorted(by_tp) != list(range(tp)):
+                    raise RuntimeError(f"factor {name}: shards from TP ranks {sorted(by_tp)}, expected 0..{tp - 1}")
+                out[name] = mapping.tp_gather(m, [by_tp[r] for r in range(tp)])
+            else:
+                out[name] = by_tp[min(by_tp)]
+        return out
+
+    def peft(self, factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gathered ``factors`` in peft's layout (what the vLLM engine loads)."""
+        return adapters.peft_adapter(self.spec, self.lora.targets, factors)
+
+
+def check_targets(spec: ModelSpec, lora: LoRAConfig, model: str) -> None:
+    """Refuse expert adapters (an MoE model's fc1/fc2) for adapter-only sync (:data:`ADAPTER_SYNC_EXPERTS_REASON`)."""
+    experts = [t for t in lora.targets if t in ("fc1", "fc2")]
+    if spec.moe is not None and experts:
+        raise ConfigError(ADAPTER_SYNC_EXPERTS_REASON.format(targets=list(lora.targets), model=model))
+
+
+def adapter_bytes(factors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of an adapter's factors (what an adapter-only sync moves to each engine)."""
+    return sum(t.numel() * t.element_size() for t in factors.values())
