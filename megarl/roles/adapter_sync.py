@@ -19,13 +19,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.engine.config import LoRAConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.models import adapters, mapping
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
-from megarl.rollout.config import ADAPTER_SYNC_EXPERTS_REASON
+from megarl.rollout.config import check_adapter_targets
 
 
 class AdapterSync:
@@ -35,7 +34,7 @@ class AdapterSync:
         if engine.lora is None:
             raise ConfigError("rollout.engine.lora_sync=adapter sends a LoRA policy's adapter, but the policy has no "
                               "adapters (policy.lora is null): set policy.lora or rollout.engine.lora_sync=merged.")
-        check_targets(spec, engine.lora, "the policy")
+        check_adapter_targets(spec.moe is not None, engine.lora.targets, "the policy")
         self.engine, self.spec, self.lora = engine, spec, engine.lora
         self._maps = {m.mcore: m for m in adapters.adapted_maps(spec, self.lora.targets)}
 
@@ -71,13 +70,6 @@ class AdapterSync:
     def peft(self, factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gathered ``factors`` in peft's layout (what the vLLM engine loads)."""
         return adapters.peft_adapter(self.spec, self.lora.targets, factors)
-
-
-def check_targets(spec: ModelSpec, lora: LoRAConfig, model: str) -> None:
-    """Refuse expert adapters (an MoE model's fc1/fc2) for adapter-only sync (:data:`ADAPTER_SYNC_EXPERTS_REASON`)."""
-    experts = [t for t in lora.targets if t in ("fc1", "fc2")]
-    if spec.moe is not None and experts:
-        raise ConfigError(ADAPTER_SYNC_EXPERTS_REASON.format(targets=list(lora.targets), model=model))
 
 
 def adapter_bytes(factors: Mapping[str, torch.Tensor]) -> int:

@@ -37,6 +37,13 @@ class LoRASync(enum.Enum):
     ADAPTER = "adapter"
 
 
+def check_adapter_targets(moe: bool, targets: list[str] | tuple[str, ...], model: object) -> None:
+    """Refuse expert adapters (``fc1`` / ``fc2`` of an MoE model, ``moe``) for adapter-only sync
+    (:data:`ADAPTER_SYNC_EXPERTS_REASON`); ``model`` names the model in the message."""
+    if moe and {"fc1", "fc2"} & set(targets):
+        raise ConfigError(ADAPTER_SYNC_EXPERTS_REASON.format(targets=list(targets), model=model))
+
+
 def vllm_lora_rank(rank: int) -> int:
     """vLLM's ``max_lora_rank`` for a policy of LoRA rank ``rank``: the least of :data:`VLLM_LORA_RANKS` >= it."""
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
