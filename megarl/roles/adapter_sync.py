@@ -7,7 +7,9 @@ factor whole on every rank of the policy's model-parallel group (TP x PP of one 
 rank's shards (megarl/models/lora.py: ``B`` of a column-parallel base split like ``W``'s rows, ``A`` of a
 row-parallel one like its columns, the other factor replicated). The factors are tiny (rank x width), so one
 ``all_gather_object`` carries them; each rank hosting an engine then holds the whole adapter, which vLLM slices to
-its own TP rank itself. Split placement sends the gathered adapter over the weight link (:mod:`megarl.roles.split`).
+its own TP rank itself. Split placement: training rank 0 sends the gathered adapter to every rollout rank over the
+weight link, as one flat tensor in :func:`megarl.models.adapters.factor_shapes` order, which both sides compute
+(:func:`send_adapter`, :func:`receive_adapter`; :mod:`megarl.roles.split`).
 
 Uses torch.distributed and the policy's Megatron engine; no vLLM.
 """
@@ -24,6 +26,7 @@ from megarl.errors import ConfigError
 from megarl.models import adapters, mapping
 from megarl.models.provider import global_named_parameters
 from megarl.models.spec import ModelSpec
+from megarl.resharding.link import Message, WeightLink
 from megarl.rollout.config import check_adapter_targets
 
 
@@ -70,6 +73,39 @@ class AdapterSync:
     def peft(self, factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gathered ``factors`` in peft's layout (what the vLLM engine loads)."""
         return adapters.peft_adapter(self.spec, self.lora.targets, factors)
+
+
+def streamed_weights(engine: MegatronEngine, adapter: AdapterSync | None,
+                     base_held: bool) -> Mapping[str, torch.Tensor] | None:
+    """What a sync streams through the resharding plan: the model (a LoRA policy's merged, :meth:`MegatronEngine.
+    weights`), or with adapter sync (``adapter``) the base weights where the rollout engines do not hold them
+    (``base_held``: their first sync, or a sleep dropped them), else nothing. Every rank of a plan must decide
+    alike (its engines are built and synced together)."""
+    if adapter is None:
+        return engine.weights()
+    return None if base_held else adapter.base_weights()
+
+
+# the tag of the adapter's message on the weight link (the plan's slabs are tagged by their index in a bucket)
+ADAPTER_TAG = 1 << 24
+
+
+def send_adapter(link: WeightLink, factors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, int]],
+                 dtype: torch.dtype, device: str, peers: range) -> None:
+    """Training rank 0 of a split placement: the gathered ``factors``, in ``shapes`` order (:func:`megarl.models.
+    adapters.factor_shapes`, computed alike on both sides), as one ``dtype`` tensor to each rollout rank in
+    ``peers`` (link ranks)."""
+    flat = torch.cat([factors[name].reshape(-1).to(dtype) for name in shapes]).to(device)
+    link.exchange([Message(True, flat, peer, ADAPTER_TAG) for peer in peers])
+
+
+def receive_adapter(link: WeightLink, shapes: Mapping[str, tuple[int, int]], dtype: torch.dtype,
+                    device: str) -> dict[str, torch.Tensor]:
+    """A rollout rank of a split placement: the factors :func:`send_adapter` sent (from link rank 0)."""
+    flat = torch.empty(sum(a * b for a, b in shapes.values()), dtype=dtype, device=device)
+    link.exchange([Message(False, flat, 0, ADAPTER_TAG)])
+    parts = flat.split([a * b for a, b in shapes.values()])
+    return {name: part.reshape(shape) for (name, shape), part in zip(shapes.items(), parts, strict=True)}
 
 
 def adapter_bytes(factors: Mapping[str, torch.Tensor]) -> int:

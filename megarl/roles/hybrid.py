@@ -36,7 +36,7 @@ from megarl.models.spec import ModelSpec
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
-from megarl.roles.adapter_sync import AdapterSync, adapter_bytes
+from megarl.roles.adapter_sync import AdapterSync, adapter_bytes, streamed_weights
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import RolloutOutput, SamplingParams
 from megarl.rollout.config import LoRASync, RolloutBackend, RolloutConfig
@@ -75,7 +75,8 @@ class HybridRollout:
             self.engine.offload(params=False, grads=True, optimizer=True)
         self.rollout.wake_up()
         stats = TransferStats()
-        params = self._weights()
+        base_held = self.adapter is not None and self.rollout.holds_base_weights  # (only vLLM engines hold a base)
+        params = streamed_weights(self.engine, self.adapter, base_held)
         if params is not None:
             for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
                                          bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
@@ -93,14 +94,6 @@ class HybridRollout:
         self.last_transfer = stats
         return WeightSync(transfer=stats, seconds=time.perf_counter() - start,
                           sleep_frees_memory=self.rollout.sleep_frees_memory)
-
-    def _weights(self):
-        """What this sync streams through the plan: the model (a LoRA policy's merged), or with adapter sync the
-        base weights where the engine does not hold them (its first sync, or a sleep that dropped them), else
-        nothing. Every rank decides alike (the engines of one plan are built and synced together)."""
-        if self.adapter is None:
-            return self.engine.weights()
-        return None if self.rollout.holds_base_weights else self.adapter.base_weights()
 
     @trace.spanned("to_train", cat="weight_sync")
     def to_train(self) -> float:
