@@ -38,7 +38,9 @@ all weights, and vLLM 0.32 saves and restores the model's buffers (RoPE caches: 
 NVIDIA-NeMo/RL#2631, OpenRLHF#723 came from their loss in earlier vLLMs). Level 1 copied every weight to host
 memory at each sleep and back at each wake, two copies per step that the sync then overwrote.
 :class:`megarl.rollout.vllm_args.SleepCycle` makes the calls. vLLM's CPU platform has no sleep mode: weights
-and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once).
+and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once). Adapter-only LoRA sync
+(``lora``, :mod:`megarl.rollout.vllm_lora`) sleeps at level 1 instead: its base weights are synced once and must
+survive; a sync is then the adapter alone (:meth:`VLLMEngine.load_adapter`).
 
 Log-probs. Ours (megarl.rollout.base) are of ``softmax(logits / T)`` before top-k/top-p (T = 1 when
 greedy). ``logprobs_mode="processed_logprobs"`` gives ``log_softmax`` of the logits vLLM sampled from:
@@ -361,8 +363,9 @@ class VLLMEngine:
     # ---- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the weights and the KV cache where vLLM can sleep (level 2: the next sync rewrites every weight);
-        elsewhere only the engine's state changes (generation needs a new sync)."""
+        """Free the weights and the KV cache where vLLM can sleep (level 2: the next sync rewrites every weight;
+        adapter sync: level 1, the base weights kept in host memory); elsewhere only the engine's state changes
+        (generation needs a new sync)."""
         if not self._memory.weights_awake:
             return
         self._end_update()

@@ -93,3 +93,28 @@ def test_grpo_with_adapter_sync_learns_keeps_parity_and_stops_on_a_stale_adapter
     assert all(m["reshard/bytes_kept"] + m["reshard/bytes_received"] == 0 for m in later)
     assert all(m["reshard/adapter_bytes"] == first["reshard/adapter_bytes"] > 0 for m in later)
     assert "RolloutMismatchError" in error and "lora_sync=adapter" in error and "reused" in error, error
+
+
+def test_adapter_sync_to_a_rollout_pool_of_its_own(ray_cluster, tmp_path):
+    """Split placement (docs/async.md): the policy on one process, one vLLM replica on a pool of its own; the first
+    push streams the base weights over the weight link, every push the adapter, sent by training rank 0. Every
+    push's parity probe (megarl/rollout/parity.py) and every step's rows equal the training model's."""
+    from pathlib import Path
+
+    from megarl.config.train import load_config
+    from megarl.testing.addition import make_task
+    from megarl.trainer.trainer import run
+
+    task = make_task(tmp_path / "task", hidden_size=128, init_std=0.2)
+    example = Path(__file__).resolve().parents[2] / "examples" / "grpo_addition_tiny_vllm" / "config.yaml"
+    overrides = {"model.path": task / "model", "data.train": task / "train.jsonl", "data.val": task / "val.jsonl",
+                 "trainer.output_dir": tmp_path / "run", "trainer.tensorboard": "false", "trainer.save_every": 0,
+                 "trainer.val_every": 0, "trainer.total_steps": 3, "policy.lora.rank": 4, "policy.lora.alpha": 8,
+                 "policy.optim.lr": 2e-3, "rollout.engine.lora_sync": "adapter", "rollout.engine.tp": 1,
+                 "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1,
+                 "cluster.pools.gen.devices_per_node": 1, "cluster.placement.rollout": "gen"}
+    history = run(load_config(example, [f"{k}={v}" for k, v in overrides.items()]))
+    assert len(history) == 3
+    assert all(m["rollout/push_logprob_abs_diff"] < 1e-5 and m["rollout/logprob_abs_diff"] < 1e-5 for m in history)
+    assert history[0]["reshard/bytes_received"] > 0 and all(m["reshard/bytes_received"] == 0 for m in history[1:])
+    assert all(m["reshard/adapter_bytes"] == history[0]["reshard/adapter_bytes"] > 0 for m in history)
