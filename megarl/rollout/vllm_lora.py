@@ -11,7 +11,8 @@ again), so a reused name or id serves the old version with no error -- verl#7495
 The adapter is loaded when the sync ends (``add_lora``), so a bad adapter fails the sync, not a later generation,
 and the engine then holds exactly that version (``max_cpu_loras`` 1: vLLM's LRU cache drops the previous one);
 every generated request must report it back (:meth:`AdapterVersions.check_outputs`). The directory of the
-version before is removed once the next is loaded; the root goes at :meth:`AdapterVersions.close`.
+version before is removed once the next is loaded; the root goes at :meth:`AdapterVersions.close` (or, after a
+process that never closed its engine, with the next engine's start: :func:`remove_orphans`).
 
 Imports torch, safetensors and megarl; vLLM only inside :meth:`AdapterVersions.load` (its ``LoRARequest``).
 """
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,17 +38,24 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "adapter_model.safetensors"  # peft's file names, which vLLM's loader looks for
 CONFIG_FILE = "adapter_config.json"
+ROOT_PREFIX = "megarl-lora-"  # + the engine process's pid: the per-engine root under the temporary directory
 
 
 class AdapterVersions:
     """The adapter versions of one engine: where each is written, the request that names it, the one held now."""
 
     def __init__(self, root: str | Path | None = None) -> None:
-        """``root``: where the per-version directories go (None: a fresh temporary directory, removed by
-        :meth:`close`)."""
+        """``root``: where the per-version directories go (None: a fresh temporary directory named after this
+        process, removed by :meth:`close`, when the engine is garbage-collected, or by the next engine on this
+        machine once this process is gone: a killed worker closes nothing)."""
         self._owns_root = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="megarl-lora-")) if root is None else Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if root is None:
+            remove_orphans(Path(tempfile.gettempdir()))
+            self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+        else:
+            self.root = Path(root)
+            self.root.mkdir(parents=True, exist_ok=True)
         self.count = 0  # adapters loaded by this engine: the int id of the latest (vLLM's ids start at 1)
         self.current: Any = None  # the LoRARequest of the adapter held now (None before the first sync)
 
@@ -95,4 +105,27 @@ class AdapterVersions:
     def close(self) -> None:
         self.current = None
         if self._owns_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._finalizer()
+
+
+def remove_orphans(tmp: Path) -> list[Path]:
+    """Remove the adapter directories (``megarl-lora-<pid>-*`` under ``tmp``) of processes that no longer run; returns
+    them. A live process's (a reused pid's, too) are left alone."""
+    removed = []
+    for path in tmp.glob(f"{ROOT_PREFIX}*-*"):
+        pid = path.name.removeprefix(ROOT_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
