@@ -31,7 +31,7 @@ from megarl.errors import ConfigError
 from megarl.host import allocator
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import check_vllm_groups
-from megarl.rollout.config import ROUTER_REPLAY_TP_REASON, RolloutBackend
+from megarl.rollout.config import ROUTER_REPLAY_TP_REASON, LoRASync, RolloutBackend, vllm_lora_rank
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -271,11 +271,28 @@ def _check_rollout(cfg: TrainConfig, layout: ParallelLayout) -> None:
         util = r.engine.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise ConfigError(f"rollout.engine.gpu_memory_utilization must be in (0, 1] or null, found {util}.")
+    if r.engine.lora_sync is LoRASync.ADAPTER:
+        _check_adapter_sync(cfg)
     if r.schedule is not Schedule.SYNC:
         _check_overlapped(cfg)
     if r.sampling.temperature == 0:
         raise ConfigError("rollout.sampling.temperature=0 (greedy) gives no exploration to learn from; use > 0 for "
                           "training (rollout.validation.temperature may be 0).")
+
+
+def _check_adapter_sync(cfg: TrainConfig) -> None:
+    """``rollout.engine.lora_sync=adapter``: a LoRA policy's adapter, loaded into vLLM's LoRA support. (Expert
+    adapters of an MoE model are refused once its config.json is read: megarl.trainer.checks.)"""
+    engine, lora = cfg.rollout.engine, cfg.policy.lora
+    if lora is None:
+        raise ConfigError("rollout.engine.lora_sync=adapter syncs a LoRA policy's adapter alone, but policy.lora is "
+                          "not set (the whole policy trains, so every weight changes): set policy.lora (e.g. "
+                          "policy.lora.rank=8) or leave rollout.engine.lora_sync=merged.")
+    if engine.backend is not RolloutBackend.VLLM:
+        raise ConfigError(f"rollout.engine.lora_sync=adapter loads the adapter into vLLM's LoRA support; the "
+                          f"{engine.backend.value} engine has none (it takes the merged weights): set "
+                          "rollout.engine.backend=vllm or rollout.engine.lora_sync=merged.")
+    vllm_lora_rank(lora.rank)  # within vLLM's largest max_lora_rank
 
 
 def _check_reward(cfg: TrainConfig) -> None:

@@ -98,12 +98,45 @@ def from_peft(m: mapping.TensorMap, spec: ModelSpec,
     return a_parts[0], mapping.pack_rows(m, spec, [tensors[f"{mod}.{LORA_B}.weight"] for mod in modules])
 
 
+def hf_modules(targets: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The HF projections ``targets`` adapt (peft's ``target_modules``), sorted."""
+    return tuple(sorted(n for t in targets for n in HF_MODULES[t]))
+
+
+def factor_shapes(spec: ModelSpec, targets: list[str] | tuple[str, ...],
+                  rank: int) -> dict[str, tuple[int, int]]:
+    """Global name -> global shape of every factor of an adapter (``A`` then ``B`` of each adapted weight, in
+    :func:`adapted_maps` order): what an adapter-only sync carries."""
+    return {factor_name(m.mcore, f): factor_shape(m, spec, f, rank)
+            for m in adapted_maps(spec, targets) for f in FACTORS}
+
+
+def peft_adapter(spec: ModelSpec, targets: list[str] | tuple[str, ...],
+                 factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's tensors of a whole adapter from its global fused ``factors`` (global factor name -> tensor, every
+    factor of :func:`factor_shapes`); raises naming a missing, extra or misshapen factor."""
+    rank = next(iter(factors.values())).shape[0] if factors else 0
+    shapes = factor_shapes(spec, targets, rank)
+    missing, extra = sorted(shapes.keys() - factors.keys()), sorted(factors.keys() - shapes.keys())
+    if missing or extra:
+        raise ValueError(f"an adapter of targets {list(targets)} has {len(shapes)} factors; found {len(factors)}, "
+                         f"missing {missing[:4]}, unexpected {extra[:4]}")
+    out = {}
+    for m in adapted_maps(spec, targets):
+        a, b = (factors[factor_name(m.mcore, f)] for f in FACTORS)
+        for name, t in ((factor_name(m.mcore, LORA_A), a), (factor_name(m.mcore, LORA_B), b)):
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"factor {name} must have the global shape {shapes[name]}, found {tuple(t.shape)}")
+        out.update(to_peft(m, spec, a, b))
+    return out
+
+
 def peft_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...],
                 base_model: str | None = None, *, causal_lm: bool = True) -> dict:
     """peft's ``adapter_config.json`` of a megarl adapter."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM" if causal_lm else "SEQ_CLS", "r": rank, "lora_alpha": alpha,
-        "lora_dropout": dropout, "target_modules": sorted(n for t in targets for n in HF_MODULES[t]),
+        "lora_dropout": dropout, "target_modules": list(hf_modules(targets)),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
         "base_model_name_or_path": base_model, "inference_mode": True, "modules_to_save": None,
     }

@@ -12,6 +12,7 @@ class TransferStats:
     bytes_received: int = 0
     bytes_kept: int = 0  # copied locally (the rank already held them)
     buckets: int = 0
+    adapter_bytes: int = 0  # adapter-only LoRA sync: the adapter's bytes each engine loads (megarl.roles.adapter_sync)
 
     def metrics(self) -> dict[str, float]:
         out = {f"reshard/{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "seconds"}

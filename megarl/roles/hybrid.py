@@ -5,7 +5,9 @@ A rollout phase is three steps, each called on every rank of the policy's world 
 1. :meth:`HybridRollout.to_rollout` (train -> rollout, the weight sync): (GPU) offload gradients and
    optimizer state; wake the rollout engine; stream the Megatron shards into it bucket by bucket along
    a :mod:`megarl.resharding` plan (no full model copy is ever assembled besides the rollout engine's
-   own weights); (GPU) offload the training params.
+   own weights); (GPU) offload the training params. A LoRA policy streams its merged weights, or with
+   ``rollout.engine.lora_sync=adapter`` (vLLM) its base weights once and then the adapter alone
+   (:mod:`megarl.roles.adapter_sync`).
 2. :meth:`HybridRollout.generate`, any number of times (training samples, a greedy baseline, an
    evaluation set): each rollout replica generates its contiguous share of this data-parallel rank's
    prompts (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index);
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.controller.role import WorkerContext
+from megarl.engine.config import LoRAConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
@@ -33,9 +36,10 @@ from megarl.models.spec import ModelSpec
 from megarl.resharding.plan import Grouping, ReshardPlan, check_vllm_groups, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
+from megarl.roles.adapter_sync import AdapterSync, adapter_bytes, streamed_weights
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import RolloutOutput, SamplingParams
-from megarl.rollout.config import RolloutBackend, RolloutConfig
+from megarl.rollout.config import LoRASync, RolloutBackend, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,11 @@ class HybridRollout:
         self.full_tensors = config.backend is RolloutBackend.VLLM
         self.plan = make_plan(spec, ctx.layout, config.tp, grouping=Grouping.CONSECUTIVE if self.full_tensors else None)
         self.place = self.plan.places[ctx.rank]
+        # adapter-only LoRA sync: the base weights once, then the adapter alone (megarl.roles.adapter_sync)
+        self.adapter = AdapterSync(engine, spec) if config.lora_sync is LoRASync.ADAPTER else None
         self.rollout = build_engine(config, hf_config, self.dtype, pad_token_id, ctx, self.plan.tp_group(ctx.rank),
-                                    seed, record_routing=engine.config.router_replay)
+                                    seed, record_routing=engine.config.router_replay,
+                                    lora=engine.lora if self.adapter is not None else None)
         self.rollout.sleep()
         self.last_transfer = TransferStats()  # this rank's traffic in the latest weight sync
         self.version = 0  # of the weights the engine holds (the driver numbers them)
@@ -68,13 +75,19 @@ class HybridRollout:
             self.engine.offload(params=False, grads=True, optimizer=True)
         self.rollout.wake_up()
         stats = TransferStats()
-        params = self.engine.weights()
-        for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
-                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                     full_tensors=self.full_tensors):
-            self.rollout.update_weights(bucket)
-            bucket.clear()  # drop the shards as soon as the engine has copied them
-        self.rollout.finish_weight_update()
+        base_held = self.adapter is not None and self.rollout.holds_base_weights  # (only vLLM engines hold a base)
+        params = streamed_weights(self.engine, self.adapter, base_held)
+        if params is not None:
+            for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
+                                         bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                         full_tensors=self.full_tensors):
+                self.rollout.update_weights(bucket)
+                bucket.clear()  # drop the shards as soon as the engine has copied them
+            self.rollout.finish_weight_update()
+        if self.adapter is not None:
+            factors = self.adapter.gather()
+            self.rollout.load_adapter(self.adapter.peft(factors), version)
+            stats.adapter_bytes = adapter_bytes(factors)
         self.version = version
         if offload:
             self.engine.offload(params=True, grads=False, optimizer=False)
@@ -134,10 +147,14 @@ def _share(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad_token_id: int, ctx: WorkerContext,
-                  tp_group: list[int], seed: int, *, record_routing: bool = False):
+                  tp_group: list[int], seed: int, *, record_routing: bool = False, lora: LoRAConfig | None = None):
     """The rollout engine of this rank; ``tp_group``: the ranks of its rollout replica (in ``ctx``'s world).
     ``record_routing``: the policy replays the rollout's MoE routing, so vLLM must return it (the embedded engine
-    records it for every MoE model)."""
+    records it for every MoE model). ``lora``: the policy's adapters, for adapter-only sync (vLLM only)."""
+    if lora is not None and config.backend is not RolloutBackend.VLLM:
+        raise ConfigError(f"rollout.engine.lora_sync=adapter loads the policy's adapter into vLLM's LoRA support; the "
+                          f"{config.backend.value} engine has none: set rollout.engine.lora_sync=merged or "
+                          "rollout.engine.backend=vllm.")
     if config.backend is RolloutBackend.EMBEDDED:
         from transformers import AutoConfig
 
@@ -164,5 +181,5 @@ def build_engine(config: RolloutConfig, hf_config: dict, dtype: torch.dtype, pad
             gpu_memory_utilization=config.memory_utilization(dedicated=False),  # resolved in a run; tests: colocated
             kv_cache_bytes=kv_bytes, seed=seed, max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager, pad_token_id=pad_token_id, expected_tp_ranks=tp_group,
-            record_routing=record_routing)
+            record_routing=record_routing, lora=lora)
     raise ConfigError(f"rollout backend {config.backend.value!r} is not available in this build; use 'embedded'.")

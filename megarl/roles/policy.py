@@ -164,7 +164,7 @@ class PolicyRole(Role):
         recompute = a.recomputes_old_log_probs
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
         gap = (None if recompute or self.rollout_config is None
-               else _RolloutGap(batch["response_mask"], normalizer, self.rollout_config.max_logprob_abs_diff))
+               else _RolloutGap(batch["response_mask"], normalizer, self.rollout_config))
         # where the mismatch correction applies (the rollout's log-probs came and it corrects something), its
         # ratio extremes are reduced by max / min, not summed
         corrects = "rollout_log_probs" in batch and a.rollout_correction.active
@@ -256,10 +256,10 @@ class _RolloutGap:
     ``limit`` (as the check after generation does) - in the loss function, so before the optimizer step.
     """
 
-    def __init__(self, response_mask: torch.Tensor, normalizer: algos.LossNormalizer, limit: float | None) -> None:
+    def __init__(self, response_mask: torch.Tensor, normalizer: algos.LossNormalizer, rollout: RolloutConfig) -> None:
         self.shard_tokens = float(response_mask.sum())
         self.total_tokens = normalizer.token_count
-        self.limit = limit
+        self.limit, self.lora_sync = rollout.max_logprob_abs_diff, rollout.lora_sync
         self.abs_sum = self.tokens = 0.0
 
     def add(self, log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -269,7 +269,7 @@ class _RolloutGap:
         if self.limit is not None and self.tokens >= self.shard_tokens > 0:
             mean = self.abs_sum / self.tokens
             if mean > self.limit:
-                raise mismatch_error(mean, self.limit)
+                raise mismatch_error(mean, self.limit, self.lora_sync)
         return diff / self.total_tokens
 
 

@@ -9,7 +9,10 @@ Two halves of one weight sync, called together (the driver starts both, then wai
   engine (the same plan, the same buckets), then generates for its data-parallel share of the prompts.
   Each rollout replica is one data-parallel rank of its pool (``tp`` = the rollout tensor-parallel size).
 
-The engines never sleep (they own their devices) and the training state never leaves the training devices.
+The engines never sleep (they own their devices) and the training state never leaves the training devices. With
+``rollout.engine.lora_sync=adapter`` the first push streams the LoRA policy's base weights, and every push then
+sends the adapter alone: gathered on the training side, sent by training rank 0 to every rollout rank over the link
+(:mod:`megarl.roles.adapter_sync`), loaded as a vLLM LoRA adapter of its own.
 Every row a rollout replica generates carries ``policy_version``: the version of the weights it holds (the
 driver numbers them: the number of policy updates behind them).
 """
@@ -24,20 +27,23 @@ import torch
 from megarl.controller.role import Role, WorkerContext
 from megarl.controller.spec import Timeouts
 from megarl.data.batch import Batch, prompt_lists
+from megarl.engine.config import LoRAConfig
 from megarl.engine.engine import MegatronEngine
 from megarl.errors import ConfigError
 from megarl.metrics import trace
 from megarl.metrics.memory import peaks, reset_peaks
+from megarl.models import adapters
 from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding import link as weight_link
 from megarl.resharding.plan import ReshardPlan, make_plan
 from megarl.resharding.stats import TransferStats
 from megarl.resharding.transport import stream_weights
+from megarl.roles.adapter_sync import AdapterSync, adapter_bytes, receive_adapter, send_adapter, streamed_weights
 from megarl.roles.hybrid import build_engine
 from megarl.roles.results import WeightSync
 from megarl.rollout.base import FINISH_STOP, SamplingParams
-from megarl.rollout.config import RolloutBackend, RolloutConfig
+from megarl.rollout.config import LoRASync, RolloutBackend, RolloutConfig, check_adapter_targets
 from megarl.rollout.rows import generation_rows
 
 
@@ -82,6 +88,9 @@ class WeightSender:
         self.dtype = getattr(torch, config.dtype.resolve(cuda=torch.cuda.is_available()).value)
         self.member = _LinkMember()
         self.last_transfer = TransferStats()
+        # adapter-only LoRA sync: the base weights with the first push, then the adapter alone
+        self.adapter = AdapterSync(engine, spec) if config.lora_sync is LoRASync.ADAPTER else None
+        self._base_sent = False  # the rollout engines hold the base weights (they never sleep on their own pool)
 
     @property
     def link_size(self) -> int:
@@ -91,11 +100,20 @@ class WeightSender:
     def push(self) -> WeightSync:
         start = time.perf_counter()
         stats = TransferStats()
-        params = self.engine.weights()
-        for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
-                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                     link=self.member.get(), full_tensors=_full_tensors(self.config)):
-            assert not bucket, "a training rank of a split plan holds no rollout shard"
+        params = streamed_weights(self.engine, self.adapter, self._base_sent)
+        if params is not None:
+            for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
+                                         bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                         link=self.member.get(), full_tensors=_full_tensors(self.config)):
+                assert not bucket, "a training rank of a split plan holds no rollout shard"
+        if self.adapter is not None:
+            self._base_sent = True
+            factors = self.adapter.gather()
+            if self.ctx.rank == 0:  # one sender: every training replica holds the same adapter
+                shapes = adapters.factor_shapes(self.spec, self.adapter.lora.targets, self.adapter.lora.rank)
+                send_adapter(self.member.get(), factors, shapes, self.dtype, self.ctx.device,
+                             range(self.ctx.world_size, self.link_size))
+            stats.adapter_bytes = adapter_bytes(factors)
         self.last_transfer = stats
         return WeightSync(transfer=stats, seconds=time.perf_counter() - start, sleep_frees_memory=False)
 
@@ -104,7 +122,8 @@ class RolloutRole(Role):
     """Rollout engines on a pool of their own (one replica per data-parallel rank of the pool)."""
 
     def __init__(self, ctx: WorkerContext, *, hf_config: dict, train_layout: ParallelLayout, rollout: RolloutConfig,
-                 seed: int = 0, record_routing: bool = False) -> None:
+                 seed: int = 0, record_routing: bool = False, lora: LoRAConfig | None = None) -> None:
+        """``lora``: the policy's adapters (``policy.lora``), which adapter-only sync loads into the engine."""
         super().__init__(ctx)
         if ctx.layout.pp != 1 or ctx.layout.tp != rollout.tp:
             raise ConfigError(f"a rollout pool's layout must be tp=rollout.engine.tp={rollout.tp}, pp=1 (one rollout "
@@ -117,9 +136,16 @@ class RolloutRole(Role):
         self.dtype = getattr(torch, rollout.dtype.resolve(cuda=torch.cuda.is_available()).value)
         pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
         t = train_layout.world_size  # link rank = t + this pool's rank
+        self.lora = lora if rollout.lora_sync is LoRASync.ADAPTER else None
+        if rollout.lora_sync is LoRASync.ADAPTER:
+            if lora is None:
+                raise ConfigError("rollout.engine.lora_sync=adapter loads the policy's adapter, but the rollout pool "
+                                  "was given none (policy.lora is null): set policy.lora or lora_sync=merged.")
+            check_adapter_targets(self.spec.moe is not None, lora.targets, "the policy")
+            self.shapes = adapters.factor_shapes(self.spec, lora.targets, lora.rank)
         self.engine = build_engine(rollout, hf_config, self.dtype, pad, ctx,
                                    [r - t for r in self.plan.tp_group(self.link_rank)], seed,
-                                   record_routing=record_routing)
+                                   record_routing=record_routing, lora=self.lora)
         self.member = _LinkMember()
         self.version: int | None = None  # of the weights the engine holds; None before the first sync
 
@@ -141,13 +167,18 @@ class RolloutRole(Role):
         start = time.perf_counter()
         stats = TransferStats()
         self.engine.wake_up()  # begins a sync (the engine never sleeps here)
-        for bucket in stream_weights(self.plan, self.spec, {}, rank=self.link_rank, dtype=self.dtype,
-                                     bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                     link=self.member.get(), device=self.ctx.device,
-                                     full_tensors=_full_tensors(self.config)):
-            self.engine.update_weights(bucket)
-            bucket.clear()
-        self.engine.finish_weight_update()
+        if self.lora is None or not self.engine.holds_base_weights:  # adapter sync: the base weights once
+            for bucket in stream_weights(self.plan, self.spec, {}, rank=self.link_rank, dtype=self.dtype,
+                                         bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
+                                         link=self.member.get(), device=self.ctx.device,
+                                         full_tensors=_full_tensors(self.config)):
+                self.engine.update_weights(bucket)
+                bucket.clear()
+            self.engine.finish_weight_update()
+        if self.lora is not None:
+            factors = receive_adapter(self.member.get(), self.shapes, self.dtype, self.ctx.device)
+            self.engine.load_adapter(adapters.peft_adapter(self.spec, self.lora.targets, factors), version)
+            stats.adapter_bytes = adapter_bytes(factors)
         self.version = version
         return WeightSync(transfer=stats, seconds=time.perf_counter() - start, sleep_frees_memory=False)
 

@@ -7,6 +7,7 @@ import enum
 from typing import ClassVar
 
 from megarl.engine.config import Precision
+from megarl.errors import ConfigError
 
 # why policy.router_replay with the vLLM backend needs rollout tp 1 (megarl.config.checks.check_config, the engine)
 ROUTER_REPLAY_TP_REASON = (
@@ -15,6 +16,41 @@ ROUTER_REPLAY_TP_REASON = (
     "rank of megarl's engines (external_launcher) schedules its own requests and asserts on the missing output "
     "(vllm/v1/core/sched/scheduler.py -> aux_output_connector take_output). Set rollout.engine.tp=1 or "
     "policy.router_replay=false.")
+
+
+# why adapter-only sync refuses LoRA on an MoE model's experts (megarl.config.checks, megarl.trainer.checks)
+ADAPTER_SYNC_EXPERTS_REASON = (
+    "rollout.engine.lora_sync=adapter with policy.lora.targets {targets} on the Mixture-of-Experts model {model}: "
+    "megarl's expert adapters are fused (one A for every expert's gate and up projections), a layout vLLM 0.32's "
+    "fused-MoE LoRA does not load (it takes per-expert peft factors or its own 3D layout). Use "
+    "rollout.engine.lora_sync=merged (the merged weights stream like a full sync), or adapt the attention only "
+    "(policy.lora.targets=[qkv,proj]).")
+# vLLM 0.32's max_lora_rank choices (vllm/config/lora.py MaxLoRARanks): the engine takes the least >= the policy's
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoRASync(enum.Enum):
+    """How a LoRA policy's weights reach the rollout engine (``rollout.engine.lora_sync``)."""
+
+    MERGED = "merged"  # every sync streams W + scale * B A through the resharding plan (any engine)
+    # vLLM only: the base weights once, then each sync the adapter alone, loaded as a vLLM LoRA adapter
+    ADAPTER = "adapter"
+
+
+def check_adapter_targets(moe: bool, targets: list[str] | tuple[str, ...], model: object) -> None:
+    """Refuse expert adapters (``fc1`` / ``fc2`` of an MoE model, ``moe``) for adapter-only sync
+    (:data:`ADAPTER_SYNC_EXPERTS_REASON`); ``model`` names the model in the message."""
+    if moe and {"fc1", "fc2"} & set(targets):
+        raise ConfigError(ADAPTER_SYNC_EXPERTS_REASON.format(targets=list(targets), model=model))
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for a policy of LoRA rank ``rank``: the least of :data:`VLLM_LORA_RANKS` >= it."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"policy.lora.rank={rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}: "
+                          "lower the rank or use rollout.engine.lora_sync=merged.")
+    return fits[0]
 
 
 class RolloutBackend(enum.Enum):
@@ -42,6 +78,9 @@ class RolloutConfig:
     # prompt + response tokens; null: data.max_prompt_length + rollout.max_new_tokens (multi-turn: the model
     # config's, since an environment renders the opening prompt, which max_prompt_length does not bound)
     max_model_len: int | None = None
+    # a LoRA policy's sync (policy.lora): merged (W + scale * B A, every weight every sync) or adapter (vLLM only:
+    # the base weights once, then the adapter alone each sync, generating with a vLLM LoRA adapter per version)
+    lora_sync: LoRASync = LoRASync.MERGED
 
     COLOCATED_MEMORY_UTILIZATION: ClassVar[float] = 0.5
     DEDICATED_MEMORY_UTILIZATION: ClassVar[float] = 0.9

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megarl.errors import MegarlError
+from megarl.rollout.config import LoRASync
 
 
 class RolloutMismatchError(MegarlError):
@@ -22,8 +23,18 @@ def logprob_abs_diff(training: torch.Tensor, rollout: torch.Tensor, response_mas
     return float(((training.double() - rollout.double()).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
-def mismatch_error(diff: float, limit: float) -> RolloutMismatchError:
+def sync_suspect(lora_sync: LoRASync) -> str:
+    """What else a gap right after a sync points at, by how the sync works."""
+    if lora_sync is LoRASync.ADAPTER:
+        return (" With rollout.engine.lora_sync=adapter: vLLM generated with another adapter than the version just "
+                "synced (a stale LoRARequest, e.g. a name or id reused across versions, which vLLM keeps serving, or "
+                "none passed to generate), or the adapter's peft layout is broken.")
+    return ""
+
+
+def mismatch_error(diff: float, limit: float, lora_sync: LoRASync = LoRASync.MERGED) -> RolloutMismatchError:
     return RolloutMismatchError(
         f"rollout log-probs differ from the training model's by {diff:.3g} on average (limit {limit}); the "
         "weight sync or the name mapping is broken, or the rollout dtype is too coarse for this limit."
+        + sync_suspect(lora_sync)
     )

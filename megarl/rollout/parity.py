@@ -21,7 +21,8 @@ import torch
 from megarl.data.batch import Batch
 from megarl.errors import ConfigError
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.mismatch import RolloutMismatchError, logprob_abs_diff
+from megarl.rollout.config import LoRASync
+from megarl.rollout.mismatch import RolloutMismatchError, logprob_abs_diff, sync_suspect
 
 PROBE_TOKENS = 8  # prompt + sampled tokens of the probe, at most (fewer where the engine's model length is shorter)
 PROBE_NEW_TOKENS = 4  # sampled tokens, at most half the probe
@@ -78,7 +79,7 @@ class PushParity:
         return {"rollout/push_logprob_abs_diff": self.worst[1], "rollout/push_version": float(self.version),
                 "timing/push_probe_s": self.seconds}
 
-    def check(self, limit: float | None) -> None:
+    def check(self, limit: float | None, lora_sync: LoRASync = LoRASync.MERGED) -> None:
         """Raise :class:`PushMismatchError` naming the replica and version when a gap is above ``limit``."""
         replica, diff = self.worst
         if limit is not None and diff > limit:
@@ -88,7 +89,8 @@ class PushParity:
                 f"it was just pushed: its log-probs of the weight-push probe differ from the training model's by "
                 f"{diff:.3g} on average (rollout.engine.max_logprob_abs_diff={limit}"
                 + (f"; {others}" if others else "") + "). The push did not reach its engine (a failed load, a "
-                "broken name mapping), or the rollout dtype is too coarse for this limit; the run stops here.")
+                "broken name mapping), or the rollout dtype is too coarse for this limit; the run stops here."
+                + sync_suspect(lora_sync))
 
 
 def compare(rows: Batch, training_log_probs: torch.Tensor, version: int, replicas: int) -> PushParity:

@@ -21,6 +21,13 @@ The decisions, each with the vLLM 0.32 source that forces it:
   wake, and every weight sync overwrites all of them; level 2 drops them. vLLM 0.32 saves the model's buffers
   (RoPE caches) across level 2 and restores them at the weights' wake (``v1/worker/gpu_worker.py`` ``sleep`` /
   ``wake_up``), so nothing the sync does not rewrite is lost.
+* adapter-only LoRA sync (``lora_rank`` set): ``enable_lora`` with ``max_loras`` 1 (one adapter version in a
+  batch: the latest; ``max_cpu_loras`` 1, so vLLM's LRU cache drops the previous version when it loads the next),
+  ``max_lora_rank`` the least of vLLM's choices >= the policy's rank, ``lora_target_modules`` the HF projections
+  the policy adapts (vLLM wraps only those layers; ``lora/utils.py`` ``is_in_target_modules`` matches a packed
+  ``qkv_proj`` by its ``q_proj``...). Sleep level 1 instead of 2 (:data:`ADAPTER_SLEEP_LEVEL`): the base weights
+  are synced once and must survive the sleep (level 1 keeps them in host memory, two host copies per step; level 2
+  would need the whole model streamed again at every sync, which adapter sync exists to avoid).
 * explicit seeds (:func:`request_seeds`): V2's sampler gives an unseeded request a seed from NumPy's global RNG
   (``v1/worker/gpu/sample/states.py`` ``add_request``), which megarl does not own and which ranks of a TP group
   need not share; every request therefore carries a seed derived from the engine's seed.
@@ -43,7 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megarl.errors import ConfigError, MegarlError
-from megarl.rollout.config import ROUTER_REPLAY_TP_REASON
+from megarl.rollout.config import ROUTER_REPLAY_TP_REASON, vllm_lora_rank
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ CPU_BATCH_TOKENS = 4096  # tokens per engine step on CPU (vLLM's default there),
 # NCCL communicators, the CUDA context of its streams): kept out of the utilization megarl grants
 CUDA_START_HEADROOM_BYTES = 1 << 30
 SLEEP_LEVEL = 2  # see the module docstring
+ADAPTER_SLEEP_LEVEL = 1  # adapter-only LoRA sync: the base weights, synced once, are kept (module docstring)
 _SEED_BITS = 62  # a request's seed plus its children's offsets stays below 2**63 (vLLM keeps seeds as int64)
 
 
@@ -81,6 +89,13 @@ class EngineOptions:
     enforce_eager: bool
     prefix_caching: bool
     record_routing: bool  # vLLM returns each token's routed experts (router replay)
+    lora_rank: int | None = None  # adapter-only LoRA sync: the policy's LoRA rank (None: no LoRA in vLLM)
+    lora_modules: tuple[str, ...] = ()  # the HF projections the adapter targets (peft's target_modules)
+
+    @property
+    def sleep_level(self) -> int:
+        """vLLM's sleep level between rollouts (module docstring)."""
+        return ADAPTER_SLEEP_LEVEL if self.lora_rank is not None else SLEEP_LEVEL
 
     def args(self, model: str | Path, hf_config: Mapping[str, Any], platform: Platform) -> dict[str, Any]:
         """``vllm.LLM``'s keyword arguments (each an ``EngineArgs`` field) on ``platform``, without megarl's
@@ -100,6 +115,9 @@ class EngineOptions:
             scheduling = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(
                 CPU_BATCH_TOKENS, self.max_model_len or int(hf_config["max_position_embeddings"]))}
         routing = {"enable_return_routed_experts": True} if self.record_routing else {}
+        lora = ({} if self.lora_rank is None else
+                {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+                 "max_lora_rank": vllm_lora_rank(self.lora_rank), "lora_target_modules": sorted(self.lora_modules)})
         return dict(model=str(model), tensor_parallel_size=self.tp, dtype=self.dtype, seed=self.seed,
                     enforce_eager=self.enforce_eager, max_model_len=self.max_model_len,
                     distributed_executor_backend="external_launcher", enable_sleep_mode=platform.sleep_mode,
@@ -107,7 +125,7 @@ class EngineOptions:
                     load_format="dummy", skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                     generation_config="vllm",  # ignore generation_config.json: no default top-k/eos from the model
                     enable_prefix_caching=self.prefix_caching,  # a conversation's next turn reuses its earlier ones
-                    **memory, **scheduling, **routing)
+                    **memory, **scheduling, **routing, **lora)
 
     def _check(self, hf_config: Mapping[str, Any]) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -178,21 +196,26 @@ class Sleeper(Protocol):
 
 class SleepCycle:
     """Which of an engine's weights and KV cache are resident, and the vLLM calls that change it where vLLM can
-    sleep (``frees_memory``; elsewhere only the state changes). A step on CUDA is ``sleep`` (level 2: weights and
-    KV cache dropped, nothing copied to the host), ``wake_weights`` before the sync (memory mapped back; the sync
-    writes every weight), ``wake_kv`` at the first generation after it (so the sync never holds KV memory,
-    vllm#15254). A KV cache still asleep at the next ``sleep`` stays asleep: vLLM 0.32 skips sleeping allocations
-    (``device_allocator/cumem.py`` ``sleep``)."""
+    sleep (``frees_memory``; elsewhere only the state changes). A step on CUDA is ``sleep`` (``level`` 2: weights and
+    KV cache dropped, nothing copied to the host; 1: the weights kept in host memory), ``wake_weights`` before the
+    sync (memory mapped back; the sync writes every weight, or with level 1 the adapter), ``wake_kv`` at the first
+    generation after it (so the sync never holds KV memory, vllm#15254). A KV cache still asleep at the next ``sleep``
+    stays asleep: vLLM 0.32 skips sleeping allocations (``device_allocator/cumem.py`` ``sleep``)."""
 
-    def __init__(self, llm: Sleeper, frees_memory: bool) -> None:
-        self._llm, self.frees_memory = llm, frees_memory
+    def __init__(self, llm: Sleeper, frees_memory: bool, level: int = SLEEP_LEVEL) -> None:
+        self._llm, self.frees_memory, self.level = llm, frees_memory, level
         self.weights_awake = self.kv_awake = True  # a fresh engine holds dummy weights and its KV cache
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether the weights survive a sleep (no sleep mode here, or level 1)."""
+        return not self.frees_memory or self.level == 1
 
     def sleep(self) -> None:
         if not self.weights_awake:
             return
         if self.frees_memory:
-            self._llm.sleep(level=SLEEP_LEVEL)
+            self._llm.sleep(level=self.level)
         self.weights_awake = self.kv_awake = False
 
     def wake_weights(self) -> None:

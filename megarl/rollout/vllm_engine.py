@@ -38,7 +38,9 @@ all weights, and vLLM 0.32 saves and restores the model's buffers (RoPE caches: 
 NVIDIA-NeMo/RL#2631, OpenRLHF#723 came from their loss in earlier vLLMs). Level 1 copied every weight to host
 memory at each sleep and back at each wake, two copies per step that the sync then overwrote.
 :class:`megarl.rollout.vllm_args.SleepCycle` makes the calls. vLLM's CPU platform has no sleep mode: weights
-and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once).
+and KV cache stay resident (:attr:`VLLMEngine.sleep_frees_memory` is False, logged once). Adapter-only LoRA sync
+(``lora``, :mod:`megarl.rollout.vllm_lora`) sleeps at level 1 instead: its base weights are synced once and must
+survive; a sync is then the adapter alone (:meth:`VLLMEngine.load_adapter`).
 
 Log-probs. Ours (megarl.rollout.base) are of ``softmax(logits / T)`` before top-k/top-p (T = 1 when
 greedy). ``logprobs_mode="processed_logprobs"`` gives ``log_softmax`` of the logits vLLM sampled from:
@@ -71,7 +73,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.engine.config import LoRAConfig
 from megarl.errors import ConfigError, LayoutError, MegarlError, MissingDependencyError, UnsupportedModelError
+from megarl.models import adapters
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.plan import hf_tensors
@@ -79,6 +83,7 @@ from megarl.rollout import vllm_args
 from megarl.rollout.base import RolloutOutput, SamplingParams, WeightUpdateError
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.vllm_args import EngineOptions, Platform, SleepCycle, request_seeds
+from megarl.rollout.vllm_lora import AdapterVersions
 from megarl.rollout.vllm_outputs import to_rollout_output
 from megarl.rollout.vllm_routing import prepare_routing_output, routing_shape
 
@@ -116,7 +121,10 @@ class WeightReceiver:
     """
 
     def megarl_parameter_names(self) -> list[str]:
-        return [name for name, _ in self.model_runner.get_model().named_parameters()]
+        """The model's parameters by their checkpoint-side names: with LoRA enabled vLLM wraps each adapted linear
+        and its weight becomes ``<module>.base_layer.weight``, which loads as ``<module>.weight`` (vLLM's own
+        ``reload_weights`` strips the segment likewise)."""
+        return [name.replace(".base_layer.", ".") for name, _ in self.model_runner.get_model().named_parameters()]
 
     def megarl_packed_modules(self) -> dict[str, list[str]]:
         return dict(getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {})
@@ -161,6 +169,9 @@ class VLLMEngine:
     and uses :data:`megarl.rollout.vllm_args.DEFAULT_CPU_KV_CACHE_BYTES` on CPU (where that fraction is of the
     host's memory). On a GPU the utilization is capped at what is free when the engine is built
     (:func:`megarl.rollout.vllm_args.cuda_memory_args`).
+    ``lora``: adapter-only LoRA sync (:mod:`megarl.rollout.vllm_lora`): vLLM is built with LoRA for this adapter
+    shape, a sync is the base weights (:meth:`update_weights`, only while :attr:`holds_base_weights` is False) then
+    :meth:`load_adapter`, and every generation runs with the adapter loaded last.
     """
 
     def __init__(self, model_dir: str | Path, *, tp: int = 1, dtype: torch.dtype | str = torch.bfloat16,
@@ -168,7 +179,7 @@ class VLLMEngine:
                  kv_cache_bytes: int | None = None, seed: int = 0,
                  max_model_len: int | None = None, enforce_eager: bool = False, pad_token_id: int = 0,
                  expected_tp_ranks: Sequence[int] | None = None, record_routing: bool = False,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, lora: LoRAConfig | None = None) -> None:
         cfg = _read_config(Path(model_dir))
         self.vocab_size = int(cfg["vocab_size"])
         self.tp, self.pad_token_id, self._seed = tp, pad_token_id, seed
@@ -182,7 +193,10 @@ class VLLMEngine:
         options = EngineOptions(tp=tp, dtype=str(dtype).removeprefix("torch."),
                                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
                                 seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                                prefix_caching=prefix_caching, record_routing=record_routing)
+                                prefix_caching=prefix_caching, record_routing=record_routing,
+                                lora_rank=None if lora is None else lora.rank,
+                                lora_modules=() if lora is None else adapters.hf_modules(lora.targets))
+        self._lora = lora
         self._vllm = vllm = _import_vllm()
         _check_head_dim(spec.head_dim)
         self._llm = _build_llm(vllm, self._engine_args(vllm, options, model_dir, cfg))
@@ -195,9 +209,11 @@ class VLLMEngine:
             raise LayoutError(f"vLLM built the TP group {ranks} for rank {dist.get_rank()}, but the rollout "
                               f"plan groups this rank with {list(expected_tp_ranks)}.")
         self._group_leader = ranks[0]
-        self._memory = SleepCycle(self._llm, self.sleep_frees_memory)
+        self._memory = SleepCycle(self._llm, self.sleep_frees_memory, options.sleep_level)
+        self._adapters = AdapterVersions() if lora is not None else None
         self._updating = False  # inside vLLM's weight-update session
-        self._ready = False  # True after a complete weight sync
+        self._weights_ready = False  # every weight loaded by a complete sync, and resident since
+        self._synced = False  # a sync ended since the engine last woke (adapter sync: its adapter loaded too)
         self._kv_stale = False  # the KV cache holds values computed with earlier weights
         self._calls = 0
 
@@ -264,7 +280,7 @@ class VLLMEngine:
         whole layer goes to vLLM in one call; returns the HF names loaded by this call."""
         if not self._memory.weights_awake:
             raise WeightUpdateError("the engine is asleep: call wake_up() before update_weights()")
-        self._ready = False
+        self._weights_ready = self._synced = False
         ready = self._groups.add(tensors)
         if not ready:
             return set()
@@ -295,7 +311,34 @@ class VLLMEngine:
         if self._llm.reset_prefix_cache() is False:  # cached KV blocks were computed with the old weights
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         logger.debug("weight sync complete: %d tensors", len(self._shapes))
-        self._ready = self._kv_stale = True
+        self._weights_ready = self._kv_stale = True
+        self._synced = self._adapters is None  # adapter sync: ends with its adapter (load_adapter)
+
+    @property
+    def holds_base_weights(self) -> bool:
+        """Adapter sync: whether the engine holds the base weights of a complete sync (they survive its sleep), so
+        a sync may send the adapter alone."""
+        return self._weights_ready
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """End an adapter-only sync: load the policy's adapter of ``version`` (peft-format tensors, every factor of
+        :func:`megarl.models.adapters.peft_adapter`) as a vLLM LoRA adapter of its own, over the base weights the
+        engine holds. Every rank of a TP group loads the same (vLLM slices it)."""
+        if self._adapters is None:
+            raise WeightUpdateError("load_adapter needs an engine built for adapter sync (lora=...); this one takes "
+                                    "merged weights through update_weights()")
+        if not self._memory.weights_awake:
+            raise WeightUpdateError("the engine is asleep: call wake_up() before load_adapter()")
+        if not self._weights_ready:
+            raise WeightUpdateError("load_adapter before the base weights: a first sync (or one after the engine "
+                                    "lost its weights) sends every base weight through update_weights() and "
+                                    "finish_weight_update() first")
+        engine = self._llm.llm_engine
+        config = adapters.peft_config(self._lora.rank, self._lora.alpha, 0.0, self._lora.targets)
+        self._adapters.load(tensors, config, version, engine.add_lora, engine.list_loras)
+        if self._llm.reset_prefix_cache() is False:  # a new name keys new blocks; none of the old are valid either
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+        self._synced = self._kv_stale = True
 
     def _end_update(self) -> None:
         self._groups = LayerGroups(self._shapes)
@@ -311,6 +354,8 @@ class VLLMEngine:
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         self._llm = None
+        if self._adapters is not None:
+            self._adapters.close()
         destroy_model_parallel()
         destroy_distributed_environment()
         gc.collect()
@@ -318,18 +363,20 @@ class VLLMEngine:
     # ---- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free the weights and the KV cache where vLLM can sleep (level 2: the next sync rewrites every weight);
-        elsewhere only the engine's state changes (generation needs a new sync)."""
+        """Free the weights and the KV cache where vLLM can sleep (level 2: the next sync rewrites every weight;
+        adapter sync: level 1, the base weights kept in host memory); elsewhere only the engine's state changes
+        (generation needs a new sync)."""
         if not self._memory.weights_awake:
             return
         self._end_update()
         self._memory.sleep()
-        self._ready = False
+        self._synced = False
+        self._weights_ready = self._weights_ready and self._memory.keeps_weights
 
     def wake_up(self) -> None:
         """Map the weights' memory back (not the KV cache: :meth:`generate` wakes it) and begin a weight sync."""
         self._memory.wake_weights()
-        self._ready = False
+        self._synced = False
         self._end_update()
 
     # ---- generation ----------------------------------------------------------------------------
@@ -354,11 +401,14 @@ class VLLMEngine:
         seeds = request_seeds(len(prompts), params.n, params.seed, engine_seed=self._seed, group=self._group_leader,
                               call=self._calls)
         per_prompt = [sampling_params(self._vllm, params, seed) for seed in seeds]
-        outputs = self._llm.generate(inputs, sampling_params=per_prompt, use_tqdm=False)
+        adapter = {} if self._adapters is None else {"lora_request": self._adapters.current}
+        outputs = self._llm.generate(inputs, sampling_params=per_prompt, use_tqdm=False, **adapter)
+        if self._adapters is not None:
+            self._adapters.check_outputs(outputs)
         return to_rollout_output(outputs, params.n, self.pad_token_id, routing=self._routing)
 
     def _check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        if not self._ready:
+        if not (self._synced and self._weights_ready):
             state = "asleep" if not self._memory.weights_awake else "waiting for a complete weight sync"
             raise WeightUpdateError(f"cannot generate: the engine is {state}; call wake_up() if asleep, then "
                                     "update_weights(...) and finish_weight_update()")

@@ -16,6 +16,7 @@ from megarl.config.train import ModelConfig, TrainConfig
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
 from megarl.models.spec import Head, load_hf_config, spec_from_hf_config
+from megarl.rollout.config import LoRASync, check_adapter_targets
 
 
 def check_frozen_models(cfg: TrainConfig, tokenizer) -> None:
@@ -62,11 +63,13 @@ def _check_policy_tokenizer(cfg: TrainConfig, tokenizer) -> None:
 
 
 def _check_moe(cfg: TrainConfig) -> None:
-    """Router replay needs an MoE policy."""
+    """Router replay needs an MoE policy; adapter-only LoRA sync cannot carry an MoE model's expert adapters."""
     moe = spec_from_hf_config(load_hf_config(hf_files(cfg.model.path))).moe is not None
     if cfg.policy.router_replay and not moe:
         raise ConfigError(f"policy.router_replay replays a Mixture-of-Experts model's expert choices; model.path "
                           f"{cfg.model.path} is dense: set policy.router_replay=false.")
+    if cfg.policy.lora is not None and cfg.rollout.engine.lora_sync is LoRASync.ADAPTER:
+        check_adapter_targets(moe, cfg.policy.lora.targets, cfg.model.path)
 
 
 def _check(section: str, model: ModelConfig, head: Head, cfg: TrainConfig, tokenizer, wanted: str) -> None:

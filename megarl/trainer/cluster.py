@@ -122,7 +122,8 @@ class Cluster:
             hf_config = read_meta(src).hf_config
             self.rollout = self.placement.add_role(
                 Role.ROLLOUT.value, RolloutRole, hf_config=hf_config, train_layout=c.layout(),
-                rollout=cfg.rollout.engine, seed=cfg.trainer.seed, record_routing=cfg.policy.router_replay)
+                rollout=cfg.rollout.engine, seed=cfg.trainer.seed, record_routing=cfg.policy.router_replay,
+                lora=cfg.policy.lora)
             self._join_weight_link()
             # every push's parity probe: one row per replica, at the policy's temperature
             self.probe = make_probe(self.rollout.group.layout.dp, spec_from_hf_config(hf_config).vocab_size,
@@ -192,7 +193,7 @@ class Cluster:
         result = compare(rows, training, version, replicas=self.rollout.group.layout.dp)
         result = dataclasses.replace(result, seconds=time.perf_counter() - start)
         logger.debug("push of version %d: log-prob gap per rollout replica %s", version, result.per_replica)
-        result.check(self.cfg.rollout.engine.max_logprob_abs_diff)
+        result.check(self.cfg.rollout.engine.max_logprob_abs_diff, self.cfg.rollout.engine.lora_sync)
         return result
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:

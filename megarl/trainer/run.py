@@ -147,7 +147,7 @@ class Run:
             diff = logprob_abs_diff(lp, batch["rollout_log_probs"], batch["response_mask"] * fresh)
             limit = self.cfg.rollout.engine.max_logprob_abs_diff
             if limit is not None and diff > limit:
-                raise mismatch_error(diff, limit)
+                raise mismatch_error(diff, limit, self.cfg.rollout.engine.lora_sync)
             metrics["rollout/logprob_abs_diff"] = diff
         if not fresh.all():
             metrics["async/stale_logprob_abs_diff"] = logprob_abs_diff(lp, batch["rollout_log_probs"],

@@ -181,6 +181,30 @@ def test_a_cuda_step_drops_the_weights_it_rewrites_and_wakes_kv_after_the_sync()
     assert cpu.executor.calls == [] and not cpu_cycle.weights_awake
 
 
+def test_adapter_sync_gives_vllm_one_lora_slot_and_keeps_the_base_through_sleep(tmp_path):
+    """rollout.engine.lora_sync=adapter: vLLM's LoRA for the policy's rank and projections (its own LoRAConfig judges
+    them), one adapter resident (the latest version), and sleep level 1 on CUDA, so the base weights synced once
+    survive each sleep (level 2 would drop them and every sync would stream the whole model again)."""
+    from vllm.config import LoRAConfig
+
+    modules = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    options = _options(lora_rank=4, lora_modules=modules)
+    args = options.args(model_dir(HF, tmp_path), HF, H200)
+    engine_args = _engine_args(args)
+    assert engine_args.enable_lora and engine_args.max_lora_rank == 8 and engine_args.max_loras == 1
+    lora = LoRAConfig(max_lora_rank=args["max_lora_rank"], max_loras=args["max_loras"],
+                      max_cpu_loras=args["max_cpu_loras"], target_modules=args["lora_target_modules"])
+    assert lora.max_cpu_loras == 1 and lora.target_modules == list(modules)
+    assert "enable_lora" not in _options().args(model_dir(HF, tmp_path), HF, H200)
+    assert _options(lora_rank=9, lora_modules=modules).args(model_dir(HF, tmp_path), HF, H200)["max_lora_rank"] == 16
+    workers = _Workers()
+    cycle = SleepCycle(workers, frees_memory=True, level=options.sleep_level)
+    cycle.sleep(), cycle.wake_weights(), cycle.wake_kv(), cycle.sleep()
+    assert workers.executor.calls[0] == ("sleep", {"level": 1}) and cycle.keeps_weights
+    assert not SleepCycle(_Workers(), frees_memory=True, level=_options().sleep_level).keeps_weights
+    assert SleepCycle(_Workers(), frees_memory=False).keeps_weights  # CPU: nothing is ever dropped
+
+
 def test_one_model_one_directory_so_vllms_compile_cache_is_reused(tmp_path):
     from vllm.config import ModelConfig
 

@@ -200,6 +200,10 @@ def test_resolution_decides_and_is_idempotent():
      "rollout.asynchronous.push_every=3", r"push_every <= max_staleness \+ 1 = 2"),
     ("cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=async "
      "rollout.asynchronous.partial_chunk_tokens=0", "partial_chunk_tokens must be >= 1"),
+    ("rollout.engine.backend=vllm rollout.engine.lora_sync=adapter", "policy.lora is not set"),
+    ("policy.lora.rank=4 rollout.engine.lora_sync=adapter", "the embedded engine has none"),
+    ("policy.lora.rank=1024 rollout.engine.backend=vllm rollout.engine.lora_sync=adapter",
+     "exceeds vLLM's largest max_lora_rank 512"),
 ])
 def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
@@ -207,3 +211,14 @@ def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
                                  [*base, *override.split()]))
+
+
+def test_adapter_sync_refuses_an_moe_models_expert_adapters():
+    """vLLM 0.32 cannot load megarl's fused expert adapters; attention adapters and dense models are fine (the check
+    runs once the model's config.json is read: megarl.trainer.checks)."""
+    from megarl.rollout.config import check_adapter_targets
+
+    with pytest.raises(ConfigError, match=r"targets \['qkv', 'fc1'\] on the Mixture-of-Experts model m: .*fused"):
+        check_adapter_targets(True, ["qkv", "fc1"], "m")
+    check_adapter_targets(True, ["qkv", "proj"], "m")
+    check_adapter_targets(False, ["qkv", "fc1", "fc2"], "m")

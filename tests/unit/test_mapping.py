@@ -136,3 +136,32 @@ def test_moe_names_checkpoint_keys_and_expert_shapes():
     assert maps["decoder.layers.0.pre_mlp_layernorm.weight"].ckpt_key == "decoder.layers.pre_mlp_layernorm.weight"
     assert not any(n.endswith("mlp.linear_fc1.weight") and ".experts." not in n for n in maps)
     assert mapping.with_expert(fc1.mcore, 0) == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+
+
+def test_an_adapter_in_peft_layout_for_adapter_sync():
+    """What adapter-only sync hands vLLM: every factor of every adapted weight under peft's names, B split into q, k
+    and v rows and A repeated on each projection, back to the fused factors exactly; a missing or misshapen factor is
+    named. (That vLLM generates with it as the training model does: tests/distributed/test_vllm_lora.py.)"""
+    from megarl.models import adapters
+
+    spec = _spec("qwen2", num_heads=4, num_kv_heads=2)
+    shapes = adapters.factor_shapes(spec, ["qkv", "proj"], 4)
+    assert len(shapes) == 4 * spec.num_layers
+    g = torch.Generator().manual_seed(0)
+    factors = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    peft = adapters.peft_adapter(spec, ["qkv", "proj"], factors)
+    q, k = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim
+    prefix = "base_model.model.model.layers.0.self_attn."
+    assert peft[prefix + "q_proj.lora_B.weight"].shape == (q, 4)
+    assert peft[prefix + "k_proj.lora_B.weight"].shape == (k, 4)
+    assert torch.equal(peft[prefix + "q_proj.lora_A.weight"], peft[prefix + "v_proj.lora_A.weight"])
+    assert len(peft) == 2 * spec.num_layers * (3 + 1)  # A and B of q, k, v and o per layer
+    for m in adapters.adapted_maps(spec, ["qkv", "proj"]):
+        a, b = adapters.from_peft(m, spec, peft)
+        assert torch.equal(a, factors[adapters.factor_name(m.mcore, "lora_A")])
+        assert torch.equal(b, factors[adapters.factor_name(m.mcore, "lora_B")])
+    name = next(iter(shapes))
+    with pytest.raises(ValueError, match="missing"):
+        adapters.peft_adapter(spec, ["qkv", "proj"], {n: t for n, t in factors.items() if n != name})
+    with pytest.raises(ValueError, match="must have the global shape"):
+        adapters.peft_adapter(spec, ["qkv", "proj"], factors | {name: factors[name][:, :-1]})

@@ -237,3 +237,40 @@ def test_engine_refuses_what_vllm_cannot_run_before_starting(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="quantized"):
         VLLMEngine(tmp_path)
+
+
+def test_adapter_directories_are_removed_even_after_a_killed_engine(tmp_path, monkeypatch):
+    """Adapter sync writes each version to a directory of the engine's process (megarl/rollout/vllm_lora.py): removed
+    at close and when the engine is collected; one left by a process that is gone (a killed worker) is removed by
+    the next engine on the machine, a live process's is not. Every request must report the adapter loaded last."""
+    import gc
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import types
+
+    from megarl.rollout.vllm_lora import AdapterVersions
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphan, live = tmp_path / f"megarl-lora-{gone}-x", tmp_path / f"megarl-lora-{os.getpid()}-y"
+    orphan.mkdir(), live.mkdir()
+    versions = AdapterVersions()
+    assert not orphan.exists() and live.exists() and versions.root.parent == tmp_path
+    root = versions.root
+    versions.close()
+    assert not root.exists()
+    collected = AdapterVersions()
+    root = collected.root
+    del collected
+    gc.collect()
+    assert not root.exists()
+    versions = AdapterVersions()
+    versions.current = types.SimpleNamespace(lora_name="megarl-2-v1")
+    versions.check_outputs([types.SimpleNamespace(request_id="0", lora_request=versions.current)])
+    for stale in (None, types.SimpleNamespace(lora_name="megarl-1-v0")):
+        with pytest.raises(WeightUpdateError, match="did not reach generate, or a stale one did"):
+            versions.check_outputs([types.SimpleNamespace(request_id="0", lora_request=stale)])
+    versions.close()
