@@ -83,9 +83,10 @@ class LoRAConfig:
     and v: one A, their B stacked), ``proj`` (o_proj), ``fc1`` (gate and up: one A), ``fc2`` (down_proj); in an MoE
     layer ``fc1`` / ``fc2`` are every expert's."""
 
-    rank: int = 8  # r
+    rank: int = 8  # r: the adapter's inner dimension (A is [r, in], B is [out, r])
     alpha: float = 16.0  # the update is (alpha / r) * B A, as peft's lora_alpha
     dropout: float = 0.0  # on the adapter's input in training updates, as peft's lora_dropout
+    # the linears adapted, of qkv, proj, fc1, fc2 (all four: peft's "all-linear" for these models)
     targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
 
     def __post_init__(self) -> None:
