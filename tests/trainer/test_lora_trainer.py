@@ -37,7 +37,7 @@ def test_grpo_with_lora_learns_with_merged_sync(ray_cluster, task, tmp_path):
     from megarl.config.train import load_config
     from megarl.trainer.trainer import run
 
-    cfg = load_config(EXAMPLE, _overrides(task, tmp_path / "run", **{"trainer.total_steps": 100,
+    cfg = load_config(EXAMPLE, _overrides(task, tmp_path / "run", **{"trainer.total_steps": 60,
                                                                        "trainer.val_every": 0}))
     assert [r.value for r in cfg.roles()] == ["policy", "rollout"]  # the base model is the reference: no role
     history = run(cfg)
