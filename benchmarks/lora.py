@@ -22,6 +22,7 @@ of the trained factors. Writes benchmarks/results/lora-<date>.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import logging
 import os
@@ -38,6 +39,8 @@ SHAPE = dict(hidden_size=512, num_layers=8, intermediate_size=2048, max_position
 PROMPT, RESPONSE, GROUP = 8, 64, 16
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 VARIANTS = ("full", "lora")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+FIXED_MMAP = 128 * 1024
 
 
 def _rss_kib(field: str) -> int:
@@ -62,7 +65,13 @@ def make_batch(rows: int, vocab: int):
                             "attention_mask": torch.ones(rows, seq), "response_mask": resp, "advantages": adv * resp})
 
 
-def variant_world(rank: int, world: int, ckpt: str, variant: str, args: dict) -> dict:
+def variant_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fixed_malloc: bool = False) -> dict:
+    """One run of ``variant``; ``fixed_malloc``: glibc's mmap threshold fixed at 128 KiB (no dynamic raise), so every
+    tensor above it is mapped on allocation and unmapped when freed and the RSS follows the live tensors."""
+    if fixed_malloc:
+        libc = ctypes.CDLL("libc.so.6")
+        if not (libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP) and libc.mallopt(M_TRIM_THRESHOLD, FIXED_MMAP)):
+            raise RuntimeError("mallopt refused the fixed mmap threshold")
     torch.set_num_threads(args["threads"])
     from megarl.algos.config import AlgorithmConfig
     from megarl.controller.role import WorkerContext
@@ -107,7 +116,7 @@ def variant_world(rank: int, world: int, ckpt: str, variant: str, args: dict) ->
     weights_s = time.perf_counter() - t
     return {"times": times, "state": state, "steps": steps, "trained": trained, "weights_s": weights_s,
             "streamed": streamed, "peft_numel": _peft_numel(eng) if lora else None,
-            "rss_kib": {"start": start_kib, "built": built_kib, "peak": _rss_kib("VmHWM")}}
+            "rss_kib": {"start": start_kib, "built": built_kib, "peak": _rss_kib("VmHWM"), "end": _rss_kib("VmRSS")}}
 
 
 def _peft_numel(engine) -> int:
@@ -144,12 +153,17 @@ def _times(xs: list[float]) -> str:
     return f"{min(xs):.2f} / {statistics.median(xs):.2f}"
 
 
+def _above(runs: list[dict], key: str) -> int:
+    """The most KiB of RSS (``key``: built, peak, end) any of ``runs`` had above its own start."""
+    return max(r["rss_kib"][key] - r["rss_kib"]["start"] for r in runs)
+
+
 def _state(run: dict, key: str) -> int:
     """``state_bytes()[key]`` of a run, the optimizer's without torch's per-tensor step counters."""
     return run["state"][key] - (run["steps"] if key == "optimizer" else 0)
 
 
-def render(info: dict, spec, args, runs: dict[str, list[dict]], plan: dict) -> str:
+def render(info: dict, spec, args, runs: dict[str, list[dict]], mem: dict[str, dict], plan: dict) -> str:
     full, lora = runs["full"], runs["lora"]
     f0, l0 = full[0], lora[0]
 
@@ -171,12 +185,20 @@ def render(info: dict, spec, args, runs: dict[str, list[dict]], plan: dict) -> s
          " / ".join(_mb(getattr(plan["lora"], k)) for k in ("params", "grads", "optimizer")), ""),
         ("AdamW step counters (torch CPU, 4 B per tensor)", f"{f0['steps']} B", f"{l0['steps']} B", ""),
         ("reference log-probs from", "a frozen reference model", "the policy, adapters off", ""),
-        ("RSS after building the roles (max over runs)", *col(lambda rs: _mb(1024 * max(r["rss_kib"]["built"]
-                                                                                         for r in rs))), ""),
-        ("peak RSS, VmHWM (max over runs)", *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] for r in rs))),
+        ("peak RSS (VmHWM), glibc's default allocator, max over the timed runs",
+         *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] for r in rs))),
          f"{max(r['rss_kib']['peak'] for r in lora) / max(r['rss_kib']['peak'] for r in full):.2f}"),
-        ("peak RSS above the process's start (max over runs)",
-         *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] - r["rss_kib"]["start"] for r in rs))), ""),
+        ("... above the process's start", *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] - r["rss_kib"]["start"]
+                                                                         for r in rs))),
+         f"{_above(lora, 'peak') / _above(full, 'peak'):.2f}"),
+        ("RSS above the start after building the roles (default allocator)",
+         *col(lambda rs: _mb(1024 * _above(rs, "built"))), f"{_above(lora, 'built') / _above(full, 'built'):.2f}"),
+        ("peak RSS above the start, mmap threshold fixed at 128 KiB (the live tensors' peak)",
+         _mb(1024 * _above([mem["full"]], "peak")), _mb(1024 * _above([mem["lora"]], "peak")),
+         f"{_above([mem['lora']], 'peak') / _above([mem['full']], 'peak'):.2f}"),
+        ("RSS above the start at the end of that run (what stays resident)",
+         _mb(1024 * _above([mem["full"]], "end")), _mb(1024 * _above([mem["lora"]], "end")),
+         f"{_above([mem['lora']], 'end') / _above([mem['full']], 'end'):.2f}"),
         ("reference log-probs s, min / median", *col(lambda rs: _times(joined("reference")(rs))), ""),
         ("update s, min / median", *col(lambda rs: _times(joined("update")(rs))),
          f"{statistics.median(joined('update')(lora)) / statistics.median(joined('update')(full)):.2f}"),
@@ -210,7 +232,11 @@ def render(info: dict, spec, args, runs: dict[str, list[dict]], plan: dict) -> s
            "Bytes: `MegatronEngine.state_bytes()` after the last update (torch's CPU AdamW keeps a 4-byte step "
            "counter per tensor, listed apart) and the planner's fp32 TP1 numbers (`megarl.planner.lora`, "
            "`memory.training_state_bytes`). Peak RSS: the kernel's VmHWM of the run's process, which starts as a "
-           "fork of the test fork server (torch and megatron-core imported). Sync bytes: into a TP1 rollout engine "
+           "fork of the test fork server (torch and megatron-core imported), less its RSS then. glibc's default "
+           "allocator raises its mmap threshold after large frees and keeps freed activations in its heap, so its "
+           "peak (and what stays) reflects the allocator as much as the tensors; one more run per variant (a "
+           "warm-up and one step) fixes the threshold at 128 KiB (`mallopt`), so every larger tensor is unmapped "
+           "when freed and the RSS follows the live tensors. Sync bytes: into a TP1 rollout engine "
            "in bf16, the whole model for a merged sync (`memory.rollout_weight_bytes`, the resharding plan's "
            "bytes) and the adapter in peft's layout for an adapter-only one (`planner.lora.peft_bytes`; "
            f"`adapters.to_peft` of the trained factors gives {l0['peft_numel']:,} elements, the planner "
@@ -223,9 +249,9 @@ def render(info: dict, spec, args, runs: dict[str, list[dict]], plan: dict) -> s
             "## Runs", "", "| variant | round | reference s | update s | update CPU s | peak RSS | 1-min load |",
             "|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
-        for i, r in enumerate(runs[v]):
+        for i, r in [*enumerate(runs[v], 1), ("fixed mmap threshold", mem[v])]:
             t = {k: ", ".join(f"{x:.2f}" for x in xs) for k, xs in r["times"].items()}
-            out.append(f"| {v} | {i + 1} | {t['reference']} | {t['update']} | {t['update_cpu']} | "
+            out.append(f"| {v} | {i} | {t['reference']} | {t['update']} | {t['update_cpu']} | "
                        f"{_mb(1024 * r['rss_kib']['peak'])} | {t['load']} |")
     return "\n".join(out) + "\n"
 
@@ -279,8 +305,12 @@ def main() -> int:
             runs[v].append(run_world(variant_world, 1, str(ckpt), v, wargs, timeout_s=1800)[0])
             logger.info("round %d %s: update %s s, peak RSS %.0f MiB", i + 1, v, runs[v][-1]["times"]["update"],
                         runs[v][-1]["rss_kib"]["peak"] / 1024)
+    mem = {}
+    for v in VARIANTS:  # the live tensors' peak: one more run each with the mmap threshold fixed
+        mem[v] = run_world(variant_world, 1, str(ckpt), v, dict(wargs, repeats=1), True, timeout_s=1800)[0]
+        logger.info("fixed mmap threshold, %s: peak RSS %.0f MiB", v, mem[v]["rss_kib"]["peak"] / 1024)
     info["load1"] = os.getloadavg()[0]
-    text = render(info, spec, args, runs, planned(spec, args.rank))
+    text = render(info, spec, args, runs, mem, planned(spec, args.rank))
     print(text)
     out = Path(args.results or root / "benchmarks" / "results" / f"lora-{info['date']}.md")
     out.write_text(text)
