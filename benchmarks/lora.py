@@ -1,22 +1,22 @@
-"""LoRA against full fine-tuning on CPU (issue #45): the same GRPO update of the 31.5 M model, with rank-8 adapters
+"""LoRA against full fine-tuning on CPU (issue #45): the same GRPO step of the 31.5 M model, with rank-8 adapters
 on qkv, proj, fc1 and fc2 over a frozen base, and with every weight trained.
 
-    .venv/bin/python benchmarks/lora.py [--rank 8] [--rows 64] [--rounds 3] [--repeats 3] [--wait-load 1.5]
+    .venv/bin/python benchmarks/lora.py [--rank 8] [--rows 64] [--rounds 2] [--repeats 5] [--wait-load 1.5]
         [--results FILE]
 
-Each variant runs in a fresh process (a gloo world of one, 2 threads), the two alternating over ``--rounds``: a
-policy (Adam, fp32, the distributed optimizer of one rank) and what gives its GRPO step the reference log-probs,
-a frozen reference model beside a fully trained policy, the policy's own base (adapters off) beside a LoRA one.
-Every repeat (after one warm-up) times the reference log-prob pass and one policy update (clipped policy loss plus
-k3 KL at 0.001, one micro-batch) over the same batch: ``--rows`` rows (groups of 16) of 8 prompt and 64 response
-tokens. Reported: trained parameters; the policy's parameter, gradient and optimizer bytes as
-``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step counters apart) beside the planner's; the
-process's peak RSS (the kernel's VmHWM); the step times, wall and the update's CPU time (min / median over
-rounds x repeats; the machines are shared: it first waits for a low load); one pass over the
-weights a sync would stream (``MegatronEngine.weights``: merged on access with LoRA); and the bytes of a weight sync
-into a TP1 rollout engine in bf16: merged (the whole model, as a full sync) against the adapter alone in peft's
-layout, from the factor shapes (``megarl.planner.lora``) and checked against the tensors ``adapters.to_peft`` makes
-of the trained factors. Writes benchmarks/results/lora-<date>.md.
+A GRPO step: the reference log-probs (full fine-tuning: a frozen reference model beside the policy; LoRA: the
+policy's own base, adapters off), then one policy update (clipped policy loss plus k3 KL at 0.001, one micro-batch,
+AdamW in fp32, the distributed optimizer of one rank) over ``--rows`` rows (groups of 16) of 8 prompt and 64
+response tokens, in gloo worlds of one process with 2 threads. Time: ``--rounds`` processes each build both
+variants and alternate their steps, so that the other load of a shared machine falls on both alike (it first waits
+for a low load). Bytes and memory: a fresh process per variant, with glibc's default allocator and with its mmap
+threshold fixed (the RSS then follows the live tensors). Reported: trained parameters; the policy's parameter,
+gradient and optimizer bytes as ``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step counters apart)
+beside the planner's; RSS after building, at the peak (VmHWM) and at the end; the step's wall and CPU times; one
+pass over the weights a sync streams (``MegatronEngine.weights``: merged on access with LoRA); and the bytes of a
+weight sync into a TP1 rollout engine in bf16: merged (the whole model, as a full sync) against the adapter alone in
+peft's layout, from the factor shapes (``megarl.planner.lora``) and checked against the tensors
+``adapters.to_peft`` makes of the trained factors. Writes benchmarks/results/lora-<date>.md.
 """
 
 from __future__ import annotations
@@ -65,58 +65,92 @@ def make_batch(rows: int, vocab: int):
                             "attention_mask": torch.ones(rows, seq), "response_mask": resp, "advantages": adv * resp})
 
 
-def variant_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fixed_malloc: bool = False) -> dict:
-    """One run of ``variant``; ``fixed_malloc``: glibc's mmap threshold fixed at 128 KiB (no dynamic raise), so every
-    tensor above it is mapped on allocation and unmapped when freed and the RSS follows the live tensors."""
-    if fixed_malloc:
-        libc = ctypes.CDLL("libc.so.6")
-        if not (libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP) and libc.mallopt(M_TRIM_THRESHOLD, FIXED_MMAP)):
-            raise RuntimeError("mallopt refused the fixed mmap threshold")
-    torch.set_num_threads(args["threads"])
-    from megarl.algos.config import AlgorithmConfig
+def _fix_malloc() -> None:
+    """glibc's mmap threshold fixed at 128 KiB (no dynamic raise): every larger tensor is mapped when allocated and
+    unmapped when freed, so the RSS follows the live tensors."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not (libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP) and libc.mallopt(M_TRIM_THRESHOLD, FIXED_MMAP)):
+        raise RuntimeError("mallopt refused the fixed mmap threshold")
+
+
+def _context():
     from megarl.controller.role import WorkerContext
-    from megarl.data.batch import Batch
-    from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.roles.policy import PolicyRole, ReferenceRole
 
-    start_kib = _rss_kib("VmRSS")
     layout = ParallelLayout()
     init_distributed(layout)
-    ctx = WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", os.getpid(), "cpu")
+    return WorkerContext(0, 1, layout, layout.coords(0), "127.0.0.1", "local", os.getpid(), "cpu")
+
+
+def build(ctx, ckpt: str, variant: str, args: dict):
+    """(policy, reference log-prob function) of ``variant``: a full policy beside a frozen reference model, or a
+    LoRA policy whose base model (adapters off) is the reference."""
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig
+    from megarl.roles.policy import PolicyRole, ReferenceRole
+
     lora = LoRAConfig(rank=args["rank"], targets=list(TARGETS)) if variant == "lora" else None
     batching = MicroBatchConfig(max_tokens=args["rows"] * (PROMPT + RESPONSE), max_size=args["rows"])
-    engine = EngineConfig(optim=OptimConfig(lr=1e-5), micro_batch=batching, lora=lora)
-    policy = PolicyRole(ctx, checkpoint_dir=ckpt, engine=engine, algorithm=AlgorithmConfig(kl_loss_coef=0.001),
-                        temperature=1.0)
-    reference = (None if lora else
-                 ReferenceRole(ctx, checkpoint_dir=ckpt, engine=EngineConfig(micro_batch=batching), temperature=1.0))
+    policy = PolicyRole(ctx, checkpoint_dir=ckpt, engine=EngineConfig(optim=OptimConfig(lr=1e-5), micro_batch=batching,
+                                                                     lora=lora),
+                        algorithm=AlgorithmConfig(kl_loss_coef=0.001), temperature=1.0)
+    if lora is not None:
+        return policy, lambda batch: policy.compute_log_probs(batch, adapters=False)
+    reference = ReferenceRole(ctx, checkpoint_dir=ckpt, engine=EngineConfig(micro_batch=batching), temperature=1.0)
+    return policy, reference.compute_log_probs
+
+
+def grpo_step(policy, reference, batch) -> tuple[float, float, float]:
+    """The reference log-probs and one policy update: (reference s, update s, update CPU s of all threads)."""
+    from megarl.data.batch import Batch
+
+    t0 = time.perf_counter()
+    ref = reference(batch)
+    t1, c1 = time.perf_counter(), time.process_time()
+    policy.update(batch.update(Batch.from_dict({"ref_log_probs": ref["log_probs"]})))
+    return t1 - t0, time.perf_counter() - t1, time.process_time() - c1
+
+
+def memory_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fixed_malloc: bool) -> dict:
+    """A fresh process of one variant: a warm-up and ``memory_steps`` GRPO steps; its state bytes, RSS, one pass
+    over the weights a sync streams and (LoRA) the adapter's peft elements."""
+    if fixed_malloc:
+        _fix_malloc()
+    torch.set_num_threads(args["threads"])
+    start_kib = _rss_kib("VmRSS")
+    policy, reference = build(_context(), ckpt, variant, args)
     batch = make_batch(args["rows"], policy.spec.vocab_size)
     built_kib = _rss_kib("VmRSS")
-    times: dict[str, list[float]] = {"reference": [], "update": [], "update_cpu": [], "load": []}
-    for i in range(args["repeats"] + 1):  # 0: warm-up
-        t0 = time.perf_counter()
-        ref = reference.compute_log_probs(batch) if reference else policy.compute_log_probs(batch, adapters=False)
-        t1, c1 = time.perf_counter(), time.process_time()
-        step = batch.update(Batch.from_dict({"ref_log_probs": ref["log_probs"]}))
-        policy.update(step)
-        t2, c2 = time.perf_counter(), time.process_time()
-        if i:
-            times["reference"].append(t1 - t0)
-            times["update"].append(t2 - t1)
-            times["update_cpu"].append(c2 - c1)  # all threads: less sensitive than wall time to other load
-            times["load"].append(os.getloadavg()[0])
+    for _ in range(args["memory_steps"] + 1):
+        grpo_step(policy, reference, batch)
     eng = policy.engine
-    state = eng.state_bytes()
     steps = sum(s["step"].nbytes for s in eng.optimizer.optimizer.state.values())
-    trained = sum(p.numel() for c in eng.chunks for p in c.parameters() if p.requires_grad)
     t = time.perf_counter()
     streamed = sum(w.nbytes for w in eng.weights().values())  # the merged weights with LoRA, one at a time
     weights_s = time.perf_counter() - t
-    return {"times": times, "state": state, "steps": steps, "trained": trained, "weights_s": weights_s,
-            "streamed": streamed, "peft_numel": _peft_numel(eng) if lora else None,
+    return {"state": eng.state_bytes(), "steps": steps, "weights_s": weights_s, "streamed": streamed,
+            "trained": sum(p.numel() for c in eng.chunks for p in c.parameters() if p.requires_grad),
+            "peft_numel": _peft_numel(eng) if eng.lora is not None else None,
             "rss_kib": {"start": start_kib, "built": built_kib, "peak": _rss_kib("VmHWM"), "end": _rss_kib("VmRSS")}}
+
+
+def timing_world(rank: int, world: int, ckpt: str, args: dict) -> dict:
+    """Both variants in one process, their GRPO steps alternating (the order swapped every repeat), so that the
+    other load of a shared machine falls on both alike: per variant, lists of (reference s, update s, CPU s)."""
+    torch.set_num_threads(args["threads"])
+    ctx = _context()
+    built = {v: build(ctx, ckpt, v, args) for v in VARIANTS}
+    batch = make_batch(args["rows"], built["full"][0].spec.vocab_size)
+    out: dict[str, list] = {v: [] for v in VARIANTS} | {"load": []}
+    for i in range(args["repeats"] + 1):  # 0: warm-up
+        for v in VARIANTS if i % 2 else VARIANTS[::-1]:
+            times = grpo_step(*built[v], batch)
+            if i:
+                out[v].append(times)
+        if i:
+            out["load"].append(os.getloadavg()[0])
+    return out
 
 
 def _peft_numel(engine) -> int:
@@ -153,106 +187,106 @@ def _times(xs: list[float]) -> str:
     return f"{min(xs):.2f} / {statistics.median(xs):.2f}"
 
 
-def _above(runs: list[dict], key: str) -> int:
-    """The most KiB of RSS (``key``: built, peak, end) any of ``runs`` had above its own start."""
-    return max(r["rss_kib"][key] - r["rss_kib"]["start"] for r in runs)
-
-
 def _state(run: dict, key: str) -> int:
     """``state_bytes()[key]`` of a run, the optimizer's without torch's per-tensor step counters."""
     return run["state"][key] - (run["steps"] if key == "optimizer" else 0)
 
 
-def render(info: dict, spec, args, runs: dict[str, list[dict]], mem: dict[str, dict], plan: dict) -> str:
-    full, lora = runs["full"], runs["lora"]
-    f0, l0 = full[0], lora[0]
+def _above(run: dict, key: str) -> int:
+    """Bytes of RSS (``key``: built, peak, end) a run had above its process's start."""
+    return 1024 * (run["rss_kib"][key] - run["rss_kib"]["start"])
 
-    def col(fn) -> tuple[str, str]:
-        return fn(full), fn(lora)
 
-    def joined(key: str):
-        return lambda rs: [x for r in rs for x in r["times"][key]]
+def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: list[dict], plan: dict) -> str:
+    full, lora = mem[("full", False)], mem[("lora", False)]
+    fixed = {v: mem[(v, True)] for v in VARIANTS}
 
-    step = [[a + b for a, b in zip(r["times"]["reference"], r["times"]["update"], strict=True)] for r in full + lora]
-    steps = {"full": [x for s in step[:len(full)] for x in s], "lora": [x for s in step[len(full):] for x in s]}
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.4f}" if b / a < 0.1 else f"{b / a:.2f}"
+
+    def row(label: str, key: str, fn) -> tuple[str, str, str, str]:
+        a, b = fn(full if key == "default" else fixed["full"]), fn(lora if key == "default" else fixed["lora"])
+        return label, _mb(a), _mb(b), ratio(a, b)
+
+    series = {v: {k: [t[i] for r in timing for t in r[v]] for i, k in enumerate(("reference", "update", "cpu"))}
+              for v in VARIANTS}
+    for v in VARIANTS:
+        series[v]["step"] = [a + b for a, b in zip(series[v]["reference"], series[v]["update"], strict=True)]
+    paired = [b[1] / a[1] for r in timing for a, b in zip(r["full"], r["lora"], strict=True)]
+    med = {v: {k: statistics.median(xs) for k, xs in d.items()} for v, d in series.items()}
     rows = [
-        ("trained parameters", f"{f0['trained'] / 1e6:.3f} M", f"{l0['trained'] / 1e6:.3f} M",
-         f"{l0['trained'] / f0['trained']:.4f}"),
-        *[(f"{k} bytes (state_bytes{', less step counters' if k == 'optimizer' else ''})", _mb(_state(f0, k)),
-           _mb(_state(l0, k)), f"{_state(l0, k) / _state(f0, k):.4f}") for k in ("params", "grads", "optimizer")],
+        ("trained parameters", f"{full['trained'] / 1e6:.3f} M", f"{lora['trained'] / 1e6:.3f} M",
+         ratio(full["trained"], lora["trained"])),
+        *[(f"{k} bytes (state_bytes{', less step counters' if k == 'optimizer' else ''})", _mb(_state(full, k)),
+           _mb(_state(lora, k)), ratio(_state(full, k), _state(lora, k))) for k in ("params", "grads", "optimizer")],
         ("planner (params / grads / optimizer)",
          " / ".join(_mb(getattr(plan["full"], k)) for k in ("params", "grads", "optimizer")),
          " / ".join(_mb(getattr(plan["lora"], k)) for k in ("params", "grads", "optimizer")), ""),
-        ("AdamW step counters (torch CPU, 4 B per tensor)", f"{f0['steps']} B", f"{l0['steps']} B", ""),
+        ("AdamW step counters (torch CPU, 4 B per tensor)", f"{full['steps']} B", f"{lora['steps']} B", ""),
         ("reference log-probs from", "a frozen reference model", "the policy, adapters off", ""),
-        ("peak RSS (VmHWM), glibc's default allocator, max over the timed runs",
-         *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] for r in rs))),
-         f"{max(r['rss_kib']['peak'] for r in lora) / max(r['rss_kib']['peak'] for r in full):.2f}"),
-        ("... above the process's start", *col(lambda rs: _mb(1024 * max(r["rss_kib"]["peak"] - r["rss_kib"]["start"]
-                                                                         for r in rs))),
-         f"{_above(lora, 'peak') / _above(full, 'peak'):.2f}"),
-        ("RSS above the start after building the roles (default allocator)",
-         *col(lambda rs: _mb(1024 * _above(rs, "built"))), f"{_above(lora, 'built') / _above(full, 'built'):.2f}"),
-        ("peak RSS above the start, mmap threshold fixed at 128 KiB (the live tensors' peak)",
-         _mb(1024 * _above([mem["full"]], "peak")), _mb(1024 * _above([mem["lora"]], "peak")),
-         f"{_above([mem['lora']], 'peak') / _above([mem['full']], 'peak'):.2f}"),
-        ("RSS above the start at the end of that run (what stays resident)",
-         _mb(1024 * _above([mem["full"]], "end")), _mb(1024 * _above([mem["lora"]], "end")),
-         f"{_above([mem['lora']], 'end') / _above([mem['full']], 'end'):.2f}"),
-        ("reference log-probs s, min / median", *col(lambda rs: _times(joined("reference")(rs))), ""),
-        ("update s, min / median", *col(lambda rs: _times(joined("update")(rs))),
-         f"{statistics.median(joined('update')(lora)) / statistics.median(joined('update')(full)):.2f}"),
-        ("update CPU s (process time, both threads), min / median", *col(lambda rs: _times(joined("update_cpu")(rs))),
-         f"{statistics.median(joined('update_cpu')(lora)) / statistics.median(joined('update_cpu')(full)):.2f}"),
-        ("GRPO step (reference + update) s, min / median", _times(steps["full"]), _times(steps["lora"]),
-         f"{statistics.median(steps['lora']) / statistics.median(steps['full']):.2f}"),
-        ("one pass over `engine.weights()` s (LoRA: merged on access), median",
-         *col(lambda rs: f"{statistics.median(r['weights_s'] for r in rs):.3f}"), ""),
+        row("RSS above the start after building the roles", "default", lambda r: _above(r, "built")),
+        row("peak RSS above the start (VmHWM), glibc's default allocator", "default", lambda r: _above(r, "peak")),
+        row("... with the mmap threshold fixed at 128 KiB (the live tensors' peak)", "fixed",
+            lambda r: _above(r, "peak")),
+        row("... resident at the end of that run", "fixed", lambda r: _above(r, "end")),
+        ("reference log-probs s, min / median", _times(series["full"]["reference"]),
+         _times(series["lora"]["reference"]), ratio(med["full"]["reference"], med["lora"]["reference"])),
+        ("update s, min / median", _times(series["full"]["update"]), _times(series["lora"]["update"]),
+         ratio(med["full"]["update"], med["lora"]["update"])),
+        ("update CPU s (both threads), min / median", _times(series["full"]["cpu"]), _times(series["lora"]["cpu"]),
+         ratio(med["full"]["cpu"], med["lora"]["cpu"])),
+        ("GRPO step (reference + update) s, min / median", _times(series["full"]["step"]),
+         _times(series["lora"]["step"]), ratio(med["full"]["step"], med["lora"]["step"])),
+        ("update LoRA / full, paired (adjacent steps), min / median / max", "", "",
+         f"{min(paired):.2f} / {statistics.median(paired):.2f} / {max(paired):.2f}"),
+        ("one pass over `engine.weights()` s (LoRA: merged on access)", f"{full['weights_s']:.3f}",
+         f"{lora['weights_s']:.3f}", ""),
         ("sync into a TP1 rollout engine, bf16", f"merged: {_mb(plan['merged_bf16'])}",
-         f"adapter only (peft): {_mb(plan['peft_bf16'])}", f"{plan['peft_bf16'] / plan['merged_bf16']:.4f}"),
+         f"adapter only (peft): {_mb(plan['peft_bf16'])}", ratio(plan["merged_bf16"], plan["peft_bf16"])),
     ]
     out = [f"# LoRA against full fine-tuning on CPU, {info['date']}", "",
            f"- megarl commit {info['commit']}; {info['machine']}; {info['platform']}",
            f"- Python {platform.python_version()}, torch {torch.__version__}, megatron-core {info['mcore']}",
            f"- load average (1 min): {info['load_before']:.2f} before waiting {info['waited_s']:.0f} s for < "
            f"{args.wait_load} ({'reached' if info['reached'] else 'NOT reached'}), {info['load0']:.2f} at start, "
-           f"{info['load1']:.2f} at end; after each step in the runs table (the machine's 2 cores are shared)",
+           f"{info['load1']:.2f} at end; after each timed pair in the runs table (the 2 cores are shared)",
            f"- command: `.venv/bin/python benchmarks/lora.py --rank {args.rank} --rows {args.rows} --rounds "
            f"{args.rounds} --repeats {args.repeats} --wait-load {args.wait_load}`", "",
            "## Method", "",
            f"The 31.5 M Qwen2-shaped model of `grpo_cpu.py`'s 30m case ({spec.num_parameters() / 1e6:.2f} M "
            f"parameters: hidden 512, 8 layers, 4/2 heads of 128, FFN 2048, vocabulary {spec.vocab_size}, tied), "
-           "converted at TP1; each variant in a fresh process (a gloo world of one, 2 threads), full and LoRA "
-           f"alternating over {args.rounds} rounds. Per repeat ({args.repeats} per run after one warm-up): the "
-           f"reference log-probs and one GRPO update over the same {args.rows} rows ({args.rows // GROUP} groups of "
-           f"{GROUP}) of {PROMPT} prompt + {RESPONSE} response tokens: clipped policy loss plus k3 KL at 0.001, one "
-           "micro-batch, AdamW (lr 1e-5) in fp32 with the distributed optimizer of one rank. LoRA: rank "
-           f"{args.rank}, alpha 16, on {', '.join(TARGETS)}; full fine-tuning builds a frozen reference model "
-           "beside the policy, LoRA takes the reference log-probs from the policy with its adapters off. "
-           "Bytes: `MegatronEngine.state_bytes()` after the last update (torch's CPU AdamW keeps a 4-byte step "
-           "counter per tensor, listed apart) and the planner's fp32 TP1 numbers (`megarl.planner.lora`, "
-           "`memory.training_state_bytes`). Peak RSS: the kernel's VmHWM of the run's process, which starts as a "
-           "fork of the test fork server (torch and megatron-core imported), less its RSS then. glibc's default "
-           "allocator raises its mmap threshold after large frees and keeps freed activations in its heap, so its "
-           "peak (and what stays) reflects the allocator as much as the tensors; one more run per variant (a "
-           "warm-up and one step) fixes the threshold at 128 KiB (`mallopt`), so every larger tensor is unmapped "
-           "when freed and the RSS follows the live tensors. Sync bytes: into a TP1 rollout engine "
-           "in bf16, the whole model for a merged sync (`memory.rollout_weight_bytes`, the resharding plan's "
-           "bytes) and the adapter in peft's layout for an adapter-only one (`planner.lora.peft_bytes`; "
-           f"`adapters.to_peft` of the trained factors gives {l0['peft_numel']:,} elements, the planner "
-           f"{plan['peft']:,}).", "",
+           f"converted at TP1, in gloo worlds of one process with 2 threads. A GRPO step over {args.rows} rows "
+           f"({args.rows // GROUP} groups of {GROUP}) of {PROMPT} prompt + {RESPONSE} response tokens: the reference "
+           "log-probs, then one policy update (clipped policy loss plus k3 KL at 0.001, one micro-batch, AdamW at "
+           "lr 1e-5 in fp32, the distributed optimizer of one rank). Full fine-tuning builds a frozen reference model "
+           f"beside the policy; LoRA (rank {args.rank}, alpha 16, on {', '.join(TARGETS)}) takes the reference "
+           "log-probs from the policy with its adapters off.", "",
+           f"- Time: {args.rounds} fresh processes each build both variants and alternate their steps ({args.repeats} "
+           "pairs after a warm-up pair, the order swapped every pair), so that other load falls on both alike; min "
+           "and median over all steps, and the ratio of adjacent steps.",
+           f"- Bytes and memory: a fresh process per variant, a warm-up and {args.memory_steps} steps. "
+           "`MegatronEngine.state_bytes()` (torch's CPU AdamW keeps a 4-byte step counter per tensor, listed apart) "
+           "beside the planner's fp32 TP1 numbers (`megarl.planner.lora`, `memory.training_state_bytes`). RSS: "
+           "the kernel's VmRSS / VmHWM less the process's RSS at its start (a fork of the fork server, torch and "
+           "megatron-core imported). glibc's default allocator raises its mmap threshold after large frees and "
+           "keeps freed activations in its heap, so its peak reflects the allocator as much as the tensors; a "
+           "second process per variant fixes the threshold at 128 KiB (`mallopt`), so every larger tensor is "
+           "unmapped when freed and the RSS follows the live tensors.",
+           "- Sync bytes: into a TP1 rollout engine in bf16, the whole model for a merged sync "
+           "(`memory.rollout_weight_bytes`, the resharding plan's bytes) and the adapter in peft's layout for an "
+           f"adapter-only one (`planner.lora.peft_bytes`; `adapters.to_peft` of the trained factors gives "
+           f"{lora['peft_numel']:,} elements, the planner {plan['peft']:,}).", "",
            "## Results", "",
            "| | full fine-tuning | LoRA | LoRA / full |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     out += ["", f"Adapter parameters: {plan['adapters']:,} in megarl's fused factors (qkv's A shared by q, k and v, "
             f"fc1's by gate and up), {plan['peft']:,} in peft's layout.", "",
-            "## Runs", "", "| variant | round | reference s | update s | update CPU s | peak RSS | 1-min load |",
-            "|---|---|---|---|---|---|---|"]
-    for v in VARIANTS:
-        for i, r in [*enumerate(runs[v], 1), ("fixed mmap threshold", mem[v])]:
-            t = {k: ", ".join(f"{x:.2f}" for x in xs) for k, xs in r["times"].items()}
-            out.append(f"| {v} | {i} | {t['reference']} | {t['update']} | {t['update_cpu']} | "
-                       f"{_mb(1024 * r['rss_kib']['peak'])} | {t['load']} |")
+            "## Timed runs", "", "| round | variant | reference s | update s | update CPU s |", "|---|---|---|---|---|"]
+    for i, r in enumerate(timing, 1):
+        for v in VARIANTS:
+            cols = [", ".join(f"{t[k]:.2f}" for t in r[v]) for k in range(3)]
+            out.append(f"| {i} | {v} | {' | '.join(cols)} |")
+        out.append(f"| {i} | 1-min load | {', '.join(f'{x:.2f}' for x in r['load'])} | | |")
     return "\n".join(out) + "\n"
 
 
@@ -260,8 +294,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--rows", type=int, default=64, help=f"rows per update, a multiple of {GROUP}")
-    p.add_argument("--rounds", type=int, default=3, help="fresh processes per variant, alternating")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per process (after one warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="timing processes, each with both variants")
+    p.add_argument("--repeats", type=int, default=5, help="timed pairs of steps per process (after a warm-up pair)")
+    p.add_argument("--memory-steps", type=int, default=2, help="steps of each memory run (after a warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--wait-load", type=float, default=1.5, help="wait for the 1-min load average below this")
     p.add_argument("--max-wait", type=float, default=900, help="seconds to wait for it at most")
@@ -285,32 +320,32 @@ def main() -> int:
     if not (ckpt / "hf").exists():
         convert_hf_to_megatron(hf, ckpt, tp=1, pp=1)
     spec = spec_from_hf_config(load_hf_config(hf))
-    load_before = os.getloadavg()[0]
-    start = time.time()
+    load_before, start = os.getloadavg()[0], time.time()
     while os.getloadavg()[0] >= args.wait_load and time.time() - start < args.max_wait:
         logger.info("1-min load %.2f >= %.2f; waiting", os.getloadavg()[0], args.wait_load)
         time.sleep(15)
-    waited = time.time() - start
     info = dict(date=datetime.date.today().isoformat(), platform=platform.platform(), mcore=megatron.core.__version__,
-                load0=os.getloadavg()[0], load_before=load_before, waited_s=waited,
+                load0=os.getloadavg()[0], load_before=load_before, waited_s=time.time() - start,
                 reached=os.getloadavg()[0] < args.wait_load,
                 machine=f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
                         f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                       text=True).stdout.strip())
-    wargs = dict(rank=args.rank, rows=args.rows, repeats=args.repeats, threads=args.threads)
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    wargs = dict(rank=args.rank, rows=args.rows, repeats=args.repeats, threads=args.threads,
+                 memory_steps=args.memory_steps)
+    timing = []
     for i in range(args.rounds):
-        for v in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:
-            runs[v].append(run_world(variant_world, 1, str(ckpt), v, wargs, timeout_s=1800)[0])
-            logger.info("round %d %s: update %s s, peak RSS %.0f MiB", i + 1, v, runs[v][-1]["times"]["update"],
-                        runs[v][-1]["rss_kib"]["peak"] / 1024)
+        timing.append(run_world(timing_world, 1, str(ckpt), wargs, timeout_s=3600)[0])
+        logger.info("timing round %d: update s full %s, lora %s", i + 1, [round(t[1], 2) for t in timing[-1]["full"]],
+                    [round(t[1], 2) for t in timing[-1]["lora"]])
     mem = {}
-    for v in VARIANTS:  # the live tensors' peak: one more run each with the mmap threshold fixed
-        mem[v] = run_world(variant_world, 1, str(ckpt), v, dict(wargs, repeats=1), True, timeout_s=1800)[0]
-        logger.info("fixed mmap threshold, %s: peak RSS %.0f MiB", v, mem[v]["rss_kib"]["peak"] / 1024)
+    for fixed in (False, True):
+        for v in VARIANTS:
+            mem[(v, fixed)] = run_world(memory_world, 1, str(ckpt), v, wargs, fixed, timeout_s=1800)[0]
+            logger.info("memory %s%s: peak RSS %.0f MiB", v, " (fixed mmap threshold)" if fixed else "",
+                        mem[(v, fixed)]["rss_kib"]["peak"] / 1024)
     info["load1"] = os.getloadavg()[0]
-    text = render(info, spec, args, runs, mem, planned(spec, args.rank))
+    text = render(info, spec, args, mem, timing, planned(spec, args.rank))
     print(text)
     out = Path(args.results or root / "benchmarks" / "results" / f"lora-{info['date']}.md")
     out.write_text(text)
