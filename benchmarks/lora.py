@@ -9,14 +9,15 @@ policy's own base, adapters off), then one policy update (clipped policy loss pl
 AdamW in fp32, the distributed optimizer of one rank) over ``--rows`` rows (groups of 16) of 8 prompt and 64
 response tokens, in gloo worlds of one process with 2 threads. Time: ``--rounds`` processes each build both
 variants and alternate their steps, so that the other load of a shared machine falls on both alike (it first waits
-for a low load). Bytes and memory: a fresh process per variant, with glibc's default allocator and with its mmap
-threshold fixed (the RSS then follows the live tensors). Reported: trained parameters; the policy's parameter,
-gradient and optimizer bytes as ``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step counters apart)
-beside the planner's; RSS after building, at the peak (VmHWM) and at the end; the step's wall and CPU times; one
-pass over the weights a sync streams (``MegatronEngine.weights``: merged on access with LoRA); and the bytes of a
-weight sync into a TP1 rollout engine in bf16: merged (the whole model, as a full sync) against the adapter alone in
-peft's layout, from the factor shapes (``megarl.planner.lora``) and checked against the tensors
-``adapters.to_peft`` makes of the trained factors. Writes benchmarks/results/lora-<date>.md.
+for a low load); each step is followed by a timed forward of the policy itself (LoRA: adapters on, against the
+reference pass's adapters off). Bytes and memory: a fresh process per variant, with glibc's default allocator and
+with its mmap threshold fixed (the RSS then follows the live tensors). Reported: trained parameters; the policy's
+parameter, gradient and optimizer bytes as ``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step
+counters apart) beside the planner's; RSS after building, at the peak (VmHWM) and at the end; the step's wall and
+CPU times and the two forwards; one pass over the weights a sync streams (``MegatronEngine.weights``: merged on
+access with LoRA); and the bytes of a weight sync into a TP1 rollout engine in bf16: merged (the whole model, as a
+full sync) against the adapter alone in peft's layout, from the factor shapes (``megarl.planner.lora``) and checked
+against the tensors ``adapters.to_peft`` makes of the trained factors. Writes benchmarks/results/lora-<date>.md.
 """
 
 from __future__ import annotations
@@ -101,15 +102,18 @@ def build(ctx, ckpt: str, variant: str, args: dict):
     return policy, reference.compute_log_probs
 
 
-def grpo_step(policy, reference, batch) -> tuple[float, float, float]:
-    """The reference log-probs and one policy update: (reference s, update s, update CPU s of all threads)."""
+def grpo_step(policy, reference, batch) -> tuple[float, float, float, float]:
+    """The reference log-probs and one policy update: (reference s, update s, update CPU s of all threads), and the
+    policy's own log-probs (LoRA: adapters on; not part of the step: they show the adapters' forward cost)."""
     from megarl.data.batch import Batch
 
     t0 = time.perf_counter()
     ref = reference(batch)
     t1, c1 = time.perf_counter(), time.process_time()
     policy.update(batch.update(Batch.from_dict({"ref_log_probs": ref["log_probs"]})))
-    return t1 - t0, time.perf_counter() - t1, time.process_time() - c1
+    t2, c2 = time.perf_counter(), time.process_time()
+    policy.compute_log_probs(batch)
+    return t1 - t0, t2 - t1, c2 - c1, time.perf_counter() - t2
 
 
 def memory_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fixed_malloc: bool) -> dict:
@@ -208,8 +212,8 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
         a, b = fn(full if key == "default" else fixed["full"]), fn(lora if key == "default" else fixed["lora"])
         return label, _mb(a), _mb(b), ratio(a, b)
 
-    series = {v: {k: [t[i] for r in timing for t in r[v]] for i, k in enumerate(("reference", "update", "cpu"))}
-              for v in VARIANTS}
+    series = {v: {k: [t[i] for r in timing for t in r[v]]
+                  for i, k in enumerate(("reference", "update", "cpu", "policy"))} for v in VARIANTS}
     for v in VARIANTS:
         series[v]["step"] = [a + b for a, b in zip(series[v]["reference"], series[v]["update"], strict=True)]
     paired = [b[1] / a[1] for r in timing for a, b in zip(r["full"], r["lora"], strict=True)]
@@ -229,8 +233,11 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
         row("... with the mmap threshold fixed at 128 KiB (the live tensors' peak)", "fixed",
             lambda r: _above(r, "peak")),
         row("... resident at the end of that run", "fixed", lambda r: _above(r, "end")),
-        ("reference log-probs s, min / median", _times(series["full"]["reference"]),
+        ("reference log-probs s (LoRA: the policy, adapters off), min / median", _times(series["full"]["reference"]),
          _times(series["lora"]["reference"]), ratio(med["full"]["reference"], med["lora"]["reference"])),
+        ("the policy's own log-probs s (LoRA: adapters on; not in the step), min / median",
+         _times(series["full"]["policy"]), _times(series["lora"]["policy"]),
+         ratio(med["full"]["policy"], med["lora"]["policy"])),
         ("update s, min / median", _times(series["full"]["update"]), _times(series["lora"]["update"]),
          ratio(med["full"]["update"], med["lora"]["update"])),
         ("update CPU s (both threads), min / median", _times(series["full"]["cpu"]), _times(series["lora"]["cpu"]),
@@ -281,12 +288,13 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     out += ["", f"Adapter parameters: {plan['adapters']:,} in megarl's fused factors (qkv's A shared by q, k and v, "
             f"fc1's by gate and up), {plan['peft']:,} in peft's layout.", "",
-            "## Timed runs", "", "| round | variant | reference s | update s | update CPU s |", "|---|---|---|---|---|"]
+            "## Timed runs", "", "| round | variant | reference s | update s | update CPU s | policy log-probs s |",
+            "|---|---|---|---|---|---|"]
     for i, r in enumerate(timing, 1):
         for v in VARIANTS:
-            cols = [", ".join(f"{t[k]:.2f}" for t in r[v]) for k in range(3)]
+            cols = [", ".join(f"{t[k]:.2f}" for t in r[v]) for k in range(4)]
             out.append(f"| {i} | {v} | {' | '.join(cols)} |")
-        out.append(f"| {i} | 1-min load | {', '.join(f'{x:.2f}' for x in r['load'])} | | |")
+        out.append(f"| {i} | 1-min load | {', '.join(f'{x:.2f}' for x in r['load'])} | | | |")
     return "\n".join(out) + "\n"
 
 
