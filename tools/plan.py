@@ -6,6 +6,7 @@
     python tools/plan.py --preset qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80 --tp 1 --pp 1 --ep 8
     python tools/plan.py --preset llama3-70b --nodes 8 --gpus-per-node 8 --gpu-mem-gb 80 --rollout-gpus 16 \
         --tp 8 --pp 6 --gen-s 120 --train-s 90 --push-every 4
+    python tools/plan.py --preset qwen2.5-7b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80 --tp 4 --lora-rank 32
 
 With --tp/--pp the given layout is reported (NOT FITTING with the reason when it does not fit);
 without, the fitting layouts are listed cheapest first and the best one is reported. --rollout-gpus R
@@ -13,7 +14,9 @@ plans a split placement: the last R GPUs are the rollout engines' own pool (memo
 each weight sync moves between the pools). --gen-s and --train-s (measured stage seconds) add the
 predicted step time of each mode (colocated: sync; split: sync, one_step_off, async). A Mixture-of-Experts
 model also gets expert parallelism: --ep for the given layout, every ep dividing the experts and tp*dp
-among the proposals, and the all-to-all bytes per micro-batch in the report. Exit status
+among the proposals, and the all-to-all bytes per micro-batch in the report. --lora-rank R plans a LoRA
+policy (policy.lora: the base frozen, gradients and optimizer state of the adapters only, no reference role)
+with adapters on --lora-targets, and reports the adapter's size and the bytes of an adapter-only sync. Exit status
 0 either way; 2 for bad input (unknown preset, a layout that does not divide the model or cluster).
 """
 
@@ -39,7 +42,8 @@ def main() -> int:
     p.add_argument("--vpp", type=int, help="virtual pipeline stages per rank")
     p.add_argument("--ep", type=int, help="expert-parallel size of an MoE model (with --tp/--pp; default 1)")
     p.add_argument("--rollout-tp", type=int, help="rollout tensor-parallel size, 1 or tp (default: tp)")
-    p.add_argument("--roles", default="policy,reference,critic", help="comma-separated: policy, reference, critic")
+    p.add_argument("--roles", help="comma-separated: policy, reference, critic (default: policy,reference,critic; "
+                   "with --lora-rank policy,critic: a LoRA policy's base model is its reference)")
     p.add_argument("--precision", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=2048, help="policy/critic micro_batch.max_tokens")
@@ -60,9 +64,12 @@ def main() -> int:
     p.add_argument("--sync-s", type=float, help="measured weight-sync seconds (default: the planned lower bound)")
     p.add_argument("--reward-s", type=float, default=0.0, help="measured reward seconds per step (timing/reward_s)")
     p.add_argument("--push-every", type=int, default=1, help="async mode: updates between weight pushes")
+    p.add_argument("--lora-rank", type=int, help="policy.lora.rank: train rank-R adapters on a frozen base")
+    p.add_argument("--lora-targets", help="policy.lora.targets with --lora-rank, comma-separated out of qkv, proj, "
+                   "fc1, fc2 (default: all four)")
     args = p.parse_args()
 
-    from megarl.engine.config import Precision
+    from megarl.engine.config import LoRAConfig, Precision
     from megarl.errors import ConfigError
     from megarl.parallel.layout import ParallelLayout
     from megarl.planner import Cluster, Recompute, Role, Workload, closest, load_model, plan_layout, propose
@@ -70,16 +77,23 @@ def main() -> int:
 
     if (args.gen_s is None) != (args.train_s is None):
         raise ConfigError("--gen-s and --train-s go together: both measured stage times are needed for a step time.")
+    if args.lora_targets is not None and args.lora_rank is None:
+        raise ConfigError("--lora-targets chooses where a LoRA policy's adapters go; give --lora-rank too.")
+    lora = None
+    if args.lora_rank is not None:
+        targets = [t.strip() for t in (args.lora_targets or "qkv,proj,fc1,fc2").split(",") if t.strip()]
+        lora = LoRAConfig(rank=args.lora_rank, targets=targets)
+    roles = args.roles or ("policy,critic" if lora else "policy,reference,critic")
     spec, name = load_model(args.preset, args.hf_config)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.intra_node_gbps, args.inter_node_gbps,
                       args.reserved_gb, rollout_gpus=args.rollout_gpus)
     workload = Workload(
-        roles=tuple(_choice(Role, r.strip(), "--roles") for r in args.roles.split(",") if r.strip()),
+        roles=tuple(_choice(Role, r.strip(), "--roles") for r in roles.split(",") if r.strip()),
         precision=_choice(Precision, args.precision, "--precision"),
         distributed_optimizer=not args.no_distributed_optimizer, micro_batch_tokens=args.micro_batch_tokens,
         prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
         recompute=_choice(Recompute, args.recompute, "--recompute"), rollout_dtype=args.rollout_dtype,
-        concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb, enforce_eager=args.enforce_eager,
+        concurrent_seqs=args.concurrent_seqs, bucket_mb=args.bucket_mb, enforce_eager=args.enforce_eager, lora=lora,
     )
     if args.tp is not None or args.pp is not None or args.ep is not None:
         layout = ParallelLayout.for_world(cluster.train_gpus, tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp,

@@ -29,6 +29,10 @@ These are GPU phases (vLLM's CUDA sleep mode). On CPU (vLLM's CPU build) nothing
 rollout weights and KV cache stay resident beside the full training state in every phase; the planner
 does not model that case.
 
+LoRA (``Workload.lora``, issue #45; :mod:`megarl.planner.lora`): the policy's base is frozen, so its gradients and
+optimizer state are the adapters' only; the reference is the policy's base model (no reference role); a merged sync
+moves the same bytes as a full one, with the merge's temporaries on the sender.
+
 Mixture-of-Experts models (issue #24): the layout's ``ep`` places whole experts (memory in
 :mod:`megarl.planner.memory`), :attr:`LayoutPlan.expert_traffic` gives the all-to-all bytes per micro-batch
 (:mod:`megarl.planner.compute`), and :func:`candidate_layouts` also tries every ep that divides the experts
@@ -44,11 +48,11 @@ import enum
 import functools
 import math
 
-from megarl.engine.config import Precision
+from megarl.engine.config import LoRAConfig, Precision
 from megarl.errors import ConfigError, LayoutError
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
-from megarl.planner import compute, memory
+from megarl.planner import compute, lora, memory
 from megarl.planner.memory import GB, Recompute
 from megarl.resharding.plan import Grouping, check_expert_rollout, check_rollout_tp, check_vllm_groups, make_plan
 
@@ -154,6 +158,7 @@ class Workload:
     enforce_eager: bool = False  # rollout.engine.enforce_eager: vLLM captures no CUDA graphs
     # vLLM's persistent buffers, workspaces and non-torch memory beside weights, KV cache and graphs (an estimate)
     vllm_runtime_gb: float = 1.0
+    lora: LoRAConfig | None = None  # policy.lora: only the policy's adapters train; its base model is the reference
 
     def __post_init__(self) -> None:
         if Role.POLICY not in self.roles:
@@ -162,6 +167,9 @@ class Workload:
             raise ConfigError("micro-batch tokens, prompt/response tokens and concurrent sequences must be >= 1.")
         if self.vllm_runtime_gb < 0:
             raise ConfigError(f"vllm_runtime_gb must be >= 0, found {self.vllm_runtime_gb}.")
+        if self.lora is not None and Role.REFERENCE in self.roles:
+            raise ConfigError("a LoRA policy is its own reference (its base model, adapters off): a run with "
+                              "policy.lora has no reference role; leave 'reference' out of the roles (--roles).")
         memory.itemsize(self.rollout_dtype)
 
     @property
@@ -296,6 +304,8 @@ class LayoutPlan:
                         f"{role.value}.micro_batch.max_tokens={w.micro_batch_tokens}"]
                 if not w.distributed_optimizer:
                     out.append(f"{role.value}.optim.use_distributed_optimizer=false")
+        if w.lora is not None:
+            out += [f"policy.lora.rank={w.lora.rank}", f"policy.lora.targets=[{','.join(w.lora.targets)}]"]
         return out
 
 
@@ -341,9 +351,8 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
     state, at_build, act = {}, {}, {}
     for role in w.roles:
         s = specs[role]
-        state[role] = memory.training_state_bytes(s, layout, w.precision, w.distributed_optimizer)
-        at_build[role] = memory.training_state_bytes(s, layout, w.precision, w.distributed_optimizer,
-                                                     optimizer_states=0)
+        state[role] = _state_bytes(role, s, w, layout, optimizer_states=2)
+        at_build[role] = _state_bytes(role, s, w, layout, optimizer_states=0)
         if role is not Role.REFERENCE:
             act[role] = [memory.activation_bytes(s, layout, st, micro_batch_tokens=w.micro_batch_tokens,
                                                  seq_len=w.seq_len, recompute=w.recompute, act_bytes=act_bytes)
@@ -354,6 +363,8 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
         spec, layout, rollout_tp, param_dtype_bytes=act_bytes, rollout_dtype_bytes=r_bytes, bucket_bytes=bucket)}
     send = {(Role.POLICY.value, "reshard transient"): memory.send_transient_bytes(
         spec, layout, param_dtype_bytes=act_bytes, bucket_bytes=bucket)}
+    merge = ({} if w.lora is None else  # the merged weights stream through the same plan
+             {(Role.POLICY.value, "merge transient"): lora.merge_transient_bytes(spec, layout, w.precision, w.lora)})
     reserved = {(RESERVED, ""): int(cluster.reserved_gb * GB)}
 
     def full(role: Role, states: dict, stage: int) -> Breakdown:
@@ -372,16 +383,27 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
         resident = full(Role.REFERENCE, state, st) | full(Role.CRITIC, state, st)
         train = full(Role.POLICY, state, st) | {(busiest.value, "activations"): act[busiest][st]} | resident | reserved
         if cluster.split:  # no rollout engine here: nothing is offloaded, the weights only leave
-            out.append({Phase.TRAIN: train, Phase.SYNC: full(Role.POLICY, state, st) | resident | send | reserved})
+            out.append({Phase.TRAIN: train,
+                        Phase.SYNC: full(Role.POLICY, state, st) | resident | send | merge | reserved})
             continue
         out.append({
             Phase.TRAIN: train | asleep,
-            Phase.SYNC: policy_w | resident | rollout_w | transient | asleep | reserved,
+            Phase.SYNC: policy_w | merge | resident | rollout_w | transient | asleep | reserved,
             Phase.GENERATE: resident | rollout_w | kv | awake | reserved,
             Phase.BUILD: full(Role.POLICY, at_build, st) | full(Role.REFERENCE, at_build, st)
             | full(Role.CRITIC, at_build, st) | rollout_w | kv | awake | reserved,
         })
     return out
+
+
+def _state_bytes(role: Role, spec: ModelSpec, w: Workload, layout: ParallelLayout, *,
+                 optimizer_states: int) -> list[memory.StateBytes]:
+    """A role's training state per stage: a LoRA policy's (frozen base, adapters trained) or every weight's."""
+    if role is Role.POLICY and w.lora is not None:
+        return lora.lora_state_bytes(spec, layout, w.precision, w.distributed_optimizer, w.lora,
+                                     optimizer_states=optimizer_states)
+    return memory.training_state_bytes(spec, layout, w.precision, w.distributed_optimizer,
+                                       optimizer_states=optimizer_states)
 
 
 def _rollout_terms(spec: ModelSpec, cluster: Cluster, w: Workload,

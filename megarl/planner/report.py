@@ -1,6 +1,7 @@
 """Text reports of the planner (what ``tools/plan.py`` prints): a layout's header, memory table per pool,
-fit verdict, expert-parallel all-to-all traffic (MoE), weight-sync traffic and config overrides; the proposals
-table; the predicted step times of the modes. Strings out, nothing printed; sizes in decimal GB (docs/planner.md).
+fit verdict, expert-parallel all-to-all traffic (MoE), weight-sync traffic (a LoRA policy's adapter-only sync
+too) and config overrides; the proposals table; the predicted step times of the modes. Strings out, nothing
+printed; sizes in decimal GB (docs/planner.md).
 
 Pure module: formatting of :mod:`megarl.planner.layouts`, :mod:`megarl.planner.compute` and
 :mod:`megarl.planner.modes` results only.
@@ -8,13 +9,22 @@ Pure module: formatting of :mod:`megarl.planner.layouts`, :mod:`megarl.planner.c
 
 from __future__ import annotations
 
+from megarl.planner import lora
 from megarl.planner.compute import forward_flops_per_token, training_flops_per_token
 from megarl.planner.layouts import RESERVED, ROLLOUT, LayoutPlan, Phase, PhasePeak, Pool, Role
-from megarl.planner.memory import GB, micro_batch_shape, sequence_parallel
+from megarl.planner.memory import (
+    GB,
+    itemsize,
+    micro_batch_shape,
+    param_bytes,
+    rollout_weight_bytes,
+    sequence_parallel,
+)
 from megarl.planner.modes import Mode, StageTimes, StepPrediction
 
 _ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
-    (Role.POLICY.value, "reshard transient"), (ROLLOUT, "weights"), (ROLLOUT, "kv cache"), (ROLLOUT, "kv rounding"),
+    (Role.POLICY.value, "reshard transient"), (Role.POLICY.value, "merge transient"), (ROLLOUT, "weights"),
+    (ROLLOUT, "kv cache"), (ROLLOUT, "kv rounding"),
     (ROLLOUT, "profiled activations"), (ROLLOUT, "cuda graphs"), (ROLLOUT, "runtime"),
     (ROLLOUT, "reshard transient"), (RESERVED, "")]
 
@@ -69,6 +79,8 @@ def header(plan: LayoutPlan) -> list[str]:
     if c.split:
         lines.append(f"split placement: training pool {_gpus(plan, Pool.TRAINING)}, "
                      f"rollout pool {_gpus(plan, Pool.ROLLOUT)}")
+    if w.lora is not None:
+        lines.append(lora_line(plan))
     return lines + [
         f"layout: {lay} -> {rollout}; roles {', '.join(r.value for r in w.roles)}; "
         f"{w.precision.value}{', distributed optimizer' if w.distributed_optimizer else ''}",
@@ -76,6 +88,17 @@ def header(plan: LayoutPlan) -> list[str]:
         f"{w.recompute.value} recompute; rollout {w.rollout_dtype}, {w.concurrent_seqs} sequences in flight per "
         f"replica, bucket {w.bucket_mb:g} MiB",
     ]
+
+
+def lora_line(plan: LayoutPlan) -> str:
+    """The LoRA policy's adapter: trained parameters (megarl's fused factors, and peft's count) and their bytes."""
+    spec, w = plan.spec, plan.workload
+    n, peft = lora.adapter_parameters(spec, w.lora), lora.peft_parameters(spec, w.lora)
+    p = param_bytes(w.precision)
+    return (f"LoRA policy: rank {w.lora.rank} on {', '.join(w.lora.targets)}: {n / 1e6:.2f} M adapter parameters "
+            f"({100 * n / spec.num_parameters():.2f} % of the model, {n * p / 1e6:.1f} MB in {w.precision.value}; "
+            f"peft's layout {peft / 1e6:.2f} M, one A per projection); base frozen in {w.precision.value}, no "
+            f"reference copy (the policy's base is the reference)")
 
 
 def memory_table(plan: LayoutPlan) -> list[str]:
@@ -125,6 +148,22 @@ def reshard_lines(plan: LayoutPlan) -> list[str]:
     ]
 
 
+def adapter_sync_lines(plan: LayoutPlan) -> list[str]:
+    """A LoRA policy's two ways into the rollout engine: merged weights (the plan above) or the adapter alone."""
+    w, c = plan.workload, plan.cluster
+    if w.lora is None:
+        return []
+    r_bytes = itemsize(w.rollout_dtype)
+    adapter = lora.peft_bytes(plan.spec, w.lora, r_bytes)
+    merged = rollout_weight_bytes(plan.spec, plan.rollout_tp, r_bytes)
+    gpus = c.rollout_gpus or c.train_gpus  # colocated: a rollout rank on every GPU
+    return [f"LoRA sync into each rollout GPU: merged weights as a full sync, its {merged / GB:.2f} GB shard of the "
+            f"model (of which the plan above moves up to {plan.reshard.received_max / GB:.2f} GB from other GPUs); "
+            f"adapter only (vLLM's LoRA support, peft layout, {w.rollout_dtype}): {adapter / 1e6:.1f} MB, the whole "
+            f"adapter (each rollout worker loads it and keeps its TP slice), {gpus * adapter / GB:.2f} GB to all "
+            f"{gpus}"]
+
+
 def expert_traffic_lines(plan: LayoutPlan) -> list[str]:
     """The expert-parallel all-to-all of one micro-batch (MoE models only; docs/planner.md §10)."""
     if plan.spec.moe is None:
@@ -155,7 +194,7 @@ def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
         lines += ["NOT FITTING:"] + [f"  {r}" for r in plan.reasons]
     lines += expert_traffic_lines(plan)
     if with_reshard:
-        lines += reshard_lines(plan)
+        lines += reshard_lines(plan) + adapter_sync_lines(plan)
     lines += ["", "overrides: " + " ".join(plan.overrides())]
     return "\n".join(lines)
 
