@@ -7,17 +7,18 @@ on qkv, proj, fc1 and fc2 over a frozen base, and with every weight trained.
 A GRPO step: the reference log-probs (full fine-tuning: a frozen reference model beside the policy; LoRA: the
 policy's own base, adapters off), then one policy update (clipped policy loss plus k3 KL at 0.001, one micro-batch,
 AdamW in fp32, the distributed optimizer of one rank) over ``--rows`` rows (groups of 16) of 8 prompt and 64
-response tokens, in gloo worlds of one process with 2 threads. Time: ``--rounds`` processes each build both
-variants and alternate their steps, so that the other load of a shared machine falls on both alike (it first waits
-for a low load); each step is followed by a timed forward of the policy itself (LoRA: adapters on, against the
-reference pass's adapters off). Bytes and memory: a fresh process per variant, with glibc's default allocator and
-with its mmap threshold fixed (the RSS then follows the live tensors). Reported: trained parameters; the policy's
-parameter, gradient and optimizer bytes as ``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step
-counters apart) beside the planner's; RSS after building, at the peak (VmHWM) and at the end; the step's wall and
-CPU times and the two forwards; one pass over the weights a sync streams (``MegatronEngine.weights``: merged on
-access with LoRA); and the bytes of a weight sync into a TP1 rollout engine in bf16: merged (the whole model, as a
-full sync) against the adapter alone in peft's layout, from the factor shapes (``megarl.planner.lora``) and checked
-against the tensors ``adapters.to_peft`` makes of the trained factors. Writes benchmarks/results/lora-<date>.md.
+response tokens, in gloo worlds of one process with 2 threads. Time: ``--rounds`` processes per allocator setting
+(glibc's default, and one that keeps freed memory) each build both variants and alternate their steps, so that the
+other load of a shared machine falls on both alike (it first waits for a low load); each step is followed by a timed
+forward of the policy itself (LoRA: adapters on, against the reference pass's adapters off). Bytes and memory: a
+fresh process per variant, with glibc's default allocator and with its mmap threshold fixed (the RSS then follows
+the live tensors). Reported: trained parameters; the policy's parameter, gradient and optimizer bytes as
+``MegatronEngine.state_bytes`` counts them (torch's CPU AdamW step counters apart) beside the planner's; RSS after
+building, at the peak (VmHWM) and at the end; the step's wall and CPU times and the two forwards; one pass over the
+weights a sync streams (``MegatronEngine.weights``: merged on access with LoRA); and the bytes of a weight sync into
+a TP1 rollout engine in bf16: merged (the whole model, as a full sync) against the adapter alone in peft's layout,
+from the factor shapes (``megarl.planner.lora``) and checked against the tensors ``adapters.to_peft`` makes of the
+trained factors. Writes benchmarks/results/lora-<date>.md.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ PROMPT, RESPONSE, GROUP = 8, 64, 16
 TARGETS = ("qkv", "proj", "fc1", "fc2")
 VARIANTS = ("full", "lora")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-FIXED_MMAP = 128 * 1024
+# glibc's allocator for a world: its default; "fixed": mmap threshold fixed at 128 KiB (every larger tensor mapped
+# when allocated, unmapped when freed: the RSS follows the live tensors); "keep": no mmap below 1 GiB and no trim
+# (freed memory is reused without page faults, as engine.py's --variant malloc)
+MALLOPT = {"default": {}, "fixed": {M_MMAP_THRESHOLD: 128 * 2**10, M_TRIM_THRESHOLD: 128 * 2**10},
+           "keep": {M_MMAP_THRESHOLD: 2**30, M_TRIM_THRESHOLD: 2**31 - 1}}
 
 
 def _rss_kib(field: str) -> int:
@@ -66,12 +71,12 @@ def make_batch(rows: int, vocab: int):
                             "attention_mask": torch.ones(rows, seq), "response_mask": resp, "advantages": adv * resp})
 
 
-def _fix_malloc() -> None:
-    """glibc's mmap threshold fixed at 128 KiB (no dynamic raise): every larger tensor is mapped when allocated and
-    unmapped when freed, so the RSS follows the live tensors."""
+def _set_malloc(mode: str) -> None:
+    """This process's glibc allocator as :data:`MALLOPT` ``mode`` says (setting a threshold ends its dynamic raise)."""
     libc = ctypes.CDLL("libc.so.6")
-    if not (libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP) and libc.mallopt(M_TRIM_THRESHOLD, FIXED_MMAP)):
-        raise RuntimeError("mallopt refused the fixed mmap threshold")
+    for param, value in MALLOPT[mode].items():
+        if not libc.mallopt(param, value):
+            raise RuntimeError(f"mallopt({param}, {value}) refused")
 
 
 def _context():
@@ -116,11 +121,10 @@ def grpo_step(policy, reference, batch) -> tuple[float, float, float, float]:
     return t1 - t0, t2 - t1, c2 - c1, time.perf_counter() - t2
 
 
-def memory_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fixed_malloc: bool) -> dict:
+def memory_world(rank: int, world: int, ckpt: str, variant: str, args: dict, malloc: str) -> dict:
     """A fresh process of one variant: a warm-up and ``memory_steps`` GRPO steps; its state bytes, RSS, one pass
     over the weights a sync streams and (LoRA) the adapter's peft elements."""
-    if fixed_malloc:
-        _fix_malloc()
+    _set_malloc(malloc)
     torch.set_num_threads(args["threads"])
     start_kib = _rss_kib("VmRSS")
     policy, reference = build(_context(), ckpt, variant, args)
@@ -139,9 +143,10 @@ def memory_world(rank: int, world: int, ckpt: str, variant: str, args: dict, fix
             "rss_kib": {"start": start_kib, "built": built_kib, "peak": _rss_kib("VmHWM"), "end": _rss_kib("VmRSS")}}
 
 
-def timing_world(rank: int, world: int, ckpt: str, args: dict) -> dict:
+def timing_world(rank: int, world: int, ckpt: str, args: dict, malloc: str) -> dict:
     """Both variants in one process, their GRPO steps alternating (the order swapped every repeat), so that the
-    other load of a shared machine falls on both alike: per variant, lists of (reference s, update s, CPU s)."""
+    other load of a shared machine falls on both alike: per variant, the :func:`grpo_step` times of each repeat."""
+    _set_malloc(malloc)
     torch.set_num_threads(args["threads"])
     ctx = _context()
     built = {v: build(ctx, ckpt, v, args) for v in VARIANTS}
@@ -201,9 +206,27 @@ def _above(run: dict, key: str) -> int:
     return 1024 * (run["rss_kib"][key] - run["rss_kib"]["start"])
 
 
-def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: list[dict], plan: dict) -> str:
-    full, lora = mem[("full", False)], mem[("lora", False)]
-    fixed = {v: mem[(v, True)] for v in VARIANTS}
+def _timing_rows(mode: str, timing: list[dict]) -> list[tuple[str, str, str, str]]:
+    """The time rows of the timed runs with glibc's allocator in ``mode``."""
+    series = {v: {k: [t[i] for r in timing for t in r[v]]
+                  for i, k in enumerate(("reference", "update", "cpu", "policy"))} for v in VARIANTS}
+    for v in VARIANTS:
+        series[v]["step"] = [a + b for a, b in zip(series[v]["reference"], series[v]["update"], strict=True)]
+    paired = [b[1] / a[1] for r in timing for a, b in zip(r["full"], r["lora"], strict=True)]
+    labels = {"reference": "reference log-probs s (LoRA: the policy, adapters off)",
+              "policy": "the policy's own log-probs s (LoRA: adapters on; not in the step)",
+              "update": "update s", "cpu": "update CPU s (both threads)", "step": "GRPO step (reference + update) s"}
+    rows = [(f"{mode} allocator: {label}, min / median", _times(series["full"][k]), _times(series["lora"][k]),
+             f"{statistics.median(series['lora'][k]) / statistics.median(series['full'][k]):.2f}")
+            for k, label in labels.items()]
+    return rows + [(f"{mode} allocator: update LoRA / full, adjacent steps, min / median / max", "", "",
+                    f"{min(paired):.2f} / {statistics.median(paired):.2f} / {max(paired):.2f}")]
+
+
+def render(info: dict, spec, args, mem: dict[tuple[str, str], dict], timing: dict[str, list[dict]],
+           plan: dict) -> str:
+    full, lora = mem[("full", "default")], mem[("lora", "default")]
+    fixed = {v: mem[(v, "fixed")] for v in VARIANTS}
 
     def ratio(a: float, b: float) -> str:
         return f"{b / a:.4f}" if b / a < 0.1 else f"{b / a:.2f}"
@@ -212,12 +235,6 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
         a, b = fn(full if key == "default" else fixed["full"]), fn(lora if key == "default" else fixed["lora"])
         return label, _mb(a), _mb(b), ratio(a, b)
 
-    series = {v: {k: [t[i] for r in timing for t in r[v]]
-                  for i, k in enumerate(("reference", "update", "cpu", "policy"))} for v in VARIANTS}
-    for v in VARIANTS:
-        series[v]["step"] = [a + b for a, b in zip(series[v]["reference"], series[v]["update"], strict=True)]
-    paired = [b[1] / a[1] for r in timing for a, b in zip(r["full"], r["lora"], strict=True)]
-    med = {v: {k: statistics.median(xs) for k, xs in d.items()} for v, d in series.items()}
     rows = [
         ("trained parameters", f"{full['trained'] / 1e6:.3f} M", f"{lora['trained'] / 1e6:.3f} M",
          ratio(full["trained"], lora["trained"])),
@@ -233,19 +250,7 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
         row("... with the mmap threshold fixed at 128 KiB (the live tensors' peak)", "fixed",
             lambda r: _above(r, "peak")),
         row("... resident at the end of that run", "fixed", lambda r: _above(r, "end")),
-        ("reference log-probs s (LoRA: the policy, adapters off), min / median", _times(series["full"]["reference"]),
-         _times(series["lora"]["reference"]), ratio(med["full"]["reference"], med["lora"]["reference"])),
-        ("the policy's own log-probs s (LoRA: adapters on; not in the step), min / median",
-         _times(series["full"]["policy"]), _times(series["lora"]["policy"]),
-         ratio(med["full"]["policy"], med["lora"]["policy"])),
-        ("update s, min / median", _times(series["full"]["update"]), _times(series["lora"]["update"]),
-         ratio(med["full"]["update"], med["lora"]["update"])),
-        ("update CPU s (both threads), min / median", _times(series["full"]["cpu"]), _times(series["lora"]["cpu"]),
-         ratio(med["full"]["cpu"], med["lora"]["cpu"])),
-        ("GRPO step (reference + update) s, min / median", _times(series["full"]["step"]),
-         _times(series["lora"]["step"]), ratio(med["full"]["step"], med["lora"]["step"])),
-        ("update LoRA / full, paired (adjacent steps), min / median / max", "", "",
-         f"{min(paired):.2f} / {statistics.median(paired):.2f} / {max(paired):.2f}"),
+        *[r for mode, runs in timing.items() for r in _timing_rows(mode, runs)],
         ("one pass over `engine.weights()` s (LoRA: merged on access)", f"{full['weights_s']:.3f}",
          f"{lora['weights_s']:.3f}", ""),
         ("sync into a TP1 rollout engine, bf16", f"merged: {_mb(plan['merged_bf16'])}",
@@ -268,9 +273,12 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
            "lr 1e-5 in fp32, the distributed optimizer of one rank). Full fine-tuning builds a frozen reference model "
            f"beside the policy; LoRA (rank {args.rank}, alpha 16, on {', '.join(TARGETS)}) takes the reference "
            "log-probs from the policy with its adapters off.", "",
-           f"- Time: {args.rounds} fresh processes each build both variants and alternate their steps ({args.repeats} "
-           "pairs after a warm-up pair, the order swapped every pair), so that other load falls on both alike; min "
-           "and median over all steps, and the ratio of adjacent steps.",
+           f"- Time: {args.rounds} fresh processes per allocator setting each build both variants and alternate their "
+           f"steps ({args.repeats} pairs after a warm-up pair, the order swapped every pair), so that other load falls "
+           "on both alike; min and median over all steps, and the ratio of adjacent steps. Each step is followed "
+           "by a forward of the policy itself (LoRA: adapters on). Allocator: glibc's default, which maps every "
+           "tensor above its 32 MiB maximum mmap threshold anew (page faults on each), and `keep` (`mallopt`: no "
+           "mmap below 1 GiB, no trim), which reuses freed memory.",
            f"- Bytes and memory: a fresh process per variant, a warm-up and {args.memory_steps} steps. "
            "`MegatronEngine.state_bytes()` (torch's CPU AdamW keeps a 4-byte step counter per tensor, listed apart) "
            "beside the planner's fp32 TP1 numbers (`megarl.planner.lora`, `memory.training_state_bytes`). RSS: "
@@ -288,13 +296,15 @@ def render(info: dict, spec, args, mem: dict[tuple[str, bool], dict], timing: li
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     out += ["", f"Adapter parameters: {plan['adapters']:,} in megarl's fused factors (qkv's A shared by q, k and v, "
             f"fc1's by gate and up), {plan['peft']:,} in peft's layout.", "",
-            "## Timed runs", "", "| round | variant | reference s | update s | update CPU s | policy log-probs s |",
-            "|---|---|---|---|---|---|"]
-    for i, r in enumerate(timing, 1):
-        for v in VARIANTS:
-            cols = [", ".join(f"{t[k]:.2f}" for t in r[v]) for k in range(4)]
-            out.append(f"| {i} | {v} | {' | '.join(cols)} |")
-        out.append(f"| {i} | 1-min load | {', '.join(f'{x:.2f}' for x in r['load'])} | | | |")
+            "## Timed runs", "",
+            "| allocator | round | variant | reference s | update s | update CPU s | policy log-probs s |",
+            "|---|---|---|---|---|---|---|"]
+    for mode, runs in timing.items():
+        for i, r in enumerate(runs, 1):
+            for v in VARIANTS:
+                cols = [", ".join(f"{t[k]:.2f}" for t in r[v]) for k in range(4)]
+                out.append(f"| {mode} | {i} | {v} | {' | '.join(cols)} |")
+            out.append(f"| {mode} | {i} | 1-min load | {', '.join(f'{x:.2f}' for x in r['load'])} | | | |")
     return "\n".join(out) + "\n"
 
 
@@ -302,7 +312,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--rows", type=int, default=64, help=f"rows per update, a multiple of {GROUP}")
-    p.add_argument("--rounds", type=int, default=2, help="timing processes, each with both variants")
+    p.add_argument("--rounds", type=int, default=2, help="timing processes per allocator, each with both variants")
     p.add_argument("--repeats", type=int, default=5, help="timed pairs of steps per process (after a warm-up pair)")
     p.add_argument("--memory-steps", type=int, default=2, help="steps of each memory run (after a warm-up)")
     p.add_argument("--threads", type=int, default=2)
@@ -341,17 +351,17 @@ def main() -> int:
                                       text=True).stdout.strip())
     wargs = dict(rank=args.rank, rows=args.rows, repeats=args.repeats, threads=args.threads,
                  memory_steps=args.memory_steps)
-    timing = []
+    timing: dict[str, list[dict]] = {"default": [], "keep": []}
     for i in range(args.rounds):
-        timing.append(run_world(timing_world, 1, str(ckpt), wargs, timeout_s=3600)[0])
-        logger.info("timing round %d: update s full %s, lora %s", i + 1, [round(t[1], 2) for t in timing[-1]["full"]],
-                    [round(t[1], 2) for t in timing[-1]["lora"]])
+        for mode, runs in timing.items():
+            runs.append(run_world(timing_world, 1, str(ckpt), wargs, mode, timeout_s=3600)[0])
+            logger.info("timing round %d, %s allocator: update s full %s, lora %s", i + 1, mode,
+                        [round(t[1], 2) for t in runs[-1]["full"]], [round(t[1], 2) for t in runs[-1]["lora"]])
     mem = {}
-    for fixed in (False, True):
+    for mode in ("default", "fixed"):
         for v in VARIANTS:
-            mem[(v, fixed)] = run_world(memory_world, 1, str(ckpt), v, wargs, fixed, timeout_s=1800)[0]
-            logger.info("memory %s%s: peak RSS %.0f MiB", v, " (fixed mmap threshold)" if fixed else "",
-                        mem[(v, fixed)]["rss_kib"]["peak"] / 1024)
+            mem[(v, mode)] = run_world(memory_world, 1, str(ckpt), v, wargs, mode, timeout_s=1800)[0]
+            logger.info("memory %s, %s allocator: peak RSS %.0f MiB", v, mode, mem[(v, mode)]["rss_kib"]["peak"] / 1024)
     info["load1"] = os.getloadavg()[0]
     text = render(info, spec, args, mem, timing, planned(spec, args.rank))
     print(text)
