@@ -84,7 +84,7 @@ class _LoRALinear:
         elif parallel:
             z = (reduce_scatter_to_sequence_parallel_region(z, group=group) if self.sequence_parallel
                  else reduce_from_tensor_model_parallel_region(z, group=group))
-        return F.linear(z, self.lora_B) * self.lora_scale
+        return F.linear(z * self.lora_scale, self.lora_B)  # scaled at rank width, not at the output's
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
