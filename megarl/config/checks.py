@@ -175,10 +175,6 @@ def _check_cluster(cfg: TrainConfig) -> None:
             raise ConfigError(f"cluster.placement: unknown role {role!r}; roles: {sorted(valid)}.")
         if pool not in c.pools:
             raise ConfigError(f"cluster.placement.{role}: pool {pool!r} is not in cluster.pools ({sorted(c.pools)}).")
-        if role == Role.REFERENCE.value and cfg.policy.lora is not None:
-            raise ConfigError("cluster.placement.reference: with policy.lora the reference is the policy's own base "
-                              "model (its adapters off), computed by the policy's workers: no reference role is "
-                              "built; remove the entry.")
         if role not in needed:
             raise ConfigError(f"cluster.placement.{role}: this run has no {role} (its roles: {sorted(needed)}); "
                               "remove the entry.")

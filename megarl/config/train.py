@@ -375,10 +375,13 @@ class TrainConfig:
         return None if program is None else program.examples
 
     def roles(self) -> list[Role]:
-        """The roles this run needs, the trained one first. A LoRA policy is its own reference (its base model):
-        no reference role."""
+        """The roles this run needs, the trained one first. A LoRA policy is its own reference (its base model,
+        adapters off): no reference role, unless ``cluster.placement.reference`` puts a frozen copy of the base on
+        a pool to compute it there."""
         roles = self._roles()
-        return [r for r in roles if r is not Role.REFERENCE] if self.policy.lora is not None else roles
+        if self.policy.lora is None or Role.REFERENCE.value in self.cluster.placement:
+            return roles
+        return [r for r in roles if r is not Role.REFERENCE]
 
     def _roles(self) -> list[Role]:
         program = self.builtin_program
