@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megarl.engine.config import LoRAConfig
 from megarl.errors import CheckpointError
 from megarl.parallel.layout import ParallelLayout
 
@@ -30,18 +31,10 @@ FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAMeta:
-    """The adapters a LoRA run's checkpoint holds (``engine.config.LoRAConfig``'s fields) and the model they adapt."""
+class LoRAMeta(LoRAConfig):
+    """The adapters a LoRA run's checkpoint holds (its ``LoRAConfig``) and the model they adapt."""
 
-    rank: int
-    alpha: float
-    dropout: float
-    targets: list[str]
-    base: str  # absolute path of the base checkpoint the run started from: its weights are not in this one
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+    base: str = ""  # absolute path of the base checkpoint the run started from: its weights are not in this one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,8 +137,7 @@ def load_training_checkpoint(engine: MegatronEngine, ckpt_dir: str | Path) -> in
 
 def _lora_meta(engine: MegatronEngine, source_dir: str | Path) -> LoRAMeta | None:
     c = engine.lora
-    return None if c is None else LoRAMeta(rank=c.rank, alpha=c.alpha, dropout=c.dropout, targets=list(c.targets),
-                                           base=os.path.abspath(source_dir))
+    return None if c is None else LoRAMeta(**dataclasses.asdict(c), base=os.path.abspath(source_dir))
 
 
 def _check_adapters(saved: LoRAMeta | None, lora: LoRAConfig | None, ckpt_dir: Path) -> None:

@@ -253,15 +253,15 @@ class MegatronEngine:
         return {"params": sum(p.nbytes for p in params), "grads": sum(b.grad_data.nbytes for b in buffers),
                 "optimizer": optimizer}
 
-    def weights(self) -> Mapping[str, torch.Tensor]:
+    def weights(self, merged: bool = True) -> Mapping[str, torch.Tensor]:
         """The model as the rollout engines take it: global local-spec name -> this rank's shard (every chunk's).
-        With LoRA each adapted weight is merged (``W + scale * B A``, from this rank's own tensors, computed as the
-        resharding plan reads it) and the factors are not listed."""
-        params = {n: p for c in self.chunks for n, p in global_named_parameters(c)}
-        if self.lora is None:
+        With LoRA the factors are not listed and each adapted weight is merged (``W + scale * B A``, from this
+        rank's own tensors, computed as the resharding plan reads it), or with ``merged=False`` the frozen base
+        (what an adapter-only sync streams once)."""
+        params = {n: p for c in self.chunks for n, p in global_named_parameters(c) if not adapters.is_adapter(n)}
+        if self.lora is None or not merged:
             return params
-        modules = {adapters.base_name(n): m for c in self.chunks for n, m in lora.global_adapted_modules(c)}
-        return lora.MergedParameters(params, modules)
+        return lora.MergedParameters(params, {n: m for c in self.chunks for n, m in lora.global_adapted_modules(c)})
 
     def _params(self) -> list[torch.Tensor]:
         return [p for c in self.chunks for p in c.parameters()]

@@ -5,7 +5,7 @@ q, k and v and one ``B`` [q+k+v rows, r] in megatron's per-group row order; ``li
 up and ``B`` = ``[gate; up]``. peft adapts each HF projection on its own. The fused adapter is exactly peft's with
 ``A`` repeated on each projection and ``B`` split like the base weight's rows (``mapping.unpack_rows``): the same
 ``W + scale * B_part A`` per projection, so an export is exact (a peft adapter with *different* A per projection has
-no fused equivalent and is not imported).
+no fused equivalent).
 
 Names: a factor is its base weight's global Megatron name with ``weight`` replaced by ``lora_A`` / ``lora_B``; its
 checkpoint key likewise (:func:`factor_key`). peft's keys are ``base_model.model.<HF module>.lora_A.weight``.
@@ -85,17 +85,6 @@ def to_peft(m: mapping.TensorMap, spec: ModelSpec, a: torch.Tensor,
         module = PEFT_PREFIX + hf_name.removesuffix(".weight")
         yield f"{module}.{LORA_A}.weight", a.contiguous()
         yield f"{module}.{LORA_B}.weight", b_part.contiguous()
-
-
-def from_peft(m: mapping.TensorMap, spec: ModelSpec,
-              tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused (``a``, ``b``) of one weight from peft's tensors; raises where the projections' ``A`` differ."""
-    modules = [PEFT_PREFIX + n.removesuffix(".weight") for n in m.hf]
-    a_parts = [tensors[f"{mod}.{LORA_A}.weight"] for mod in modules]
-    if any(not torch.equal(a_parts[0], a) for a in a_parts[1:]):
-        raise ValueError(f"the peft adapter of {m.hf} has a different lora_A per projection; megarl's fused "
-                         f"{m.mcore.rsplit('.', 2)[-2]} adapter shares one A (export it merged instead)")
-    return a_parts[0], mapping.pack_rows(m, spec, [tensors[f"{mod}.{LORA_B}.weight"] for mod in modules])
 
 
 def hf_modules(targets: list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -51,7 +51,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megarl.engine.config import LoRAConfig
-from megarl.models.adapters import LORA_A, LORA_B, is_adapter
+from megarl.models.adapters import LORA_A, LORA_B, MODULES
 from megarl.models.provider import ScalarHead, global_named_parameters
 
 
@@ -126,11 +126,6 @@ def adapters_disabled() -> Iterator[None]:
         _DISABLED.depth -= 1
 
 
-def targets_of(config: LoRAConfig) -> tuple[str, ...]:
-    """The megatron-core module names ``config.targets`` selects."""
-    return tuple(f"linear_{t}" for t in config.targets)
-
-
 def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> int:
     """Give each targeted linear of one model chunk its factors (in place) and freeze everything else but a scalar
     head (a critic's or reward model's new value head trains whole, as peft's ``modules_to_save`` keeps a sequence
@@ -141,7 +136,7 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> int:
     keep = {id(p) for p in head.parameters()} if isinstance(head, ScalarHead) else set()
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)
-    wanted = set(targets_of(config))
+    wanted = {MODULES[t].rsplit(".", 1)[-1] for t in config.targets}  # megatron-core's module names
     count = 0
     for module_name, module in list(model.named_modules()):
         suffix = module_name.rsplit(".", 1)[-1]
@@ -181,8 +176,8 @@ def _adapt(module: torch.nn.Module, config: LoRAConfig, name: str, seed: int, ga
 
 
 def global_adapted_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(global name of its ``lora_A``, module) of each adapted linear of one model chunk."""
-    owners = {id(m.lora_A): m for m in model.modules() if isinstance(m, _LoRALinear)}
+    """(global name of its base weight, module) of each adapted linear of one model chunk."""
+    owners = {id(m.weight): m for m in model.modules() if isinstance(m, _LoRALinear)}
     for name, p in global_named_parameters(model):
         if id(p) in owners:
             yield name, owners[id(p)]
@@ -195,11 +190,12 @@ def merged_weight(module: torch.nn.Module) -> torch.Tensor:
 
 
 class MergedParameters(Mapping):
-    """Global name -> this rank's shard, as ``params`` of the resharding plan, with each adapted weight merged
-    on access (one merged tensor at a time: the plan reads one parameter after another) and no factor listed."""
+    """Global name -> this rank's shard, as ``params`` of the resharding plan (``params``: the model's, no factor),
+    with each adapted weight merged on access (one merged tensor at a time: the plan reads one parameter after
+    another)."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> None:
-        self._params = {n: p for n, p in params.items() if not is_adapter(n)}
+        self._params = params
         self._modules = modules  # global base-weight name -> adapted module
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -41,10 +41,6 @@ class AdapterSync:
         self.engine, self.spec, self.lora = engine, spec, engine.lora
         self._maps = {m.mcore: m for m in adapters.adapted_maps(spec, self.lora.targets)}
 
-    def base_weights(self) -> Mapping[str, torch.Tensor]:
-        """The frozen base weights as the resharding plan streams them (no factor, nothing merged)."""
-        return {n: p for c in self.engine.chunks for n, p in global_named_parameters(c) if not adapters.is_adapter(n)}
-
     def gather(self) -> dict[str, torch.Tensor]:
         """Every factor of the adapter, global name -> the whole tensor (on the host), on every rank of the
         model-parallel group (collective over it)."""
@@ -83,7 +79,7 @@ def streamed_weights(engine: MegatronEngine, adapter: AdapterSync | None,
     alike (its engines are built and synced together)."""
     if adapter is None:
         return engine.weights()
-    return None if base_held else adapter.base_weights()
+    return None if base_held else engine.weights(merged=False)
 
 
 # the tag of the adapter's message on the weight link (the plan's slabs are tagged by their index in a bucket)

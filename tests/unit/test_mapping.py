@@ -157,7 +157,7 @@ def test_an_adapter_in_peft_layout_for_adapter_sync():
     assert torch.equal(peft[prefix + "q_proj.lora_A.weight"], peft[prefix + "v_proj.lora_A.weight"])
     assert len(peft) == 2 * spec.num_layers * (3 + 1)  # A and B of q, k, v and o per layer
     for m in adapters.adapted_maps(spec, ["qkv", "proj"]):
-        a, b = adapters.from_peft(m, spec, peft)
+        a, b = _from_peft(m, spec, peft)
         assert torch.equal(a, factors[adapters.factor_name(m.mcore, "lora_A")])
         assert torch.equal(b, factors[adapters.factor_name(m.mcore, "lora_B")])
     name = next(iter(shapes))
@@ -165,3 +165,14 @@ def test_an_adapter_in_peft_layout_for_adapter_sync():
         adapters.peft_adapter(spec, ["qkv", "proj"], {n: t for n, t in factors.items() if n != name})
     with pytest.raises(ValueError, match="must have the global shape"):
         adapters.peft_adapter(spec, ["qkv", "proj"], factors | {name: factors[name][:, :-1]})
+
+
+def _from_peft(m, spec, tensors):
+    """The fused (A, B) of one weight back from peft's tensors (the inverse of adapters.to_peft): every projection's
+    A must be the one fused A."""
+    from megarl.models import adapters, mapping
+
+    modules = [adapters.PEFT_PREFIX + n.removesuffix(".weight") for n in m.hf]
+    a_parts = [tensors[f"{mod}.lora_A.weight"] for mod in modules]
+    assert all(torch.equal(a_parts[0], a) for a in a_parts[1:])
+    return a_parts[0], mapping.pack_rows(m, spec, [tensors[f"{mod}.lora_B.weight"] for mod in modules])

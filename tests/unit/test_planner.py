@@ -9,7 +9,6 @@ activation bytes written out by hand.
 from __future__ import annotations
 
 import math
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -275,25 +274,18 @@ def test_cli_reports_not_fitting_with_the_reason():
             "cluster.pools.main.pp=1") in proc.stdout
 
 
-def _run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["plan.py", *args])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(REPO / "tools" / "plan.py"), run_name="__main__")
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
-
-def test_cli_bad_input_exits_2(monkeypatch, capsys):
-    code, _, err = _run_cli(monkeypatch, capsys, "--preset", "llama3-7b", "--nodes", "1", "--gpus-per-node", "8",
+def test_cli_bad_input_exits_2(plan_cli):
+    code, _, err = plan_cli("--preset", "llama3-7b", "--nodes", "1", "--gpus-per-node", "8",
                             "--gpu-mem-gb", "80")
     assert code == 2 and "llama3-70b" in err and "qwen2.5-72b" in err
-    code, _, err = _run_cli(monkeypatch, capsys, "--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
+    code, _, err = plan_cli("--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
                             "--gpu-mem-gb", "80", "--tp", "8")
     assert code == 2 and "tp=8 must divide the number of attention heads (28)" in err
 
 
-def test_cli_proposes_when_no_layout_is_given(monkeypatch, capsys):
-    code, out, _ = _run_cli(monkeypatch, capsys, "--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
+def test_cli_proposes_when_no_layout_is_given(plan_cli):
+    code, out, _ = plan_cli("--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
                             "--gpu-mem-gb", "80", "--roles", "policy,reference")
     assert code == 0
     assert "fitting layouts, cheapest first" in out and "best:" in out and "FITS" in out

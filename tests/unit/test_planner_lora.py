@@ -12,8 +12,6 @@ Every count is written out from these numbers, not from the planner's or the map
 
 from __future__ import annotations
 
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -175,26 +173,19 @@ def test_overrides_load_as_a_lora_policy(qwen7b):
     assert TrainRole.REFERENCE not in cfg.roles()
 
 
-def _run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["plan.py", *args])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(REPO / "tools" / "plan.py"), run_name="__main__")
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
-
-def test_cli_lora(monkeypatch, capsys):
+def test_cli_lora(plan_cli):
     base = ["--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--tp", "4"]
-    code, out, _ = _run_cli(monkeypatch, capsys, *base, "--lora-rank", "32")
+    code, out, _ = plan_cli(*base, "--lora-rank", "32")
     assert code == 0
     assert "LoRA policy: rank 32 on qkv, proj, fc1, fc2: 71.11 M adapter parameters" in out
     assert "roles policy, critic;" in out  # the default roles without the reference
     assert f"adapter only (vLLM's LoRA support, peft layout, bfloat16): {2 * L * PEFT / 1e6:.1f} MB" in out
     assert "policy merge transient" in out and "policy.lora.rank=32 policy.lora.targets=[qkv,proj,fc1,fc2]" in out
-    code, out, _ = _run_cli(monkeypatch, capsys, *base, "--lora-rank", "8", "--lora-targets", "qkv,fc2",
+    code, out, _ = plan_cli(*base, "--lora-rank", "8", "--lora-targets", "qkv,fc2",
                             "--roles", "policy")
     assert code == 0 and "rank 8 on qkv, fc2" in out
-    code, _, err = _run_cli(monkeypatch, capsys, *base, "--lora-rank", "8", "--roles", "policy,reference")
+    code, _, err = plan_cli(*base, "--lora-rank", "8", "--roles", "policy,reference")
     assert code == 2 and "no reference role" in err
-    code, _, err = _run_cli(monkeypatch, capsys, *base, "--lora-targets", "qkv")
+    code, _, err = plan_cli(*base, "--lora-targets", "qkv")
     assert code == 2 and "--lora-rank" in err

@@ -8,8 +8,6 @@ count below is written out from those numbers, not from the planner's, the spec'
 
 from __future__ import annotations
 
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -262,16 +260,9 @@ def test_qwen3_30b_a3b_preset():
     assert train[("policy", "optimizer")] == 12 * (dense // 8 + 48 * 16 * 3 * 768 * 2048)
 
 
-def _run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["plan.py", *args])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(REPO / "tools" / "plan.py"), run_name="__main__")
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
-
-def test_cli_plans_qwen3_moe_with_ep(monkeypatch, capsys):
-    code, out, _ = _run_cli(monkeypatch, capsys, "--preset", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8",
+def test_cli_plans_qwen3_moe_with_ep(plan_cli):
+    code, out, _ = plan_cli("--preset", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8",
                             "--gpu-mem-gb", "80", "--tp", "1", "--pp", "1", "--ep", "8", "--roles", "policy")
     assert code == 0
     assert "30.53 B parameters" in out and "3.35 B active per token" in out
@@ -287,7 +278,7 @@ def test_cli_plans_qwen3_moe_with_ep(monkeypatch, capsys):
     assert f"received per GPU max {missing / GB:.2f} GB" in out
 
 
-def test_cli_refuses_ep_for_a_dense_model(monkeypatch, capsys):
-    code, _, err = _run_cli(monkeypatch, capsys, "--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
+def test_cli_refuses_ep_for_a_dense_model(plan_cli):
+    code, _, err = plan_cli("--preset", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "8",
                             "--gpu-mem-gb", "80", "--tp", "1", "--ep", "2")
     assert code == 2 and "needs a Mixture-of-Experts model" in err

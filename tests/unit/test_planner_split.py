@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -253,18 +251,11 @@ def test_stage_times_are_checked(values):
 # ------------------------------------------------------------------------------------------- CLI
 
 
-def _run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["plan.py", *args])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(REPO / "tools" / "plan.py"), run_name="__main__")
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
-
-def test_cli_split_placement_reports_both_pools_and_the_modes(monkeypatch, capsys, tmp_path):
+def test_cli_split_placement_reports_both_pools_and_the_modes(tmp_path, plan_cli):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HF))
-    code, out, err = _run_cli(monkeypatch, capsys, "--hf-config", str(cfg), "--nodes", "2", "--gpus-per-node", "2",
+    code, out, err = plan_cli("--hf-config", str(cfg), "--nodes", "2", "--gpus-per-node", "2",
                               "--gpu-mem-gb", "80", "--rollout-gpus", "2", "--tp", "1", "--roles", "policy",
                               "--gen-s", "10", "--train-s", "8", "--sync-s", "3", "--reward-s", "2",
                               "--push-every", "3")
@@ -280,10 +271,10 @@ def test_cli_split_placement_reports_both_pools_and_the_modes(monkeypatch, capsy
     assert rows == {"sync": "23.00", "one_step_off": "15.00", "async": "13.00"}
 
 
-def test_cli_colocated_report_mentions_no_pools(monkeypatch, capsys, tmp_path):
+def test_cli_colocated_report_mentions_no_pools(tmp_path, plan_cli):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(HF))
-    code, out, err = _run_cli(monkeypatch, capsys, "--hf-config", str(cfg), "--nodes", "1", "--gpus-per-node", "2",
+    code, out, err = plan_cli("--hf-config", str(cfg), "--nodes", "1", "--gpus-per-node", "2",
                               "--gpu-mem-gb", "80", "--tp", "1", "--gen-s", "10", "--train-s", "8", "--sync-s", "3")
     assert code == 0, err
     report = out.split("predicted step")[0]
