@@ -314,3 +314,16 @@ def test_trl_options_accepted(task):
     assert a.advantage.scale_rewards.value == "batch" and a.advantage.eps == 1e-4
     default = TrainConfig().algorithm  # megarl's defaults, not TRL's (docs/trl.md says which differ)
     assert (default.kl_clamp, default.kl_loss_bias_correction, default.top_entropy_quantile) == (True, False, 1.0)
+
+
+def test_a_lora_policy_is_its_own_reference_unless_one_is_placed(task):
+    """policy.lora: no reference role (the base model, adapters off, is the reference); a reference placed on a pool
+    of its own is built there (a frozen base copy), and the run passes its checks."""
+    lora = {"policy.lora.rank": 4, "cluster.pools.main.devices_per_node": 1, "cluster.pools.main.tp": 1}
+    own = load_config(EXAMPLE, _overrides(task, **lora))
+    check_config(own)
+    assert [r.value for r in own.roles()] == ["policy", "rollout"]
+    placed = load_config(EXAMPLE, _overrides(task, **lora, **{"cluster.pools.ref.devices_per_node": 1,
+                                                               "cluster.placement.reference": "ref"}))
+    check_config(placed)
+    assert [r.value for r in placed.roles()] == ["policy", "rollout", "reference"]
