@@ -60,11 +60,11 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatchConfig:
-    """Micro-batches are formed per DP rank by token budget: sequences sorted by length, packed
-    greedily while ``size * longest <= max_tokens`` and ``size <= max_size``; each micro-batch is cut
-    to its own longest sequence, so no compute is spent on padding beyond it."""
+    """Micro-batches are formed per DP rank by token budget, longest sequences first: packed (the engine's
+    ``packing``) first fit while the sum of their lengths stays within ``max_tokens``; else greedily while ``size *
+    longest <= max_tokens``, each micro-batch cut to its own longest sequence. At most ``max_size`` rows each."""
 
-    max_tokens: int = 8192  # tokens per micro-batch (rows x longest row)
+    max_tokens: int = 8192  # tokens per micro-batch (packed: real tokens; padded: rows x longest row)
     max_size: int = 64  # rows per micro-batch
 
     def __post_init__(self) -> None:
@@ -123,6 +123,9 @@ class EngineConfig:
     router_replay: bool = False  # MoE models: route every token to the rollout's recorded experts (R3)
     sequence_parallel: bool | None = None  # tp > 1; null: MoE models only (training needs it); true: all; false: off
     lora: LoRAConfig | None = None  # null: every weight trains; else only low-rank adapters (docs/lora.md)
+    # true: each micro-batch's rows packed into one token stream (no padding computed; megarl/engine/packing.py),
+    # the micro-batch budget then counting real tokens; false: rows right-padded to the micro-batch's longest
+    packing: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_aux_loss_coef < 0:

@@ -35,6 +35,7 @@ from megarl.engine.config import EngineConfig, LRDecay, MicroBatchConfig, Precis
 from megarl.engine.moe import RouterStats
 from megarl.engine.offload import StorageOffloader, storage_ptrs
 from megarl.engine.output_layer import make_logits_batch_major
+from megarl.engine.packing import PACKING, Packing
 from megarl.engine.results import StepResult
 from megarl.errors import LayoutError, MegarlError
 from megarl.models import adapters, lora
@@ -116,6 +117,7 @@ class MegatronEngine:
             for c in self.chunks:
                 lora.add_adapters(c, self.lora, config.seed)
         self.stats = StepStats()
+        self.last_padding_fraction = 0.0  # of the last pass's micro-batches: padding / tokens computed
         self._offloaders = {"params": StorageOffloader(), "grads": StorageOffloader(), "optimizer": StorageOffloader()}
         if not trainable:
             self.model = self.chunks
@@ -285,14 +287,17 @@ class MegatronEngine:
     # --------------------------------------------------------------------------------- internals
 
     def _micro_batches(self, batch: Batch, mb_cfg: MicroBatchConfig,
-                       group: int = 1) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+                       group: int = 1) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """This rank's micro-batches and their rows. With expert parallelism every data-parallel rank runs as
         many micro-batches as the one with the most (each MoE layer's all-to-all needs every rank of its group):
         the others split theirs, and a rank left with too few rows runs idle micro-batches of one masked-out
-        token (no response token, no loss, not in the router statistics), after its real ones. With sequence
-        parallelism each micro-batch is zero-padded (masks included) to a multiple of tp tokens."""
+        token (no response token, no loss, not in the router statistics), after its real ones. Each micro-batch
+        holds its rows cut to the longest (what the loss functions see) and, packed, their :class:`Packing`; with
+        sequence parallelism the model's input (the rows, or the packed stream) is zero-padded to a multiple of tp
+        tokens."""
         lengths = batch["attention_mask"].sum(-1).long().tolist()
-        plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size, group)
+        packed = self.config.packing
+        plan = micro_batches.plan(lengths, mb_cfg.max_tokens, mb_cfg.max_size, group, packed=packed)
         idle = 0
         if self.spec.moe is not None and self.layout.ep > 1:
             count = collectives.all_reduce(torch.tensor([len(plan)]), op=dist.ReduceOp.MAX, group=self.groups.dp)
@@ -304,19 +309,36 @@ class MegatronEngine:
         multiple = self.layout.tp if self.sequence_parallel else 1
         mbs = []
         for rows in plan + [list(range(group))] * idle:
-            length = max(lengths[i] for i in rows) if len(mbs) < len(plan) else 1
-            width = -(-length // multiple) * multiple
-            mb = {k: v.to(device, non_blocking=True)
-                  for k, v in micro_batches.cut(tensors, rows, length, width).items()}
-            if len(mbs) >= len(plan):  # idle: nothing of it counts
+            real = len(mbs) < len(plan)
+            length = max(lengths[i] for i in rows) if real else 1
+            width = length if packed else -(-length // multiple) * multiple
+            mb: dict[str, Any] = {k: v.to(device, non_blocking=True)
+                                  for k, v in micro_batches.cut(tensors, rows, length, width).items()}
+            if not real:  # idle: nothing of it counts
                 for key in ("attention_mask", "response_mask", "sample_mask"):
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
-            elif self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
-                mb[PADDING_MASK] = mb["attention_mask"] == 0
-            mb["position_ids"] = torch.arange(width, device=device).expand(len(rows), width)
+            if packed:
+                packing = Packing.of([min(lengths[i], length) for i in rows], length, multiple=multiple)
+                packing.tokens = packing.pack(mb["input_ids"])
+                mb[PACKING] = packing
+            if self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
+                mb[PADDING_MASK] = self._model_view(mb, mb["attention_mask"]) == 0
             mbs.append(mb)
+        self._count_tokens(mbs)
         return plan, mbs
+
+    @staticmethod
+    def _model_view(mb: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the rows [b, w, ...] laid out as the model's input: packed [1, T, ...], or the rows."""
+        packing = mb.get(PACKING)
+        return rows if packing is None else packing.pack(rows)
+
+    def _count_tokens(self, mbs: list[dict[str, Any]]) -> None:
+        """The tokens the model computes and the real ones among them (``padding_fraction`` of the last pass)."""
+        computed = sum(mb[PACKING].total if PACKING in mb else mb["input_ids"].numel() for mb in mbs)
+        real = sum(float(mb["attention_mask"].sum()) for mb in mbs)
+        self.last_padding_fraction = 1.0 - real / computed if computed else 0.0
 
     @cpu_compat.redirected  # megatron-core's schedule allocates on CUDA (its layers and our loss need not)
     def _run(self, mbs: list[dict[str, torch.Tensor]], loss_func, *, forward_only: bool) -> list[Any]:
@@ -324,14 +346,24 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            packing = mb.get(PACKING)
             if self.router_stats is not None:
-                self.router_stats.set_micro_batch(mb["attention_mask"], mb.get("routed_experts"))
+                routed = mb.get("routed_experts")
+                self.router_stats.set_micro_batch(
+                    self._model_view(mb, mb["attention_mask"]), self._model_view(mb, fed_tokens(mb["attention_mask"])),
+                    None if routed is None else self._model_view(mb, routed))
             padding_mask = mb.get(PADDING_MASK)
             if padding_mask is not None and self.sequence_parallel and not get_attr_wrapped_model(model, "pre_process"):
                 # megatron-core splits the mask along the sequence on the first stage only
                 padding_mask = padding_mask.chunk(self.layout.tp, dim=1)[self.groups.tp.rank()]
-            output = model(mb["input_ids"], mb["position_ids"], attention_mask=None,
-                           **({} if padding_mask is None else {"padding_mask": padding_mask}))
+            extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+            if packing is None:
+                ids = mb["input_ids"]
+                output = model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), attention_mask=None,
+                               **extra)
+            else:
+                output = model(packing.tokens, packing.positions().to(packing.tokens.device), attention_mask=None,
+                               packed_seq_params=packing.seq_params(packing.tokens.device), **extra)
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 
         chunks = self.model
@@ -341,8 +373,8 @@ class MegatronEngine:
                 data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(mbs),
-                seq_length=max(mb["input_ids"].shape[1] for mb in mbs),
-                micro_batch_size=max(mb["input_ids"].shape[0] for mb in mbs),
+                seq_length=max(_input_shape(mb)[1] for mb in mbs),
+                micro_batch_size=max(_input_shape(mb)[0] for mb in mbs),
                 forward_only=forward_only,
                 collect_non_loss_data=forward_only,
             )
@@ -387,6 +419,19 @@ class MegatronEngine:
                 finite = bool(torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data))).all())
         bad = collectives.all_reduce(torch.tensor([0.0 if finite else 1.0]), op=dist.ReduceOp.MAX)
         return bad.item() == 0.0
+
+
+def fed_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s]: 1 on the real tokens followed by another in their row (the tokens a rollout engine fed its model)."""
+    following = torch.zeros_like(attention_mask)
+    following[:, :-1] = attention_mask[:, 1:]
+    return attention_mask * following
+
+
+def _input_shape(mb: dict[str, Any]) -> tuple[int, int]:
+    """[batch, sequence] of a micro-batch's model input."""
+    packing = mb.get(PACKING)
+    return (1, packing.total) if packing is not None else tuple(mb["input_ids"].shape)
 
 
 def _use_fused_cpu_adam(optimizer) -> None:

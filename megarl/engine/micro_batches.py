@@ -17,13 +17,17 @@ from __future__ import annotations
 import torch
 
 
-def plan(lengths: list[int], max_tokens: int, max_size: int, group: int = 1) -> list[list[int]]:
-    """Row indices of each micro-batch. A sequence (group) longer than ``max_tokens`` gets a micro-batch alone."""
+def plan(lengths: list[int], max_tokens: int, max_size: int, group: int = 1, packed: bool = False) -> list[list[int]]:
+    """Row indices of each micro-batch. A sequence (group) longer than ``max_tokens`` gets a micro-batch alone.
+    ``packed``: the micro-batches are packed token streams, whose cost is the sum of their rows' lengths (first fit,
+    longest first) instead of rows x longest."""
     if len(lengths) % group:
         raise ValueError(f"{len(lengths)} rows do not divide into groups of {group}")
     units = [list(range(g, g + group)) for g in range(0, len(lengths), group)]
     longest = [max(lengths[i] for i in u) for u in units]
     order = sorted(range(len(units)), key=lambda u: (-longest[u], u))
+    if packed:
+        return _first_fit(units, [sum(lengths[i] for i in u) for u in units], order, max_tokens, max(max_size, group))
     batches: list[list[int]] = []
     first: list[int] = []  # each micro-batch's longest unit (units arrive longest first)
     for u in order:
@@ -34,6 +38,23 @@ def plan(lengths: list[int], max_tokens: int, max_size: int, group: int = 1) -> 
                 continue
         batches.append(list(units[u]))
         first.append(u)
+    return batches
+
+
+def _first_fit(units: list[list[int]], cost: list[int], order: list[int], max_tokens: int,
+               max_size: int) -> list[list[int]]:
+    batches: list[list[int]] = []
+    tokens: list[int] = []
+    for u in order:
+        fits = (b for b in range(len(batches))
+                if tokens[b] + cost[u] <= max_tokens and len(batches[b]) + len(units[u]) <= max_size)
+        b = next(fits, None)
+        if b is None:
+            batches.append([])
+            tokens.append(0)
+            b = len(batches) - 1
+        batches[b].extend(units[u])
+        tokens[b] += cost[u]
     return batches
 
 

@@ -79,11 +79,13 @@ class RouterStats:
                 self.compared[2] += (routing_map != wanted).any(-1)[self.fed].sum().item()
         return count
 
-    def set_micro_batch(self, attention_mask: torch.Tensor, routed_experts: torch.Tensor | None = None) -> None:
-        """The micro-batch about to run: ``attention_mask`` [b, s] (megatron's layers see [s, b]; with sequence
-        parallelism this TP rank's part of s) and, when the batch carries it, the rollout's routing
-        [b, s, layers, k], which replay forces on every router."""
-        self.mask = self._tokens(attention_mask).bool()
+    def set_micro_batch(self, real: torch.Tensor, fed: torch.Tensor, routed_experts: torch.Tensor | None) -> None:
+        """The micro-batch about to run, each tensor laid out as the model's input [b, s] (rows, or one packed
+        stream; megatron's layers see [s, b], with sequence parallelism this TP rank's part of s): ``real`` its real
+        tokens, ``fed`` those the rollout engine fed (a real token followed by another: whose routing it recorded)
+        and, when the batch carries it, the rollout's routing [b, s, layers, k], which replay forces on every
+        router."""
+        self.mask = self._tokens(real).bool()
         if routed_experts is None:
             if self.replay:
                 raise ValueError("router replay is on but the batch carries no routed_experts: the rollout engine "
@@ -91,9 +93,7 @@ class RouterStats:
             self.routed = self.fed = None
             return
         self.routed = self._tokens(routed_experts).long()
-        following = torch.zeros_like(attention_mask)
-        following[:, :-1] = attention_mask[:, 1:]
-        self.fed = self._tokens(attention_mask * following).bool()
+        self.fed = self._tokens(fed).bool()
         if self.replay:
             for layer, router in self.routers:
                 router.router_replay.clear_indices()

@@ -46,21 +46,30 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megarl.models.context_parallel import packed_causal_attention
+
 
 class SDPAttention(DotProductAttention):
-    def _fused(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> bool:
+    def _fused(self, attention_mask, attn_mask_type, attention_bias) -> bool:
         c = self.config
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         return (attention_mask is None and mask_type == AttnMaskType.causal and attention_bias is None
-                and packed_seq_params is None and self.softmax_offset is None and c.window_size is None
+                and self.softmax_offset is None and c.window_size is None
                 and not c.apply_query_key_layer_scaling
                 and (self.attention_dropout.p == 0.0 or not self.training))
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if not self._fused(attention_mask, attn_mask_type, attention_bias, packed_seq_params):
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                   packed_seq_params)
+        fused = self._fused(attention_mask, attn_mask_type, attention_bias)
+        if packed_seq_params is not None:
+            if not fused:
+                raise NotImplementedError(
+                    "megarl's CPU attention runs packed sequences (THD) causal, without an attention mask, bias, "
+                    "sliding window, softmax offset or attention dropout; this model has one of them: set the "
+                    "role's packing: false")
+            return self._packed(query, key, value, packed_seq_params)
+        if not fused:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         # [s, b, heads, d] -> [b, heads, s, d]; GQA: the kernel maps each query head to its KV group.
         # ``value`` is a view into the fused QKV projection output: copy it, or the tensor autograd
         # saves for backward keeps that whole output (queries and pre-RoPE keys too) alive.
@@ -70,6 +79,12 @@ class SDPAttention(DotProductAttention):
                                              enable_gqa=k.size(1) != q.size(1))
         # [b, heads, s, d] -> [s, b, heads * d]
         return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, params):
+        """THD: [t, heads, d] tokens of sequences laid end to end; each attends causally within its extent."""
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        out = packed_causal_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        return out.reshape(query.size(0), self.hidden_size_per_partition)
 
 
 class SwiGLU(torch.autograd.Function):

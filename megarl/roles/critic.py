@@ -18,6 +18,7 @@ from megarl.controller.role import Role, WorkerContext
 from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import Extreme, MegatronEngine
+from megarl.engine.packing import rows_of
 from megarl.engine.results import StepResult
 from megarl.metrics.memory import take_peaks
 from megarl.models.spec import Head, spec_from_hf_config
@@ -34,9 +35,9 @@ def _scalar_engine(ctx: WorkerContext, checkpoint_dir: str, engine: EngineConfig
                           trainable=trainable, load_exclude=exclude, groups=process_groups())
 
 
-def _token_values(output: torch.Tensor) -> torch.Tensor:
-    """[b, s, 1] head outputs -> token-aligned values [b, s] (the state before each token)."""
-    v = output.squeeze(-1).float()
+def _token_values(output: torch.Tensor, mb: dict) -> torch.Tensor:
+    """A micro-batch's head outputs -> token-aligned values [b, s] (the state before each token)."""
+    v = rows_of(output, mb).squeeze(-1).float()
     return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
 
 
@@ -50,7 +51,7 @@ class CriticRole(Role):
 
     def compute_values(self, batch: Batch) -> Batch | None:
         """``values`` [B, S], token-aligned, zero outside ``attention_mask``."""
-        out = self.engine.forward(batch, lambda o, mb: {"values": _token_values(o) * mb["attention_mask"]})
+        out = self.engine.forward(batch, lambda o, mb: {"values": _token_values(o, mb) * mb["attention_mask"]})
         return Batch.from_dict(out) if out is not None and self.ctx.is_collect_rank else None
 
     def update(self, batch: Batch) -> StepResult:
@@ -58,7 +59,7 @@ class CriticRole(Role):
         normalizer = global_normalizer(batch["response_mask"], self.engine.groups.dp)
 
         def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
-            values = _token_values(output)
+            values = _token_values(output, mb)
             mask = mb["response_mask"].to(values.dtype)
             out = algos.value_loss(values, mb["old_values"], mb["returns"], mask, self.value_clip,
                                    VALUE_LOSS_AGGREGATION, normalizer)
@@ -73,7 +74,8 @@ class CriticRole(Role):
         counts = offline_counts(batch, self.engine.groups.dp)
 
         def loss_fn(output: torch.Tensor, mb: dict[str, torch.Tensor]):
-            return objective.loss(_at_last_token(output.squeeze(-1).float(), mb["attention_mask"]), mb, counts)
+            scores = _at_last_token(rows_of(output, mb).squeeze(-1).float(), mb["attention_mask"])
+            return objective.loss(scores, mb, counts)
 
         extremes = {k: Extreme(v) for k, v in objective.extremes().items()}
         return self.engine.train_step(with_sample_mask(batch), loss_fn, extremes, group=objective.group)
@@ -107,7 +109,7 @@ class RewardModelRole(Role):
 
 
 def _last_token_scores(engine: MegatronEngine, ctx: WorkerContext, batch: Batch) -> Batch | None:
-    out = engine.forward(batch, lambda o, mb: {"raw": o.squeeze(-1).float()})
+    out = engine.forward(batch, lambda o, mb: {"raw": rows_of(o, mb).squeeze(-1).float()})
     if out is None or not ctx.is_collect_rank:
         return None
     return Batch.from_dict({"scores": _at_last_token(out["raw"], batch["attention_mask"])})

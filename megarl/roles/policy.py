@@ -24,8 +24,8 @@ from megarl.controller.spec import Timeouts
 from megarl.data.batch import Batch, prompt_lists
 from megarl.engine.config import EngineConfig
 from megarl.engine.engine import Extreme, MegatronEngine
+from megarl.engine.packing import row_log_probs
 from megarl.engine.results import StepResult
-from megarl.engine.vocab_parallel import token_log_probs
 from megarl.errors import ConfigError
 from megarl.metrics.memory import peaks, take_peaks
 from megarl.models import lora
@@ -170,7 +170,7 @@ class PolicyRole(Role):
         corrects = "rollout_log_probs" in batch and a.rollout_correction.active
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
-            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
+            lp, ent = row_log_probs(logits, mb, vocab_size=vocab, temperature=temperature, group=tp)
             inputs = algos.ObjectiveInputs(lp, ent, mb["advantages"], mb["response_mask"],
                                            old_log_probs=mb["old_log_probs"] if recompute else None,
                                            rollout_log_probs=mb.get("rollout_log_probs"),
@@ -191,7 +191,7 @@ class PolicyRole(Role):
         counts = offline_counts(batch, self.engine.groups.dp)
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]):
-            lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=1.0, group=tp)
+            lp, ent = row_log_probs(logits, mb, vocab_size=vocab, temperature=1.0, group=tp)
             return objective.loss(lp, ent, mb, counts)
 
         return self.engine.train_step(with_sample_mask(batch), loss_fn, group=objective.group)
@@ -240,7 +240,7 @@ def _log_probs(engine: MegatronEngine, ctx: WorkerContext, batch: Batch, tempera
     vocab, tp = engine.spec.vocab_size, engine.groups.tp
 
     def per_token(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        lp, ent = token_log_probs(logits, mb["input_ids"], vocab_size=vocab, temperature=temperature, group=tp)
+        lp, ent = row_log_probs(logits, mb, vocab_size=vocab, temperature=temperature, group=tp)
         mask = mb["attention_mask"].to(lp.dtype)
         return {"log_probs": lp * mask, "entropy": ent * mask}
 

@@ -34,7 +34,7 @@ def _world(rank, world_size, ckpt):
     from megarl.data.batch import Batch
     from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
     from megarl.engine.engine import MegatronEngine
-    from megarl.engine.vocab_parallel import token_log_probs
+    from megarl.engine.packing import row_log_probs
     from megarl.models.provider import global_named_parameters
     from megarl.models.spec import spec_from_hf_config
     from megarl.parallel.init import init_distributed, process_groups
@@ -52,10 +52,10 @@ def _world(rank, world_size, ckpt):
     count = target.sum()
 
     def per_token(logits, mb):
-        return {"log_probs": token_log_probs(logits, mb["input_ids"], vocab_size=spec.vocab_size)[0]}
+        return {"log_probs": row_log_probs(logits, mb, vocab_size=spec.vocab_size)[0]}
 
     def loss_fn(logits, mb):
-        lp = token_log_probs(logits, mb["input_ids"], vocab_size=spec.vocab_size)[0]
+        lp = row_log_probs(logits, mb, vocab_size=spec.vocab_size)[0]
         return -(lp * mb["target_mask"]).sum() / count, {}
 
     lp = engine.forward(batch, per_token)["log_probs"] * attn
