@@ -39,11 +39,11 @@ if TYPE_CHECKING:
 
 
 def process_groups() -> ProcessGroupCollection:
-    """This process's megatron-core groups (tensor, pipeline, data and model parallel) as one object, which
-    the roles hand to the engine and the rollout explicitly (after :func:`init_distributed`)."""
+    """This process's megatron-core groups (tensor, pipeline, data, context and model parallel) as one object,
+    which the roles hand to the engine and the rollout explicitly (after :func:`init_distributed`)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "dp", "mp"])
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "dp", "mp", "cp"])
 
 
 def init_distributed(layout: ParallelLayout, *, seed: int = 1234, collective_timeout_s: float | None = None) -> None:
@@ -76,13 +76,15 @@ def init_distributed(layout: ParallelLayout, *, seed: int = 1234, collective_tim
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
-    ) == (layout.tp, layout.pp, layout.vpp, layout.ep)  # dp follows from the world size checked above
+        parallel_state.get_context_parallel_world_size(),
+    ) == (layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp)  # dp follows from the world size checked above
     if not initialised:
         _destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=1,
             **mcore_timeout,

@@ -4,11 +4,12 @@ Pure value type: no torch.distributed, no megatron-core. It knows megatron-core'
 order ("tp-cp-ep-dp-pp": tensor parallel innermost, pipeline outermost) so that planners and tests
 can compute any rank's coordinates without a process group.
 
-Expert parallelism (``ep``) adds no processes: as in megatron-core, the experts of an MoE layer are
-split over ``ep`` ranks carved out of each pipeline stage's ``tp * dp`` ranks (expert tensor
-parallelism is 1: every expert is whole on its rank). Within a stage, rank ``r`` holds expert shard
-``r mod ep`` and is replica ``r div ep`` of it (:meth:`ParallelLayout.expert_coords`). Context
-parallelism is a reserved field: only 1 is accepted.
+Context parallelism (``cp``) splits every sequence over ``cp`` ranks that hold the same weights and the
+same data-parallel shard (megatron-core's load-balanced split: docs/packing.md); its ranks sit between
+tensor and data parallelism. Expert parallelism (``ep``) adds no processes: as in megatron-core, the
+experts of an MoE layer are split over ``ep`` ranks carved out of each pipeline stage's ``tp * cp * dp``
+ranks (expert tensor parallelism is 1: every expert is whole on its rank). Within a stage, rank ``r``
+holds expert shard ``r mod ep`` and is replica ``r div ep`` of it (:meth:`ParallelLayout.expert_coords`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class RankCoords(NamedTuple):
     tp: int
     pp: int
     dp: int
+    cp: int = 0
 
 
 class ExpertCoords(NamedTuple):
@@ -32,14 +34,14 @@ class ExpertCoords(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor (tp), pipeline (pp), data (dp), virtual-pipeline (vpp) and expert (ep) parallel sizes."""
+    """Tensor (tp), pipeline (pp), data (dp), virtual-pipeline (vpp), context (cp) and expert (ep) parallel sizes."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int | None = None
-    cp: int = 1  # reserved: context parallelism
-    ep: int = 1  # expert parallelism: MoE experts split over ep of a stage's tp*dp ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    ep: int = 1  # expert parallelism: MoE experts split over ep of a stage's tp*cp*dp ranks
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep"):
@@ -54,13 +56,12 @@ class ParallelLayout:
                     f"virtual pipeline parallelism (vpp={self.vpp}) needs pp > 1, found pp=1; "
                     "set vpp to None or raise pp."
                 )
-        if self.cp != 1:
-            raise LayoutError(f"context parallelism is not supported yet (found cp={self.cp}); set cp to 1.")
-        if (self.tp * self.dp) % self.ep:
+        stage = self.tp * self.cp * self.dp
+        if stage % self.ep:
             raise LayoutError(
-                f"ep={self.ep} must divide tp*dp = {self.tp}*{self.dp} = {self.tp * self.dp}: expert parallelism "
-                f"splits the experts over the ranks of one pipeline stage; choose ep from "
-                f"{_divisors(self.tp * self.dp)} or raise dp."
+                f"ep={self.ep} must divide tp*cp*dp = {self.tp}*{self.cp}*{self.dp} = {stage}: expert parallelism "
+                f"splits the experts over the ranks of one pipeline stage; choose ep from {_divisors(stage)} or raise "
+                "dp."
             )
 
     @property
@@ -78,24 +79,25 @@ class ParallelLayout:
     @property
     def expert_dp(self) -> int:
         """Replicas of each expert shard (megatron-core's expert data parallel size)."""
-        return self.tp * self.dp // self.ep
+        return self.tp * self.cp * self.dp // self.ep
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                  ep: int = 1) -> ParallelLayout:
-        """The layout with the given tp/pp/ep whose dp fills ``world_size``."""
-        if world_size % (tp * pp):
+                  ep: int = 1, cp: int = 1) -> ParallelLayout:
+        """The layout with the given tp/pp/cp/ep whose dp fills ``world_size``."""
+        if world_size % (tp * pp * cp):
             raise LayoutError(
-                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                "choose tp and pp whose product divides the number of processes."
+                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
+                "choose tp, pp and cp whose product divides the number of processes."
             )
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp, ep=ep)
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), vpp=vpp, cp=cp, ep=ep)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise LayoutError(
-                f"layout tp={self.tp} x pp={self.pp} x dp={self.dp} needs {self.world_size} processes, "
-                f"but the world has {world_size}; change dp (or tp/pp) so that tp*pp*dp == {world_size}."
+                f"layout tp={self.tp}{cp} x pp={self.pp} x dp={self.dp} needs {self.world_size} processes, "
+                f"but the world has {world_size}; change dp (or tp/pp/cp) so that their product is {world_size}."
             )
 
     def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
@@ -125,16 +127,17 @@ class ParallelLayout:
             )
 
     def coords(self, rank: int) -> RankCoords:
-        """Coordinates of a global rank in megatron-core's default order (tp innermost, pp outermost)."""
+        """Coordinates of a global rank in megatron-core's default order (tp innermost, then cp, dp, pp outermost)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size}.")
-        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        return RankCoords(tp=rank % self.tp, cp=(rank // self.tp) % self.cp,
+                          dp=(rank // (self.tp * self.cp)) % self.dp, pp=rank // (self.tp * self.cp * self.dp))
 
     def expert_coords(self, rank: int) -> ExpertCoords:
         """Expert shard and replica of a global rank (megatron-core's expert rank order: ep inside expert dp)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size}.")
-        local = rank % (self.tp * self.dp)
+        local = rank % (self.tp * self.cp * self.dp)
         return ExpertCoords(ep=local % self.ep, edp=local // self.ep)
 
     def experts_of(self, num_experts: int, ep_rank: int) -> range:
@@ -142,8 +145,8 @@ class ParallelLayout:
         per_rank = num_experts // self.ep
         return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
-    def rank_of(self, tp: int, pp: int, dp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank_of(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def layers_of_stage(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
         """Global indices of the layers held by one pipeline stage (and virtual stage), even split."""
@@ -154,7 +157,8 @@ class ParallelLayout:
     def __str__(self) -> str:
         vpp = f"xVPP{self.vpp}" if self.vpp else ""
         ep = f"xEP{self.ep}" if self.ep > 1 else ""
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}{vpp}{ep}"
+        cp = f"xCP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}xPP{self.pp}xDP{self.dp}{vpp}{ep}"
 
 
 def _divisors(n: int) -> list[int]:

@@ -55,8 +55,25 @@ def test_invalid_values():
         ParallelLayout(tp=0)
     with pytest.raises(LayoutError, match="needs pp > 1"):
         ParallelLayout(vpp=2)
-    with pytest.raises(LayoutError, match="not supported yet"):
-        ParallelLayout(cp=2)
+    with pytest.raises(LayoutError, match=r"tp\*pp\*cp = 1\*1\*3 = 3"):
+        ParallelLayout.for_world(4, cp=3)
+
+
+def test_context_parallel_coords_match_megatron_rank_generator():
+    """Each rank's tp / cp / dp / pp coordinates against megatron-core's own RankGenerator (order tp-cp-ep-dp-pp):
+    ranks sharing a cp group differ only in cp, and so on for every dimension."""
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = ParallelLayout(tp=2, cp=2, dp=2, pp=2)
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
+    for dim in ("tp", "cp", "dp", "pp"):
+        for group in gen.get_ranks(dim):
+            coords = [layout.coords(r)._asdict() for r in group]
+            assert [c[dim] for c in coords] == list(range(len(group))), (dim, group)
+            others = [{k: v for k, v in c.items() if k != dim} for c in coords]
+            assert all(o == others[0] for o in others), (dim, group)
+    assert all(layout.rank_of(**layout.coords(r)._asdict()) == r for r in range(layout.world_size))
+    assert str(layout) == "TP2xCP2xPP2xDP2"
 
 
 def test_expert_coords_match_megatron_expert_order_hand_worked():
@@ -72,7 +89,7 @@ def test_expert_coords_match_megatron_expert_order_hand_worked():
 
 
 def test_expert_parallelism_must_divide_the_stage_and_the_experts():
-    with pytest.raises(LayoutError, match=r"ep=4 must divide tp\*dp = 1\*2 = 2"):
+    with pytest.raises(LayoutError, match=r"ep=4 must divide tp\*cp\*dp = 1\*1\*2 = 2"):
         ParallelLayout(dp=2, ep=4)
     with pytest.raises(LayoutError, match=r"ep=4 must divide the number of experts \(6\); choose ep from \[1, 2\]"):
         ParallelLayout(dp=4, ep=4).check_model(num_layers=2, num_attention_heads=4, num_query_groups=2, num_experts=6)
