@@ -30,8 +30,8 @@ class WorkerContext:
 
     @property
     def is_collect_rank(self) -> bool:
-        """The rank whose result stands for its data-parallel rank (last PP stage, TP rank 0)."""
-        return self.coords.tp == 0 and self.coords.pp == self.layout.pp - 1
+        """The rank whose result stands for its data-parallel rank (last PP stage, TP and CP rank 0)."""
+        return self.coords.tp == 0 and self.coords.cp == 0 and self.coords.pp == self.layout.pp - 1
 
 
 class Role:

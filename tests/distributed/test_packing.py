@@ -14,8 +14,6 @@ test_sequence_parallel.py; every other distributed test now runs packed against 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
