@@ -6,7 +6,10 @@ role's loss needs. Each DP rank micro-batches its shard by token budget (see mic
 Losses returned by a role's loss function must already be normalised by *global* counts (over all
 micro-batches and DP ranks), so that summing them gives the loss of the whole batch; the engine
 undoes megatron-core's division by the number of micro-batches and its DP gradient averaging
-(scale by ``num_microbatches * dp``), making gradients independent of how the batch is split.
+(scale by ``num_microbatches * dp``; with context parallelism every CP rank computes the whole micro-batch's
+loss, its backward reaching its own share of the tokens, and megatron-core's loss scaling by the CP size
+cancels its gradient averaging over the CP ranks), making gradients independent of how the batch is split.
+Micro-batches are packed token streams by default (packing.py; context parallelism needs them).
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ class MegatronEngine:
         self.precision = config.precision.resolve(cuda=torch.cuda.is_available())
         dtype = torch.bfloat16 if self.precision is Precision.BF16 else torch.float32
         init = checkpoint_dir is None or bool(load_exclude)
+        if layout.cp > 1 and not config.packing:
+            raise LayoutError(f"context parallelism (cp={layout.cp}) splits packed sequences over its ranks, but this "
+                              "role's packing is false: set packing: true (the default) or cp: 1.")
         if config.router_replay and spec.moe is None:
             raise MegarlError("router_replay is set but the model is dense: it replays an MoE model's expert choices; "
                               "set router_replay: false.")
@@ -177,6 +183,8 @@ class MegatronEngine:
         mean), except those named in ``extremes``: their largest or smallest value. ``group``: each run of that
         many consecutive rows stays in one micro-batch, in order (a preference pair's two rows)."""
         _, mbs = self._micro_batches(batch, self.config.micro_batch, group)
+        # megatron-core's schedule divides each loss by the number of micro-batches and multiplies it by the CP
+        # size, and DDP averages the gradients over DP x CP: each CP rank's backward covers its share of the tokens
         scale = len(mbs) * self.layout.dp
 
         def loss_func(mb, output):
@@ -305,8 +313,11 @@ class MegatronEngine:
             idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
-        # sequence parallelism splits every micro-batch's sequence over the TP ranks: pad it to a multiple of tp
+        # sequence parallelism splits every micro-batch's sequence over the TP ranks: pad it to a multiple of tp;
+        # context parallelism every sequence into 2 cp chunks, each rank's share then split by sequence parallelism
         multiple = self.layout.tp if self.sequence_parallel else 1
+        cp = self.layout.cp
+        align, multiple = (2 * cp * multiple, 1) if cp > 1 else (1, multiple)
         mbs = []
         for rows in plan + [list(range(group))] * idle:
             real = len(mbs) < len(plan)
@@ -319,9 +330,8 @@ class MegatronEngine:
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
             if packed:
-                packing = Packing.of([min(lengths[i], length) for i in rows], length, multiple=multiple)
-                packing.tokens = packing.pack(mb["input_ids"])
-                mb[PACKING] = packing
+                mb[PACKING] = Packing.of(mb["input_ids"], [min(lengths[i], length) for i in rows], align=align,
+                                         multiple=multiple, cp_group=self.groups.cp)
             if self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
                 mb[PADDING_MASK] = self._model_view(mb, mb["attention_mask"]) == 0
             mbs.append(mb)
@@ -332,7 +342,7 @@ class MegatronEngine:
     def _model_view(mb: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
         """A per-token tensor of the rows [b, w, ...] laid out as the model's input: packed [1, T, ...], or the rows."""
         packing = mb.get(PACKING)
-        return rows if packing is None else packing.pack(rows)
+        return rows if packing is None else packing.model_view(rows)
 
     def _count_tokens(self, mbs: list[dict[str, Any]]) -> None:
         """The tokens the model computes and the real ones among them (``padding_fraction`` of the last pass)."""
@@ -362,7 +372,7 @@ class MegatronEngine:
                 output = model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), attention_mask=None,
                                **extra)
             else:
-                output = model(packing.tokens, packing.positions().to(packing.tokens.device), attention_mask=None,
+                output = model(packing.tokens, packing.positions, attention_mask=None,
                                packed_seq_params=packing.seq_params(packing.tokens.device), **extra)
             return output, lambda out, **kw: loss_func(mb, out, **kw)
 
@@ -431,7 +441,7 @@ def fed_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
 def _input_shape(mb: dict[str, Any]) -> tuple[int, int]:
     """[batch, sequence] of a micro-batch's model input."""
     packing = mb.get(PACKING)
-    return (1, packing.total) if packing is not None else tuple(mb["input_ids"].shape)
+    return tuple(packing.tokens.shape) if packing is not None else tuple(mb["input_ids"].shape)
 
 
 def _use_fused_cpu_adam(optimizer) -> None:

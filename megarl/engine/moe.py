@@ -129,6 +129,8 @@ class RouterStats:
         over = (self.groups.dp, self.groups.pp)  # each stage filled its own layers' rows
         if self.sequence_parallel:  # each TP rank counted (and its routers saw) its part of the sequence
             over += (self.groups.tp,)
+        if self.groups.cp.size() > 1:  # so did each context-parallel rank
+            over += (self.groups.cp,)
         counts = collectives.sum_over(self.counts.clone(), *over)
         routed = counts.sum(-1, keepdim=True)
         share = counts / routed.clamp(min=1.0) * counts.shape[-1]

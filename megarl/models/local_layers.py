@@ -46,10 +46,25 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megarl.models.context_parallel import packed_causal_attention
+from megarl.models.context_parallel import context_parallel_attention, packed_causal_attention
 
 
 class SDPAttention(DotProductAttention):
+    """megatron-core's local core attention, fused on CPU, with packed sequences and context parallelism (which
+    megatron-core's own leaves to Transformer Engine: it refuses ``context_parallel_size`` > 1 at construction)."""
+
+    def __init__(self, config, *args, **kwargs):
+        cp = config.context_parallel_size
+        if cp > 1:  # megatron-core's constructor asserts cp == 1; nothing it builds depends on cp
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, *args, **kwargs)
+        self.cp_group = None
+        if cp > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+
     def _fused(self, attention_mask, attn_mask_type, attention_bias) -> bool:
         c = self.config
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -68,6 +83,8 @@ class SDPAttention(DotProductAttention):
                     "sliding window, softmax offset or attention dropout; this model has one of them: set the "
                     "role's packing: false")
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            raise NotImplementedError("context parallelism runs on packed sequences (the engine packs them)")
         if not fused:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         # [s, b, heads, d] -> [b, heads, s, d]; GQA: the kernel maps each query head to its KV group.
@@ -81,9 +98,14 @@ class SDPAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
 
     def _packed(self, query, key, value, params):
-        """THD: [t, heads, d] tokens of sequences laid end to end; each attends causally within its extent."""
+        """THD: [t, heads, d] tokens of sequences laid end to end; each attends causally within its extent. With
+        context parallelism ``t`` is this rank's share of the stream (megatron-core's load-balanced chunks of every
+        sequence) and the offsets are the whole stream's."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        out = packed_causal_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        if self.cp_group is None:
+            out = packed_causal_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        else:
+            out = context_parallel_attention(query, key, value, cu.tolist(), self.softmax_scale, self.cp_group)
         return out.reshape(query.size(0), self.hidden_size_per_partition)
 
 

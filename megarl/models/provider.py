@@ -93,6 +93,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptio
         hidden_dropout=opts.dropout,
         attention_dropout=opts.dropout,
         tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        cp_comm_type="p2p" if layout.cp > 1 else None,  # Transformer Engine's ring; megarl's CPU attention all-gathers
         sequence_parallel=opts.sequence_parallel and layout.tp > 1,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -152,7 +154,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
     layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm, num_experts=num_experts)
     if not use_te and opts.local_layers:
         use_local_layers(layer_spec)
-    if config.sequence_parallel:
+    if config.sequence_parallel or layout.cp > 1:  # context parallelism gathers with the same functions
         cpu_compat.redirect_sequence_parallel()
     # lean RMSNorms with the local layers; sequence parallelism needs these norms either way (TE's support it)
     local_norms = not use_te and (opts.local_layers or config.sequence_parallel)
