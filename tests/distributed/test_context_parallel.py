@@ -123,9 +123,8 @@ def test_policy_with_cp_equals_without(world, pair):
         assert _relative(a["lp"]["log_probs"], b["lp"]["log_probs"]) < 1e-5
         assert _relative(a["lp"]["entropy"], b["lp"]["entropy"]) < 1e-5
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        bad = [(n, _relative(g, b["grads"][n]), float(torch.tensor(g).norm()), float(torch.tensor(b["grads"][n]).norm()))
-               for n, g in a["grads"].items() if _relative(g, b["grads"][n]) >= 1e-5]
-        assert not bad, (a["layout"], bad)
+        worst = max((_relative(g, b["grads"][n]), n) for n, g in a["grads"].items())
+        assert worst[0] < 1e-5, (a["layout"], worst)
 
 
 def test_critic_with_cp_equals_without(world):
