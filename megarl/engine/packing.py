@@ -112,15 +112,15 @@ class Packing:
     def seq_params(self, device: torch.device):
         """megatron-core's ``PackedSeqParams`` (THD): ``cu_seqlens_*`` the real lengths' boundaries (as Transformer
         Engine's attention takes them), ``cu_seqlens_*_padded`` the extents' (what RoPE, Transformer Engine's
-        context parallelism and megarl's CPU attention use); the whole stream's, at any CP size."""
+        context parallelism and megarl's CPU attention use); the whole stream's, at any CP size. No ``cp_group``: the
+        attention's own (megatron-core's CP group) applies; given, Transformer Engine would re-register it each call."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         real = torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int32, device=device)
         padded = torch.tensor(self.offsets, dtype=torch.int32, device=device)
         longest = max(b - a for a, b in itertools.pairwise(self.offsets))
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
-                               cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest,
-                               cp_group=self.cp_group)
+                               cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def rows_of(output: torch.Tensor, mb: dict) -> torch.Tensor:
