@@ -4,8 +4,9 @@ all-gathered keys and values (megarl/models/context_parallel.py), per-token outp
 
 At TP1 x CP2 x DP2 against TP1 x DP4, and at TP2 x CP2 against TP2 x DP2 (sequence parallelism on at both), a
 policy's log-probs and entropies and one GRPO update's loss and gradients of every parameter (each rank's shard,
-reduced over DP x CP) equal the layout without CP within 1e-5 relative; so do a critic's values and one
-value-loss update at CP2. The layouts without CP are checked against transformers in test_policy.py,
+reduced over DP x CP) equal the layout without CP within 1e-5 relative; so do a LoRA policy's (rank 2, B drawn
+at random so that A has a gradient; the adapters' gradients), a Qwen3-MoE policy's at EP2 (the experts split over
+the CP x DP ranks), a critic's values and one value-loss update at CP2. The layouts without CP are checked against transformers in test_policy.py,
 test_sequence_parallel.py and (packed) test_packing.py.
 """
 
@@ -35,12 +36,13 @@ def _rows():
     return ids, attn, resp, adv, noise, returns
 
 
-def _engine_config(sp: bool):
-    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName
+def _engine_config(sp: bool, lora: bool = False):
+    from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, OptimConfig, OptimizerName
 
     return EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-12, clip_grad=0.0,
                                           use_distributed_optimizer=False),
-                        micro_batch=MicroBatchConfig(max_tokens=24, max_size=3), sequence_parallel=sp)
+                        micro_batch=MicroBatchConfig(max_tokens=24, max_size=3), sequence_parallel=sp,
+                        lora=LoRAConfig(rank=2, alpha=4.0) if lora else None)
 
 
 def _context(rank, world_size, **kw):
@@ -56,10 +58,11 @@ def _context(rank, world_size, **kw):
 def _grads(engine) -> dict[str, list]:
     from megarl.models.provider import global_named_parameters
 
-    return {n: p.main_grad.tolist() for c in engine.chunks for n, p in global_named_parameters(c)}
+    return {n: p.main_grad.tolist() for c in engine.chunks for n, p in global_named_parameters(c)
+            if p.requires_grad}
 
 
-def _policy(rank, world_size, ckpt, layout_kw):
+def _policy(rank, world_size, ckpt, layout_kw, lora=False):
     from megarl.algos.config import AlgorithmConfig
     from megarl.data.batch import Batch
     from megarl.roles.policy import PolicyRole
@@ -68,8 +71,17 @@ def _policy(rank, world_size, ckpt, layout_kw):
     ctx = _context(rank, world_size, **layout_kw)
     ids, attn, resp, adv, noise, _ = _rows()
     rows = Batch.from_dict({"input_ids": ids, "attention_mask": attn})
-    policy = PolicyRole(ctx, checkpoint_dir=ckpt, engine=_engine_config(ctx.layout.tp > 1),
+    policy = PolicyRole(ctx, checkpoint_dir=ckpt, engine=_engine_config(ctx.layout.tp > 1, lora),
                         algorithm=AlgorithmConfig(recompute_old_log_probs=True), temperature=0.7)
+    if lora:  # B = 0 would leave A without a gradient: a B drawn from the parameter's name, the same at any layout
+        from megarl.models.provider import global_named_parameters
+
+        with torch.no_grad():
+            for c in policy.engine.chunks:
+                for n, p in global_named_parameters(c):
+                    if n.endswith("lora_B"):
+                        g = torch.Generator().manual_seed(len(n))
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     lp = policy.compute_log_probs(rows)
     lp = from_collect_rank(None if lp is None else {k: lp[k].tolist() for k in ("log_probs", "entropy")}, ctx.layout)
     batch = rows.update(Batch.from_dict({"response_mask": resp, "advantages": adv,
@@ -95,9 +107,11 @@ def _critic(rank, world_size, ckpt, layout_kw):
     return {"values": values.tolist(), "loss": step.loss, "grads": _grads(critic.engine)}
 
 
-def _world(rank, world_size, lm, rm):
-    return {"policy": {name: _policy(rank, world_size, lm, kw) for name, kw in
-                       (("cp2", dict(cp=2)), ("cp1", {}), ("tp2cp2", dict(tp=2, cp=2)), ("tp2", dict(tp=2)))},
+def _world(rank, world_size, lm, rm, moe):
+    cases = (("cp2", lm, dict(cp=2), False), ("cp1", lm, {}, False), ("tp2cp2", lm, dict(tp=2, cp=2), False),
+             ("tp2", lm, dict(tp=2), False), ("lora_cp2", lm, dict(cp=2), True), ("lora_cp1", lm, {}, True),
+             ("moe_cp2", moe, dict(cp=2, ep=2), False), ("moe_cp1", moe, dict(ep=2), False))
+    return {"policy": {name: _policy(rank, world_size, ckpt, kw, lora) for name, ckpt, kw, lora in cases},
             "critic": {name: _critic(rank, world_size, rm, kw) for name, kw in (("cp2", dict(cp=2)), ("cp1", {}))}}
 
 
@@ -106,7 +120,8 @@ def world(tiny_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     convert_hf_to_megatron(tiny_hf("qwen2_untied"), root / "lm")
     convert_hf_to_megatron(tiny_hf("qwen2_rm"), root / "rm")
-    return run_world(_world, 4, str(root / "lm"), str(root / "rm"))
+    convert_hf_to_megatron(tiny_hf("qwen3_moe"), root / "moe", ep=2)
+    return run_world(_world, 4, str(root / "lm"), str(root / "rm"), str(root / "moe"))
 
 
 def _relative(a, b) -> float:
@@ -114,7 +129,8 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-@pytest.mark.parametrize("pair", [("cp2", "cp1"), ("tp2cp2", "tp2")])
+@pytest.mark.parametrize("pair", [("cp2", "cp1"), ("tp2cp2", "tp2"), ("lora_cp2", "lora_cp1"),
+                                  ("moe_cp2", "moe_cp1")])
 def test_policy_with_cp_equals_without(world, pair):
     with_cp, without = pair
     for r in world:
