@@ -6,8 +6,8 @@ At TP1 x CP2 x DP2 against TP1 x DP4, and at TP2 x CP2 against TP2 x DP2 (sequen
 policy's log-probs and entropies and one GRPO update's loss and gradients of every parameter (each rank's shard,
 reduced over DP x CP) equal the layout without CP within 1e-5 relative; so do a LoRA policy's (rank 2, B drawn
 at random so that A has a gradient; the adapters' gradients), a Qwen3-MoE policy's at EP2 (the experts split over
-the CP x DP ranks), a critic's values and one value-loss update at CP2. The layouts without CP are checked against transformers in test_policy.py,
-test_sequence_parallel.py and (packed) test_packing.py.
+the CP x DP ranks), a critic's values and one value-loss update at CP2. The layouts without CP are checked
+against transformers in test_policy.py, test_sequence_parallel.py and (packed) test_packing.py.
 """
 
 from __future__ import annotations
