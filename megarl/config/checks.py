@@ -186,9 +186,28 @@ def _check_cluster(cfg: TrainConfig) -> None:
                           "with nodes = devices_per_node = 1 (tp=pp=1) or use cluster.launcher=ray.")
     if c.rollout_apart:
         _check_rollout_pool(cfg)
+    _check_context_parallel(cfg)
     t = c.timeouts
     if t.init_s <= 0 or t.collective_s <= 0 or (t.call_s is not None and t.call_s <= 0):
         raise ConfigError(f"cluster.timeouts must be > 0 seconds (call_s may be null: no limit), found {c.timeouts}.")
+
+
+def _check_context_parallel(cfg: TrainConfig) -> None:
+    """Context parallelism splits packed sequences (megarl/engine/packing.py): every model on a pool with cp > 1
+    packs its micro-batches. (A rollout pool's cp: :func:`_check_rollout_pool`.)"""
+    sections = {Role.POLICY: ("policy", cfg.policy), Role.REFERENCE: ("policy", cfg.policy),
+                Role.CRITIC: ("critic", cfg.critic),
+                Role.REWARD_MODEL: ("reward_model.engine", cfg.reward_model and cfg.reward_model.engine),
+                Role.COST_MODEL: ("cost_model.engine", cfg.cost_model and cfg.cost_model.engine),
+                Role.TEACHER: ("teacher.engine", cfg.teacher and cfg.teacher.engine)}
+    for role in cfg.roles():
+        name, engine = sections.get(role, (None, None))
+        cp = cfg.cluster.pool(role).cp
+        if cp > 1 and engine is not None and not engine.packing:
+            pool = cfg.cluster.pool_name(role)
+            raise ConfigError(f"cluster.pools.{pool}.cp={cp} splits every sequence of the {role.value}'s passes over "
+                              f"{cp} ranks, which works on packed micro-batches, but {name}.packing is false: set "
+                              f"{name}.packing: true (the default) or cluster.pools.{pool}.cp: 1.")
 
 
 def _check_multi_turn(cfg: TrainConfig) -> None:
@@ -214,6 +233,12 @@ def _check_rollout_pool(cfg: TrainConfig) -> None:
     if pool.pp != 1 or pool.tp != engine.tp:
         raise ConfigError(f"the rollout pool {name!r} must have tp = rollout.engine.tp = {engine.tp} and pp = 1 "
                           f"(one rollout replica per data-parallel rank); found tp={pool.tp}, pp={pool.pp}.")
+    if pool.cp != 1:
+        raise ConfigError(f"cluster.pools.{name}.cp={pool.cp}, but {name!r} is the rollout pool: context parallelism "
+                          "splits the sequences of a training pass over ranks holding the same weights, and a rollout "
+                          f"pool trains nothing (each of its ranks generates as a rollout replica). Remove cp from "
+                          f"cluster.pools.{name} (set it on the policy's pool, {c.pool_name(Role.POLICY)!r}, to train "
+                          "with context parallelism).")
 
 
 def _check_overlapped(cfg: TrainConfig) -> None:

@@ -288,7 +288,7 @@ class ClusterConfig:
     pool share its processes (colocation, the default: one pool); a role on a pool of its own runs in
     processes of its own, beside the policy's (split placement). The rollout engines (``placement.rollout``)
     live in the policy's processes unless they have a pool of their own: then that pool's layout is
-    ``tp = rollout.engine.tp``, ``pp = 1``, one rollout replica per data-parallel rank, and weights travel to
+    ``tp = rollout.engine.tp``, ``pp = cp = 1``, one rollout replica per data-parallel rank, and weights travel to
     it over a process group joining both pools after each update (:mod:`megarl.roles.split`).
 
     ``launcher: local`` hosts the one rank in the driver process itself (one device; no Ray, no worker

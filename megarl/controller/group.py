@@ -49,7 +49,7 @@ class WorkerGroup:
         if pool.world_size != layout.world_size:
             raise LayoutError(
                 f"worker group {name!r}: layout {layout} needs {layout.world_size} ranks but pool {pool.name!r} has "
-                f"{pool.world_size} device slots; make tp*pp*dp equal nodes*devices_per_node."
+                f"{pool.world_size} device slots; make tp*pp*cp*dp equal nodes*devices_per_node."
             )
         self.name, self.pool, self.layout, self.options, self.run = name, pool, layout, options, run
         self.alive = True
@@ -88,7 +88,7 @@ class WorkerGroup:
             raise ValueError(f"role {name!r} is already hosted by worker group {self.name!r}")
         futures = {}
         for r, a in enumerate(self.actors):  # retitled first: the add_role call after it ends with the new title
-            title = process_title(self.run, [*self.roles, name], r, self.layout.coords(r))
+            title = process_title(self.run, [*self.roles, name], r, self.layout)
             a.retitle.remote(title)  # its failure shows in the add_role call after it
             futures[r] = a.add_role.options(name=f"WorkerProcess.add_role {title}").remote(name, role_cls, args,
                                                                                            kwargs)
@@ -109,7 +109,7 @@ class WorkerGroup:
         if not self.alive:
             raise WorkerError(f"worker group {self.name!r} was torn down after an earlier failure",
                               role=role, rank=None, roles=tuple(self.roles))
-        title = process_title(self.run, list(self.roles), rank, self.layout.coords(rank))
+        title = process_title(self.run, list(self.roles), rank, self.layout)
         return self.actors[rank].call.options(name=f"WorkerProcess.call {title}: {role}.{method.__name__}").remote(
             role, method, *args, **kwargs)
 

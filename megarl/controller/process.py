@@ -27,14 +27,17 @@ import ray
 from megarl.controller.role import Role, WorkerContext, call_role, close_roles
 from megarl.controller.spec import Timeouts
 from megarl.metrics import trace
-from megarl.parallel.layout import ParallelLayout, RankCoords
+from megarl.parallel.layout import ParallelLayout
 
 
-def process_title(run: str, roles: list[str], rank: int, coords: RankCoords) -> str:
+def process_title(run: str, roles: list[str], rank: int, layout: ParallelLayout) -> str:
     """What ``ps`` shows of a rank (after Ray's ``ray::WorkerProcess``): ``megarl[run] policy+reference rank 1
-    (tp 1 pp 0 dp 0)``; ``run`` names the run (its output directory), ``roles`` the roles the process hosts."""
+    (tp 1 pp 0 dp 0)`` (``cp`` after ``tp`` with context parallelism); ``run`` names the run (its output directory),
+    ``roles`` the roles the process hosts."""
     hosted = "+".join(roles) or "no role yet"
-    return f"megarl{f'[{run}]' if run else ''} {hosted} rank {rank} (tp {coords.tp} pp {coords.pp} dp {coords.dp})"
+    c = layout.coords(rank)
+    cp = f" cp {c.cp}" if layout.cp > 1 else ""
+    return f"megarl{f'[{run}]' if run else ''} {hosted} rank {rank} (tp {c.tp}{cp} pp {c.pp} dp {c.dp})"
 
 
 @ray.remote

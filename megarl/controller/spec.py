@@ -53,12 +53,13 @@ class PoolSpec(PoolConfig):
     """A pool of devices and the megatron-core layout of the worker group on it (dp fills the pool)."""
 
     tp: int = 1  # tensor-parallel size of the roles on this pool
-    pp: int = 1  # pipeline-parallel size (dp = devices / (tp x pp))
+    pp: int = 1  # pipeline-parallel size (dp = devices / (tp x pp x cp))
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule); null: none
-    ep: int = 1  # expert-parallel size of its MoE models (splits the experts over ep of each stage's tp x dp ranks)
+    cp: int = 1  # context-parallel size: every packed sequence split over cp ranks holding the same weights
+    ep: int = 1  # expert-parallel size of its MoE models (the experts split over ep of a stage's tp x cp x dp ranks)
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep)
+        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class PlacementConfig:
         if unused:
             raise ConfigError(f"pools {unused} host no role; remove them or place a role on them.")
         for spec in self.pools.values():
-            spec.layout()  # raises LayoutError when tp*pp does not divide the pool
+            spec.layout()  # raises LayoutError when tp*pp*cp does not divide the pool
 
 
 @dataclasses.dataclass(frozen=True)

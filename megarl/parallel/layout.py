@@ -107,7 +107,7 @@ class ParallelLayout:
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError(
                 f"ep={self.ep} must divide the number of experts ({num_experts}); choose ep from "
-                f"{[d for d in _divisors(num_experts) if (self.tp * self.dp) % d == 0]}."
+                f"{[d for d in _divisors(num_experts) if (self.tp * self.cp * self.dp) % d == 0]}."
             )
         if num_attention_heads % self.tp:
             raise LayoutError(

@@ -1,6 +1,6 @@
 """Resharding plan: which slices of which HF tensors every rank sends, receives and keeps.
 
-A pure, deterministic function of (training layout TP_t/PP_t/DP_t/VPP, rollout TP size TP_g,
+A pure, deterministic function of (training layout TP_t/PP_t/DP_t/VPP/CP_t, rollout TP size TP_g,
 model spec). It imports torch only for dtypes: no process group, no megatron-core, no engine.
 
 Everything is expressed in *HF space*: the model's HF tensors (``q_proj``, ``gate_proj``,
@@ -10,39 +10,45 @@ into contiguous ranges along one dimension, both by Megatron's tensor parallelis
 vocabulary rows (Megatron: ``Vp/T`` per rank; vLLM: ``ceil(V/64)*64/G`` per rank). So a transfer
 is a :class:`Slab`: one range of one HF tensor from one rank to another.
 
+Context parallelism: the CP_t ranks of one data-parallel replica hold the same weights (each TP_t x PP_t slice
+with the same CP index is a whole copy of the model), so a training world holds DP_t x CP_t copies; the plan treats
+each copy as the data-parallel replicas are treated below: its own rollout replicas, its own sources.
+
 Rollout places (which rollout replica and TP rank each training rank plays):
 
-* ``HYBRID`` (TP_g divides TP_t*PP_t), the HybridFlow grouping (docs/resharding.md §3.2): inside one
-  data-parallel replica's model-parallel group, with k = TP_t/TP_g, training TP rank t plays
+* ``HYBRID`` (TP_g divides TP_t*PP_t), the HybridFlow grouping (docs/resharding.md §3.2): inside one copy's
+  model-parallel group (one data-parallel replica's, at one CP index), with k = TP_t/TP_g, training TP rank t plays
   rollout TP rank t // k and micro-DP replica (t mod k) + k*pp — so the rollout TP group is strided
   and a rank's training shard lies inside its rollout shard (received bytes per rank
   ``M/TP_g - own shard``). When TP_g does not divide TP_t the model-parallel group is numbered
-  TP-fastest and cut into consecutive rollout groups.
+  TP-fastest and cut into consecutive rollout groups. Copy ``dp*CP + cp`` holds replicas ``copy*(TP_t*PP_t/TP_g)``
+  onwards.
 * ``CONSECUTIVE`` (otherwise, and vLLM's: its TP groups are consecutive global ranks): rollout group g is
   global ranks ``[g*TP_g, (g+1)*TP_g)``, each rank receiving its rollout shard (no layout constraint,
   but a rank's training shard need not lie inside its rollout shard, so more bytes move than with
   ``HYBRID``).
 
 Sources (dense tensors): a rank keeps what it holds; otherwise a slab comes from the holder in the receiver's
-own data-parallel replica (same TP rank for replicated tensors), so all traffic stays inside one
-model-parallel group, as in HybridFlow.
+own copy (its data-parallel replica and CP index; same TP rank for replicated tensors), so all traffic stays inside
+one model-parallel group, as in HybridFlow, and each copy is read once, by its own ranks.
 
 Split placement (``rollout_ranks``: the rollout engines run on a pool of their own): the plan's world is
 the training ranks ``0..T-1`` followed by the rollout ranks ``T..T+R-1`` (CONSECUTIVE groups among them);
-training ranks only send, rollout ranks only receive. Rollout replica ``g`` draws every slab from training
-data-parallel replica ``g mod DP`` (replicated tensors from TP rank ``(g div DP + its TP rank) mod TP``), so
-the sending load spreads over the data-parallel replicas and their TP ranks.
+training ranks only send, rollout ranks only receive. Rollout replica ``g`` draws every slab from training copy
+``g mod (DP*CP)`` (copy ``dp*CP + cp``: data-parallel replica ``dp`` at CP index ``cp``; replicated tensors from TP
+rank ``(g div (DP*CP) + its TP rank) mod TP``), so the sending load spreads over the copies and their TP ranks.
 
 MoE experts (docs/resharding.md §3.8): in training an expert's HF tensors are held whole (expert TP is 1), and only
 by the ranks of the layer's stage whose expert-parallel rank owns the expert (:meth:`ParallelLayout.expert_coords`):
-one holder in each *expert-parallel group* of the stage, the ``ep`` ranks with the same expert-data-parallel
-index ``edp`` (stage-local ranks ``edp*ep .. edp*ep+ep-1``, which together hold every expert once). A rollout
-rank holds every expert, cut by its TP like a dense MLP (vLLM's fused-MoE layer without expert parallelism:
-``gate_proj``/``up_proj`` rows, ``down_proj`` columns, ``I/TP_g`` each; whole at TP_g = 1, the embedded engine).
+one holder in each *expert-parallel group* of the stage (of its TP_t*CP_t*DP_t ranks), the ``ep`` ranks with the
+same expert-data-parallel index ``edp`` (stage-local ranks ``edp*ep .. edp*ep+ep-1``, which together hold every expert
+once). A rollout rank holds every expert, cut by its TP like a dense MLP (vLLM's fused-MoE layer without expert
+parallelism: ``gate_proj``/``up_proj`` rows, ``down_proj`` columns, ``I/TP_g`` each; whole at TP_g = 1, the embedded
+engine).
 Source rule, deterministic: a colocated receiver takes an expert from the holder in the group with its own ``edp``
-index on the layer's stage -- itself when it holds the expert; a holder in its own data-parallel replica
-whenever ep divides tp; the rank a replicated tensor comes from when ep is 1. Rollout rank ``i`` of a split
-pool takes it from group ``i mod (tp*dp/ep)``. So each holder sends its experts (its receivers' slices of them)
+index on the layer's stage -- itself when it holds the expert; a holder in its own copy whenever ep divides
+tp; the rank a replicated tensor comes from when ep is 1. Rollout rank ``i`` of a split pool takes it from group
+``i mod (tp*cp*dp/ep)``. So each holder sends its experts (its receivers' slices of them)
 to the ``ep*PP - 1`` other ranks with its ``edp`` index (colocated), and the pool's receivers spread evenly over
 the groups.
 """
@@ -328,6 +334,7 @@ def rollout_places(train: ParallelLayout, rollout_tp: int, grouping: Grouping) -
     mp = train.tp * train.pp
     for rank in range(train.world_size):
         c = train.coords(rank)
+        copy = c.dp * train.cp + c.cp  # the whole model copy this rank belongs to (module docstring)
         if grouping is Grouping.CONSECUTIVE:
             places.append(RolloutPlace(rank // rollout_tp, rank % rollout_tp))
             continue
@@ -338,7 +345,7 @@ def rollout_places(train: ParallelLayout, rollout_tp: int, grouping: Grouping) -
         else:
             j = c.pp * train.tp + c.tp
             local, tp_rank = j // rollout_tp, j % rollout_tp
-        places.append(RolloutPlace(c.dp * per_group + local, tp_rank))
+        places.append(RolloutPlace(copy * per_group + local, tp_rank))
     return places
 
 
@@ -351,11 +358,11 @@ def check_vllm_groups(layout: ParallelLayout, rollout_tp: int) -> None:
         dps = {layout.coords(r).dp for r in range(start, start + rollout_tp)}
         if len(dps) > 1:
             works = [g for g in range(1, layout.world_size + 1) if layout.world_size % g == 0 and (
-                layout.dp == 1 or layout.tp % g == 0)]
+                layout.dp == 1 or (layout.tp * layout.cp) % g == 0)]
             raise LayoutError(
                 f"rollout tp={rollout_tp} does not fit vLLM on training layout {layout}: vLLM builds TP groups "
                 f"from consecutive global ranks, and ranks {start}..{start + rollout_tp - 1} belong to data-parallel "
-                f"replicas {sorted(dps)} (megatron-core numbers ranks TP-fastest, then DP, then PP). "
+                f"replicas {sorted(dps)} (megatron-core numbers ranks TP-fastest, then CP, DP, PP). "
                 f"Rollout tp values that fit: {works}.")
 
 
@@ -366,23 +373,25 @@ def _slabs_for(
     t: HFTensor, train: ParallelLayout, rank: int, place: RolloutPlace, lo: int, hi: int,
     sources: list[tuple[int, int]],
 ) -> list[Slab]:
-    """The slabs ``rank`` receives (or keeps) of ``t``'s range [lo, hi): from the holders in its own data-parallel
-    replica when it is a training rank, else from training replica ``replica mod DP`` (module docstring)."""
+    """The slabs ``rank`` receives (or keeps) of ``t``'s range [lo, hi): from the holders in its own copy (data-parallel
+    replica and CP index) when it is a training rank, else from training copy ``replica mod (DP*CP)`` (module
+    docstring)."""
     if rank < train.world_size:
         me = train.coords(rank)
-        dp, replicated_tp = me.dp, me.tp
+        dp, cp, replicated_tp = me.dp, me.cp, me.tp
     else:
-        me = None
-        dp, replicated_tp = place.replica % train.dp, (place.replica // train.dp + place.tp_rank) % train.tp
+        me, copies = None, train.dp * train.cp
+        dp, cp = divmod(place.replica % copies, train.cp)
+        replicated_tp = (place.replica // copies + place.tp_rank) % train.tp
     if t.split is Split.NONE:
-        src = rank if me is not None and me.pp == t.stage else train.rank_of(replicated_tp, t.stage, dp)
+        src = rank if me is not None and me.pp == t.stage else train.rank_of(replicated_tp, t.stage, dp, cp)
         return [Slab(t.name, 0, 1, src, rank)]
     slabs = []
     for tp, (a, b) in enumerate(sources):
         start, stop = max(a, lo), min(b, hi)
         if start >= stop:
             continue
-        src = rank if me is not None and (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, dp)
+        src = rank if me is not None and (me.tp, me.pp) == (tp, t.stage) else train.rank_of(tp, t.stage, dp, cp)
         slabs.append(Slab(t.name, start, stop, src, rank))
     return slabs
 
@@ -391,7 +400,7 @@ def expert_holders(t: HFTensor, spec: ModelSpec, train: ParallelLayout) -> list[
     """The global ranks holding expert tensor ``t`` in training, by expert-data-parallel index ``edp``: the ranks
     of its stage whose expert-parallel rank owns its expert (:meth:`ParallelLayout.experts_of`)."""
     ep_rank = next(r for r in range(train.ep) if t.expert in train.experts_of(spec.moe.num_experts, r))
-    first = t.stage * train.tp * train.dp  # the stage's ranks are consecutive (pp outermost)
+    first = t.stage * train.tp * train.cp * train.dp  # the stage's ranks are consecutive (pp outermost)
     holders = [first + edp * train.ep + ep_rank for edp in range(train.expert_dp)]
     assert all(train.expert_coords(r) == (ep_rank, edp) for edp, r in enumerate(holders)), holders
     return holders

@@ -11,7 +11,8 @@ A rollout phase is three steps, each called on every rank of the policy's world 
 2. :meth:`HybridRollout.generate`, any number of times (training samples, a greedy baseline, an
    evaluation set): each rollout replica generates its contiguous share of this data-parallel rank's
    prompts (replicas are the micro-DP groups of the plan; sampling seed offset by the replica index);
-   the replicas' outputs are gathered over the model-parallel group in replica order.
+   the replicas' outputs are gathered over the data-parallel rank's ranks (its model-parallel group, then its
+   context-parallel ranks, which hold the same weights and prompts) in replica order.
 3. :meth:`HybridRollout.to_train` (rollout -> train): the rollout engine sleeps (weights and cache
    freed where the platform allows); training state reloads.
 
@@ -111,7 +112,7 @@ class HybridRollout:
     # -------------------------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RolloutOutput], dict]:
-        """All replicas' outputs of this DP rank's prompts (same on every rank of the model-parallel group),
+        """All replicas' outputs of this DP rank's prompts (same on every rank of the DP rank),
         and metrics. Between :meth:`to_rollout` and :meth:`to_train`; every rank of the world calls it."""
         per_group, local = _local_replica(self.plan, self.ctx.rank)
         lo, hi = _share(len(prompts), per_group, local)
@@ -125,11 +126,18 @@ class HybridRollout:
                 out.prompt_index += lo
                 mine = out
         metrics = {"timing/generate_s": time.perf_counter() - start}
-        group = self.engine.groups.mp
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (local, mine), group=group)
+        gathered = _all_gather(self.engine.groups.mp, (local, mine))
+        if self.ctx.layout.cp > 1:  # the context-parallel ranks' replicas generate from the same prompts
+            gathered = [g for part in _all_gather(self.engine.groups.cp, gathered) for g in part]
         ordered = [out for _, out in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])]
         return ordered, metrics
+
+
+def _all_gather(group: dist.ProcessGroup, obj: object) -> list:
+    """``obj`` of every rank of ``group``, in group rank order (collective over it)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def _local_replica(plan: ReshardPlan, rank: int) -> tuple[int, int]:

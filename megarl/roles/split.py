@@ -125,9 +125,9 @@ class RolloutRole(Role):
                  seed: int = 0, record_routing: bool = False, lora: LoRAConfig | None = None) -> None:
         """``lora``: the policy's adapters (``policy.lora``), which adapter-only sync loads into the engine."""
         super().__init__(ctx)
-        if ctx.layout.pp != 1 or ctx.layout.tp != rollout.tp:
-            raise ConfigError(f"a rollout pool's layout must be tp=rollout.engine.tp={rollout.tp}, pp=1 (one rollout "
-                              f"replica per data-parallel rank); found {ctx.layout}.")
+        if ctx.layout.pp != 1 or ctx.layout.cp != 1 or ctx.layout.tp != rollout.tp:
+            raise ConfigError(f"a rollout pool's layout must be tp=rollout.engine.tp={rollout.tp}, pp=1, cp=1 (one "
+                              f"rollout replica per data-parallel rank); found {ctx.layout}.")
         self.spec = spec_from_hf_config(hf_config)
         self.config = rollout
         self.plan = split_plan(self.spec, train_layout, rollout, ctx.world_size)

@@ -21,9 +21,11 @@ class RankReport:
     tp: int
     pp: int
     dp: int
+    cp: int
     mcore_tp: int  # as megatron-core's parallel_state reports them
     mcore_pp: int
     mcore_dp: int
+    mcore_cp: int
     malloc_libs: tuple[str, ...] = ()  # mapped shared libraries with "malloc" in their name (jemalloc, tcmalloc)
     group_timeouts_s: dict[str, float] = dataclasses.field(default_factory=dict)  # world, tp, pp, dp: a collective's
     visible_gpus: str | None = None  # $CUDA_VISIBLE_DEVICES of the process (None: not set)
@@ -57,9 +59,10 @@ class EchoRole(Role):
 
         c = self.ctx.coords
         return RankReport(
-            rank=self.ctx.rank, pid=os.getpid(), node_id=self.ctx.node_id, tp=c.tp, pp=c.pp, dp=c.dp,
+            rank=self.ctx.rank, pid=os.getpid(), node_id=self.ctx.node_id, tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp,
             mcore_tp=ps.get_tensor_model_parallel_rank(), mcore_pp=ps.get_pipeline_model_parallel_rank(),
-            mcore_dp=ps.get_data_parallel_rank(), malloc_libs=_malloc_libs(), group_timeouts_s=_group_timeouts_s(),
+            mcore_dp=ps.get_data_parallel_rank(), mcore_cp=ps.get_context_parallel_rank(), malloc_libs=_malloc_libs(),
+            group_timeouts_s=_group_timeouts_s(),
             visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 

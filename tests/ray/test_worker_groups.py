@@ -60,6 +60,7 @@ def test_ranks_and_collectives(placement, role, expected):
     for r in reports:
         assert (r.tp, r.pp, r.dp) == expected[r.rank]
         assert (r.mcore_tp, r.mcore_pp, r.mcore_dp) == expected[r.rank]  # megatron-core agrees
+        assert r.cp == r.mcore_cp == 0
     sums = handles[role].all(EchoRole.all_reduce, 0.5)
     for rank, s in enumerate(sums):
         assert s["world"] == 0.5 * (1 + 2 + 3 + 4)

@@ -181,7 +181,12 @@ def test_resolution_decides_and_is_idempotent():
     ("cluster.placement.policy=gpus", "pool 'gpus' is not in cluster.pools"),
     ("cluster.pools.second.tp=1", r"pools \['second'\] host no role"),
     ("cluster.pools.ref.devices_per_node=3 cluster.pools.ref.tp=2 cluster.placement.reference=ref",
-     r"world size 3 is not divisible by tp\*pp = 2\*1"),
+     r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
+    ("cluster.pools.main.cp=3", r"world size 2 is not divisible by tp\*pp\*cp = 2\*1\*3"),
+    ("cluster.pools.main.tp=1 cluster.pools.main.cp=2 policy.packing=false",
+     r"cluster.pools.main.cp=2 splits .* policy's passes .* set policy.packing: true \(the default\)"),
+    ("cluster.pools.gen.devices_per_node=2 cluster.pools.gen.cp=2 cluster.placement.rollout=gen",
+     r"cluster.pools.gen.cp=2, but 'gen' is the rollout pool: .* on the policy's pool, 'main'"),
     ("cluster.launcher=local cluster.pools.main.devices_per_node=1 cluster.pools.main.tp=1 "
      "cluster.pools.ref.devices_per_node=1 cluster.placement.reference=ref", "keep one pool"),
     ("algorithm.advantage.estimator=gae cluster.pools.c.devices_per_node=3 cluster.placement.critic=c "
@@ -211,6 +216,32 @@ def test_check_config_covers_sampling_and_cluster(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml",
                                  [*base, *override.split()]))
+
+
+@pytest.mark.parametrize("override, layout", [
+    ("cluster.pools.main.tp=1 cluster.pools.main.cp=2", "TP1xCP2xPP1xDP1"),
+    ("cluster.pools.main.devices_per_node=8 cluster.pools.main.cp=2", "TP2xCP2xPP1xDP2"),
+    # vLLM's consecutive TP groups over one replica's CP ranks; LoRA with adapter-only sync
+    ("cluster.pools.main.tp=1 cluster.pools.main.cp=2 rollout.engine.backend=vllm rollout.engine.tp=2 "
+     "policy.lora.rank=4 rollout.engine.lora_sync=adapter", "TP1xCP2xPP1xDP1"),
+    # experts over tp x cp x dp = 4 ranks; a critic on a pool of its own, at CP2 too
+    ("cluster.pools.main.devices_per_node=4 cluster.pools.main.tp=1 cluster.pools.main.cp=2 cluster.pools.main.ep=4 "
+     "algorithm.advantage.estimator=gae cluster.pools.c.devices_per_node=2 cluster.pools.c.cp=2 "
+     "cluster.placement.critic=c", "TP1xCP2xPP1xDP2xEP4"),
+    # the rollout engines on a pool of their own, fed by a CP2 x PP2 policy, one step off; the reference apart
+    ("cluster.pools.main.devices_per_node=4 cluster.pools.main.tp=1 cluster.pools.main.pp=2 cluster.pools.main.cp=2 "
+     "cluster.pools.gen.devices_per_node=2 cluster.placement.rollout=gen rollout.schedule=one_step_off "
+     "cluster.pools.ref.devices_per_node=2 cluster.pools.ref.tp=2 cluster.placement.reference=ref",
+     "TP1xCP2xPP2xDP1"),
+])
+def test_context_parallelism_composes(tmp_path, override, layout):
+    """``cluster.pools.NAME.cp`` with every engine, LoRA, MoE, split placement and schedule: the check passes and
+    the pool's layout has dp = devices / (tp x pp x cp)."""
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    base = [f"model.path={tmp_path}", f"data.train={tmp_path / 'train.jsonl'}"]
+    cfg = load_config(ROOT / "examples" / "grpo_addition_tiny" / "config.yaml", [*base, *override.split()])
+    check_config(cfg)
+    assert str(cfg.cluster.layout()) == layout
 
 
 def test_adapter_sync_refuses_an_moe_models_expert_adapters():

@@ -311,6 +311,24 @@ def test_ep1_experts_come_from_where_replicated_tensors_do(spec):
             assert s.src == router[(int(m[1]), s.dst)], s
 
 
+@pytest.mark.parametrize("tp, pp, dp, cp, ep", [(1, 1, 2, 2, 2), (2, 1, 1, 2, 4), (1, 2, 1, 2, 2)])
+@pytest.mark.parametrize("rollout_ranks", [None, 2])
+def test_context_parallel_ranks_place_experts_as_data_parallel_ranks_do(spec, tp, pp, dp, cp, ep, rollout_ranks):
+    """Context parallelism: a stage's TP x CP x DP ranks are numbered as TP x (CP*DP) ranks are, and CP ranks are
+    replicas like DP ranks, so the plan (places and slabs) is the one at dp' = cp * dp, which the tests above check;
+    at ep 4 over TP2 x CP2 an expert comes from the other CP copy of the receiver's expert-parallel group."""
+    plan = make_plan(spec, ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), 1, rollout_ranks=rollout_ranks)
+    as_dp = make_plan(spec, ParallelLayout(tp=tp, pp=pp, dp=dp * cp, ep=ep), 1, rollout_ranks=rollout_ranks)
+    assert (plan.places, plan.slabs) == (as_dp.places, as_dp.slabs)
+    layout, crossing = plan.train, 0
+    for s in plan.slabs:
+        m = _EXPERT_NAME.match(s.tensor)
+        if m is not None:
+            assert _holds(s.src, int(m[1]), int(m[2]), tp, pp, dp * cp, ep), s
+            crossing += rollout_ranks is None and layout.coords(s.src).cp != layout.coords(s.dst).cp
+    assert (crossing > 0) == (rollout_ranks is None and tp % ep != 0)  # ep 4 > tp 2: the group spans both copies
+
+
 # ------------------------------------------------------------------------------------ dense unchanged
 
 _DENSE = [  # architecture, V, heads, KV heads, tied, (tp, pp, dp), rollout tp, grouping, rollout ranks, digest

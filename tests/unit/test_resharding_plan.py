@@ -11,7 +11,7 @@ from megarl.models import mapping
 from megarl.models.spec import spec_from_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.resharding.buckets import LocalPieces, dest_view, empty_dest, make_buckets
-from megarl.resharding.plan import Grouping, Slab, make_plan
+from megarl.resharding.plan import Grouping, Slab, check_vllm_groups, make_plan
 from megarl.testing.tiny import tiny_config
 
 F32 = 4
@@ -109,6 +109,56 @@ def test_bad_rollout_tp():
         make_plan(spec, ParallelLayout(tp=2, pp=1, dp=1), 4)
 
 
+# ------------------------------------------------------------------------------------ context parallelism
+
+
+@pytest.mark.parametrize("tp_g", [1, 2])
+def test_context_parallel_copies_each_feed_their_own_rollout_ranks(tp_g):
+    """TP2 x CP2 (world 4: ranks (tp, cp) = (0,0) (1,0) (0,1) (1,1)), each CP index a whole copy of the model.
+    Worked by hand: V=300 is padded to 512 by Megatron at TP2 (rows [0, 256) on TP rank 0, [256, 300) on 1) and to
+    320 by vLLM (160 rows per rank at rollout tp 2, all 300 at tp 1); every other split tensor is halved alike on
+    both sides. Each receiver takes what it lacks from its TP peer in its own CP copy, never across copies."""
+    spec = _spec("llama", vocab_size=300, num_heads=4, num_kv_heads=2, hidden_size=64)  # untied: 2 vocab tensors
+    layout = ParallelLayout(tp=2, cp=2)
+    plan = make_plan(spec, layout, tp_g)
+    h, v, d, i, n_layers = 64, 300, 16, 96, 4
+    row = h * F32  # one vocabulary row
+    if tp_g == 2:  # replicas = the copies, rollout TP rank = training TP rank; only the vocab tails move
+        assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        moved = {(s.tensor, s.start, s.stop, s.src, s.dst) for s in plan.slabs if s.src != s.dst}
+        assert moved == {(name, 160, 256, src, src + 1) for name in ("model.embed_tokens.weight", "lm_head.weight")
+                         for src in (0, 2)}
+        expected = [0, 2 * 96 * row, 0, 2 * 96 * row]
+    else:  # every rank its own replica, receiving the half it lacks of every split tensor
+        assert [(p.replica, p.tp_rank) for p in plan.places] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+        half = n_layers * (2 * h * h + 2 * 2 * d * h + 3 * i * h) * F32 // 2  # q, o; k, v (2 KV heads); gate, up, down
+        assert all(s.src == s.dst or s.src == s.dst ^ 1 for s in plan.slabs)  # its TP peer at its own CP index
+        expected = [half + 2 * (v - 256) * row, half + 2 * 256 * row] * 2
+    assert [plan.received_bytes(r, F32) for r in range(4)] == expected
+    for s in plan.slabs:
+        assert layout.coords(s.src).cp == layout.coords(s.dst).cp, s
+    # each copy is read once: what a copy's ranks send is what the same copy's ranks receive
+    sent = [sum(plan.slab_bytes(s, F32) for s in plan.slabs if s.src == r != s.dst) for r in range(4)]
+    assert sent[0] + sent[1] == expected[0] + expected[1] and sent[2] + sent[3] == expected[2] + expected[3]
+    # the copies are placed and sourced as data-parallel replicas are (same rank numbers at TP2 x DP2)
+    as_dp = make_plan(spec, ParallelLayout(tp=2, dp=2), tp_g)
+    assert (plan.places, plan.slabs) == (as_dp.places, as_dp.slabs)
+    shards = _execute_in_memory(plan, spec, _hf_state(spec))
+    hf = _hf_state(spec)
+    for rank in range(4):
+        want = _vllm_by_hand(spec, hf, plan.places[rank].tp_rank, tp_g)
+        assert all(torch.equal(shards[rank][name], want[name]) for name in want), rank
+
+
+def test_context_parallel_vllm_groups_may_span_cp_ranks_of_one_replica():
+    """vLLM's consecutive TP groups: at TP1 x CP2 x DP2 a group of 2 is the two CP ranks of one data-parallel
+    replica (same prompts); a group of 4 would span both replicas."""
+    layout = ParallelLayout(tp=1, cp=2, dp=2)
+    check_vllm_groups(layout, 2)
+    with pytest.raises(LayoutError, match=r"Rollout tp values that fit: \[1, 2\]"):
+        check_vllm_groups(layout, 4)
+
+
 # ----------------------------------------------------------------------------- vLLM shards, by hand
 
 
@@ -186,14 +236,16 @@ def test_rollout_shards_equal_vllm_layout(family, tied, heads, kv, tp, pp, tp_g,
         assert "lm_head.weight" not in shards[0]
 
 
-@pytest.mark.parametrize("tp, pp, dp, tp_g, rollout_ranks", [(2, 1, 1, 1, 2), (2, 2, 1, 2, 4), (1, 2, 2, 1, 3),
-                                                              (2, 1, 2, 2, 2)])
-def test_split_placement_shards_equal_vllm_layout(tp, pp, dp, tp_g, rollout_ranks):
+@pytest.mark.parametrize("tp, pp, dp, cp, tp_g, rollout_ranks", [
+    (2, 1, 1, 1, 1, 2), (2, 2, 1, 1, 2, 4), (1, 2, 2, 1, 1, 3), (2, 1, 2, 1, 2, 2),
+    (1, 1, 1, 2, 1, 2), (2, 1, 2, 2, 2, 6),  # context parallelism: CP copies send like DP replicas
+])
+def test_split_placement_shards_equal_vllm_layout(tp, pp, dp, cp, tp_g, rollout_ranks):
     # rollout engines on a pool of their own: training ranks only send, rollout ranks (after them) only receive,
-    # and each replica's shards equal vLLM's slices; the sending spreads over the training DP replicas
+    # and each replica's shards equal vLLM's slices; the sending spreads over the training copies (DP x CP)
     spec = _spec("qwen2", vocab_size=300, num_heads=4, num_kv_heads=2, hidden_size=64)
     hf = _hf_state(spec)
-    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp)
     plan = make_plan(spec, layout, tp_g, rollout_ranks=rollout_ranks)
     assert plan.split and plan.grouping is Grouping.CONSECUTIVE
     assert plan.receivers == list(range(layout.world_size, layout.world_size + rollout_ranks))
@@ -205,8 +257,9 @@ def test_split_placement_shards_equal_vllm_layout(tp, pp, dp, tp_g, rollout_rank
         assert set(shards[rank]) == set(want)
         for name in want:
             assert torch.equal(shards[rank][name], want[name]), (rank, name)
-    senders_dp = {layout.coords(s.src).dp for s in plan.slabs}
-    assert senders_dp == set(range(min(dp, plan.num_replicas)))
+    # replica g reads copy g mod (DP*CP), copy k being data-parallel replica k div CP at CP index k mod CP
+    senders = {(layout.coords(s.src).dp, layout.coords(s.src).cp) for s in plan.slabs}
+    assert senders == {divmod(k, cp) for k in range(min(dp * cp, plan.num_replicas))}
     with pytest.raises(LayoutError, match="rollout pool"):
         make_plan(spec, layout, 2, rollout_ranks=3)
 
