@@ -12,8 +12,11 @@ the global, padded segment boundaries of the packed stream; at CP size ``cp`` > 
 holds chunk ``r`` then chunk ``2 * cp - 1 - r`` of each segment, segments in order (the causal work is
 then balanced over the ranks). At CP size 1 a rank holds the stream as it is.
 
-Each segment attends causally to itself only. No ``[t, t]`` tensor is made: SDPA's CPU flash kernel
-per segment, a boolean mask per (query chunk, segment) block at most. Imports torch, torch.distributed
+Each segment attends causally to itself only. No ``[t, t]`` (nor any per-block) mask or score tensor is made:
+SDPA's CPU flash kernel per segment, and for a CP query chunk two flash passes (the keys before it, its own keys
+causally) merged by their log-sum-exps (:class:`_ChunkAttention`). Segments are cut with ``torch.split`` (one
+gradient concatenation in backward), not slices (each of which would write its gradient into a zero tensor of
+the whole stream). Imports torch, torch.distributed
 and megatron-core's autograd collectives only: no Ray, no megarl engine or parallel-state code. On a
 machine without CUDA the collective allocates on ``torch.cuda.current_device()``: it needs
 ``megarl.parallel.cpu_compat``'s redirection (on in a world joined by ``init_distributed``; the engine's
@@ -21,6 +24,8 @@ layers get it through ``cpu_compat.redirect_sequence_parallel``). A group of one
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -54,13 +59,58 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one segment: q [l, hq, d], k, v [l, hk, d] -> [l, hq, d]."""
+    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v), is_causal=True,
+                                         scale=scale, enable_gqa=k.size(1) != q.size(1))
+    return out.squeeze(0).transpose(0, 1)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """Queries of one chunk [1, h, l, d] attending to the keys before the chunk (``prior``, all of them) and to the
+    chunk's own keys (causally): the bottom-right causal mask over [prior | own], without a mask. Two flash passes
+    (each returns its log-sum-exp) merged by their log-sum-exps; backward runs the flash backward of each block
+    against the merged output and log-sum-exp, which is exact (the flash backward recomputes each block's
+    probabilities from them). Saves q, the keys and values it was given, the output and the log-sum-exp: no
+    [l, prior + l] mask or score tensor (a masked SDPA would keep the mask, as floats, for its backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k_prior, v_prior, k_own, v_own, scale):
+        out, lse = _FLASH(q, k_own, v_own, 0.0, True, scale=scale)
+        if k_prior.size(2):
+            out_prior, lse_prior = _FLASH(q, k_prior, v_prior, 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse, lse_prior)
+            out = out * (lse - merged).exp().unsqueeze(-1) + out_prior * (lse_prior - merged).exp().unsqueeze(-1)
+            lse = merged
+        ctx.save_for_backward(q, k_prior, v_prior, k_own, v_own, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_prior, v_prior, k_own, v_own, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk_own, dv_own = _FLASH_BACKWARD(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
+        dk_prior = dv_prior = None
+        if k_prior.size(2):
+            dq_prior, dk_prior, dv_prior = _FLASH_BACKWARD(grad, q, k_prior, v_prior, out, lse, 0.0, False,
+                                                           scale=ctx.scale)
+            dq = dq + dq_prior
+        return dq, dk_prior, dv_prior, dk_own, dv_own, None
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Queries q [lq, hq, d], the last lq positions of keys k, v [lk, hk, d], attending causally (the mask
     aligned bottom-right: query i sees keys 0 .. i + lk - lq) -> [lq, hq, d]."""
     lq, lk = q.size(0), k.size(0)
-    # An explicit mask, not torch.nn.attention.bias.causal_lower_right: its flash path drops enable_gqa.
-    mask = None if lq == lk else torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v), attn_mask=mask,
-                                         is_causal=mask is None, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    if lq == lk:
+        return _attend(q, k, v, scale)
+    qh, kh, vh = (_heads_first(x) for x in (q, k, v))
+    cut = lk - lq
+    out = _ChunkAttention.apply(qh, kh[:, :, :cut], vh[:, :, :cut], kh[:, :, cut:], vh[:, :, cut:], scale)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -73,9 +123,12 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     check_offsets(offsets)
     if offsets[-1] != q.size(0):
         raise ValueError(f"offsets end at {offsets[-1]} but the stream has {q.size(0)} tokens")
-    # v may be a view into the fused QKV projection: SDPA saves it for backward, which would keep that alive
-    v = v.contiguous()
-    outs = [_attend(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(offsets[:-1], offsets[1:], strict=True) if e > s]
+    # v may be a view into the fused QKV projection: SDPA saves it for backward, which would keep that alive.
+    # torch.split, not slices: a slice's backward writes its gradient into a zero tensor of the whole stream, per
+    # segment (hundreds of segments: most of the pass)
+    sizes = [e - s for s, e in itertools.pairwise(offsets)]
+    parts = zip(q.split(sizes), k.split(sizes), v.contiguous().split(sizes), strict=True)
+    outs = [_attend(qs, ks, vs, scale) for qs, ks, vs in parts if qs.size(0)]
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
@@ -122,13 +175,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"offsets end at {offsets[-1]} but {cp} ranks of {q.size(0)} local tokens hold "
                          f"{q.size(0) * cp}")
     k_all, v_all = (_gather_in_global_order(x, offsets, group) for x in (k, v))
-    outs, local = [], 0
-    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
-        chunk = (end - start) // (2 * cp)
-        if chunk == 0:
-            continue
+    sizes = [e - s for s, e in itertools.pairwise(offsets)]
+    chunks = [size // (2 * cp) for size in sizes for _ in range(2)]  # this rank's two chunks of each segment
+    queries = iter(q.split(chunks))
+    outs = []
+    for size, k_seg, v_seg in zip(sizes, k_all.split(sizes), v_all.split(sizes), strict=True):
+        chunk = size // (2 * cp)
         for c in (rank, 2 * cp - 1 - rank):
-            keys = slice(start, start + (c + 1) * chunk)
-            outs.append(_attend(q[local:local + chunk], k_all[keys], v_all[keys], scale))
-            local += chunk
+            q_chunk = next(queries)
+            if chunk:
+                outs.append(_attend_chunk(q_chunk, k_seg[:(c + 1) * chunk], v_seg[:(c + 1) * chunk], scale))
     return torch.cat(outs) if outs else q.new_empty(q.shape)
