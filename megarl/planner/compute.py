@@ -78,7 +78,7 @@ def expert_traffic(spec: ModelSpec, layout: ParallelLayout, *, tokens: int, item
     worst = (0, 0)
     if one:
         per_peer = one // (layout.ep - 1)
-        stage_ranks = layout.tp * layout.dp
+        stage_ranks = layout.tp * layout.cp * layout.dp
         for rank in range(layout.world_size):
             base, mine = rank - rank % stage_ranks, layout.expert_coords(rank).edp
             peers = [r for r in range(base, base + stage_ranks)

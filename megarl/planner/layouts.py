@@ -48,7 +48,8 @@ import enum
 import functools
 import math
 
-from megarl.engine.config import LoRAConfig, Precision
+from megarl.controller.spec import PoolSpec
+from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, Precision
 from megarl.errors import ConfigError, LayoutError
 from megarl.models.spec import Head, ModelSpec
 from megarl.parallel.layout import ParallelLayout
@@ -149,6 +150,7 @@ class Workload:
     precision: Precision = Precision.BF16  # policy.precision / critic.precision
     distributed_optimizer: bool = True  # policy.optim.use_distributed_optimizer
     micro_batch_tokens: int = 2048  # policy.micro_batch.max_tokens
+    micro_batch_rows: int = MicroBatchConfig.max_size  # policy.micro_batch.max_size (the padding report's plan)
     prompt_tokens: int = 512  # data.max_prompt_length
     response_tokens: int = 512  # rollout.max_new_tokens
     recompute: Recompute = Recompute.SELECTIVE
@@ -159,12 +161,15 @@ class Workload:
     # vLLM's persistent buffers, workspaces and non-torch memory beside weights, KV cache and graphs (an estimate)
     vllm_runtime_gb: float = 1.0
     lora: LoRAConfig | None = None  # policy.lora: only the policy's adapters train; its base model is the reference
+    packing: bool = EngineConfig.packing  # policy.packing: micro-batches fill the token budget with real tokens
 
     def __post_init__(self) -> None:
         if Role.POLICY not in self.roles:
             raise ConfigError(f"roles {[r.value for r in self.roles]} lack the policy; every plan has one.")
-        if min(self.micro_batch_tokens, self.prompt_tokens, self.response_tokens, self.concurrent_seqs) < 1:
-            raise ConfigError("micro-batch tokens, prompt/response tokens and concurrent sequences must be >= 1.")
+        if min(self.micro_batch_tokens, self.micro_batch_rows, self.prompt_tokens, self.response_tokens,
+               self.concurrent_seqs) < 1:
+            raise ConfigError("micro-batch tokens and rows, prompt/response tokens and concurrent sequences must be "
+                              ">= 1.")
         if self.vllm_runtime_gb < 0:
             raise ConfigError(f"vllm_runtime_gb must be >= 0, found {self.vllm_runtime_gb}.")
         if self.lora is not None and Role.REFERENCE in self.roles:
@@ -263,9 +268,10 @@ class LayoutPlan:
     def expert_traffic(self) -> compute.ExpertTraffic:
         """Expert-parallel all-to-all of one training micro-batch on the fullest stage (zero for a dense
         model or ep 1), in the training precision, and its link-bound time."""
-        b, s = memory.micro_batch_shape(self.workload.micro_batch_tokens, self.workload.seq_len)
-        c = self.cluster
-        routed = b * s // (self.layout.tp if memory.sequence_parallel(self.spec, self.layout.tp) else 1)
+        w, c = self.workload, self.cluster
+        tokens = memory.micro_batch_fill(w.micro_batch_tokens, w.seq_len, w.packing)
+        routed = tokens // self.layout.cp // (self.layout.tp if memory.sequence_parallel(self.spec, self.layout.tp)
+                                              else 1)
         return compute.expert_traffic(self.spec, self.layout, tokens=routed,
                                       itemsize=memory.param_bytes(self.workload.precision), node_of=c.node_of,
                                       intra_bps=c.intra_node_gbps * GB, inter_bps=c.inter_node_gbps * GB)
@@ -288,6 +294,8 @@ class LayoutPlan:
             out.append(f"{pool}.vpp={lay.vpp}")
         if lay.ep > 1:
             out.append(f"{pool}.ep={lay.ep}")
+        if lay.cp > 1:
+            out.append(f"{pool}.cp={lay.cp}")
         if c.split:  # the rollout engines' own pool: tp = rollout.engine.tp, pp = 1 (issue #23)
             nodes, per_node = c.pool_shape(c.rollout_gpus)
             out += [f"cluster.pools.rollout.nodes={nodes}", f"cluster.pools.rollout.devices_per_node={per_node}",
@@ -302,11 +310,23 @@ class LayoutPlan:
             if role in w.roles:
                 out += [f"{role.value}.precision={w.precision.value}",
                         f"{role.value}.micro_batch.max_tokens={w.micro_batch_tokens}"]
+                if w.micro_batch_rows != MicroBatchConfig.max_size:
+                    out.append(f"{role.value}.micro_batch.max_size={w.micro_batch_rows}")
+                if w.packing is not EngineConfig.packing:
+                    out.append(f"{role.value}.packing={str(w.packing).lower()}")
                 if not w.distributed_optimizer:
                     out.append(f"{role.value}.optim.use_distributed_optimizer=false")
         if w.lora is not None:
             out += [f"policy.lora.rank={w.lora.rank}", f"policy.lora.targets=[{','.join(w.lora.targets)}]"]
         return out
+
+    @property
+    def notes(self) -> list[str]:
+        """What the overrides cannot say yet: a pool's ``cp`` before the pool config has the key."""
+        if self.layout.cp > 1 and "cp" not in {f.name for f in dataclasses.fields(PoolSpec)}:
+            return [f"cluster.pools.main.cp={self.layout.cp}: the pool config has no cp key yet (megarl's engine "
+                    "takes cp through ParallelLayout; the trainer's pools do not set it)"]
+        return []
 
 
 # --------------------------------------------------------------------------------------- planning
@@ -332,6 +352,9 @@ def plan_layout(spec: ModelSpec, cluster: Cluster, workload: Workload, layout: P
     """Memory per device of every phase (fullest pipeline stage each; with split placement the training
     pool's phases, then the rollout pool's); resharding bytes on demand."""
     check_layout(spec, cluster, layout, rollout_tp)
+    if layout.cp > 1 and not workload.packing:
+        raise LayoutError(f"context parallelism (cp={layout.cp}) splits packed sequences over its ranks; the workload "
+                          "is not packed: plan with packing (the engine's default) or cp 1.")
     stages = _phase_terms(spec, cluster, workload, layout, rollout_tp)
     peaks = []
     for phase in stages[0]:
@@ -355,7 +378,8 @@ def _phase_terms(spec: ModelSpec, cluster: Cluster, w: Workload, layout: Paralle
         at_build[role] = _state_bytes(role, s, w, layout, optimizer_states=0)
         if role is not Role.REFERENCE:
             act[role] = [memory.activation_bytes(s, layout, st, micro_batch_tokens=w.micro_batch_tokens,
-                                                 seq_len=w.seq_len, recompute=w.recompute, act_bytes=act_bytes)
+                                                 seq_len=w.seq_len, recompute=w.recompute, act_bytes=act_bytes,
+                                                 packed=w.packing)
                          for st in range(layout.pp)]
     r_bytes, bucket = memory.itemsize(w.rollout_dtype), int(w.bucket_mb * 2**20)
     rollout_w, kv, awake, asleep = _rollout_terms(spec, cluster, w, rollout_tp)
@@ -470,67 +494,3 @@ def reshard_estimate(spec: ModelSpec, layout: ParallelLayout, rollout_tp: int, c
         slowest_intra=slowest[0], slowest_inter=slowest[1], seconds=seconds(slowest), per_rank_received=received,
         per_rank_sent=sends, sent_mean=total / layout.world_size, total=total, total_inter=sum(b for _, b in recv),
     )
-
-# -------------------------------------------------------------------------------------- proposals
-
-
-def candidate_layouts(spec: ModelSpec, cluster: Cluster, vpp: int | None = None) -> list[tuple[ParallelLayout, int]]:
-    """(layout, rollout tp) pairs: tp dividing the GPUs of a node, the heads and the KV groups; pp dividing
-    the layers (with vpp) and tp*pp dividing the training pool; dp filling it; for an MoE model every ep
-    dividing the experts and tp*dp (1 for a dense one; at tp > 1 it trains with sequence parallelism, which the
-    memory and traffic models account for); rollout tp 1 or tp colocated (vLLM's TP groups lie inside one
-    data-parallel replica), and with split placement every tp dividing a node's GPUs and the rollout pool.
-    ``ModelSpec.check_layout`` has the last word on each."""
-    out = []
-    world = cluster.train_gpus
-    rollout_tps = set(_divisors(math.gcd(cluster.gpus_per_node, cluster.rollout_gpus))) if cluster.split else None
-    for tp in _divisors(math.gcd(cluster.gpus_per_node, world)):
-        if spec.num_attention_heads % tp or spec.num_query_groups % tp:
-            continue
-        for pp in _divisors(world // tp):
-            v = vpp if pp > 1 else None
-            if spec.num_layers % (pp * (v or 1)):
-                continue
-            stage_ranks = world // pp
-            for ep in _divisors(math.gcd(spec.moe.num_experts, stage_ranks)) if spec.moe else [1]:
-                layout = ParallelLayout.for_world(world, tp=tp, pp=pp, vpp=v, ep=ep)
-                try:
-                    spec.check_layout(layout)
-                except LayoutError:
-                    continue
-                for rollout_tp in sorted(rollout_tps or {1, tp}, reverse=True):
-                    try:
-                        check_rollout_tp(spec, layout, rollout_tp, cluster.rollout_gpus or None)
-                    except LayoutError:
-                        continue
-                    out.append((layout, rollout_tp))
-    return out
-
-
-def propose(spec: ModelSpec, cluster: Cluster, workload: Workload, *, vpp: int | None = None,
-            model_name: str = "model") -> list[LayoutPlan]:
-    """Every candidate layout that fits, cheapest first: smaller tp*pp (more data parallelism, less
-    model-parallel traffic), then smaller ep (less all-to-all traffic; a larger ep only buys memory), then
-    larger rollout tp (smaller rollout weights per GPU, more KV room), then smaller pp (fewer pipeline
-    bubbles)."""
-    return sorted((p for p in _candidate_plans(spec, cluster, workload, vpp, model_name) if p.fits), key=cost)
-
-
-def closest(spec: ModelSpec, cluster: Cluster, workload: Workload, *, vpp: int | None = None,
-            model_name: str = "model") -> LayoutPlan | None:
-    """The candidate with the smallest worst-phase peak (what to show when nothing fits)."""
-    return min(_candidate_plans(spec, cluster, workload, vpp, model_name), key=lambda p: p.worst.total, default=None)
-
-
-def _candidate_plans(spec: ModelSpec, cluster: Cluster, workload: Workload, vpp: int | None,
-                     model_name: str) -> list[LayoutPlan]:
-    pairs = candidate_layouts(spec, cluster, vpp)
-    return [plan_layout(spec, cluster, workload, lay, g, model_name) for lay, g in pairs]
-
-
-def cost(plan: LayoutPlan) -> tuple[int, int, int, int]:
-    return (plan.layout.tp * plan.layout.pp, plan.layout.ep, -plan.rollout_tp, plan.layout.pp)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

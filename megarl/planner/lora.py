@@ -116,9 +116,10 @@ def lora_state_bytes(spec: ModelSpec, layout: ParallelLayout, precision: Precisi
     out = []
     base = memory.stage_parameters(spec, layout)
     for n, (dense, experts) in zip(base, stage_adapter_shards(spec, layout, lora), strict=True):
-        grads = (grad_buffer_elements(dense, layout.dp, distributed_optimizer)
+        shards = memory.optimizer_shards(layout)  # DP x CP
+        grads = (grad_buffer_elements(dense, shards, distributed_optimizer)
                  + grad_buffer_elements(experts, layout.expert_dp, distributed_optimizer))
-        shard = (_optimizer_elements(dense, layout.dp, distributed_optimizer)
+        shard = (_optimizer_elements(dense, shards, distributed_optimizer)
                  + _optimizer_elements(experts, layout.expert_dp, distributed_optimizer))
         out.append(StateBytes(params=(n + sum(dense) + sum(experts)) * p, grads=grads * 4,
                               optimizer=shard * (master + 4 * optimizer_states)))

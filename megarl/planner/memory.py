@@ -46,6 +46,20 @@ needs to train MoE layers at TP > 1) splits the sequence over the TP ranks outsi
 replicated ``4h``, the dispatched copies, the router's probabilities and a fully recomputed layer's input are
 divided by ``t`` too (the paper's Eq. 4: every term over ``t``).
 
+Packed micro-batches (``EngineConfig.packing``, the default; :mod:`megarl.planner.packing`): the budget counts real
+tokens and first fit fills each micro-batch to it, so the fullest one holds ``max(budget, s)`` tokens (a longer
+sequence travels alone); padded micro-batches hold ``budget // s`` rows of ``s`` (every row planned at the longest).
+
+Context parallelism (``cp``, docs/planner.md §12): every sequence is cut into ``2 cp`` chunks, a rank holds two, so
+each rank keeps the activations of ``tokens / cp`` of every micro-batch (every per-token term above, the scores'
+``s`` still the whole sequence's: a query attends to its sequence's keys on every rank), and its logits. Attention
+gathers the micro-batch's keys and values over the CP group one layer at a time: ``2 n_g d / t`` values per token of
+the whole micro-batch, a transient of one layer (Transformer Engine's ring holds less: two ranks' chunks in
+flight). Weights and gradients are replicated over CP; the distributed optimizer shards over DP x CP
+(megatron-core's ``intra_dp_cp_group``: ``distributed_data_parallel.py`` allocates the buffers over it and
+``optimizer/__init__.py`` hands it to the distributed optimizer), experts over the expert-data-parallel group
+(``tp cp dp / ep`` ranks).
+
 The 1F1B schedule holds ``pp - stage`` micro-batches on a stage; the interleaved schedule (VPP v) holds
 Megatron's warm-up count ``2*(pp - stage - 1) + (v - 1)*pp + 1`` chunks of ``L/(pp*v)`` layers (the paper's
 ``1 + (p-1)/(p*v)`` factor on the first stage). The last stage of an LM head also keeps fp32 logits and their
@@ -177,10 +191,17 @@ def training_state_bytes(
     master = 4 if p == 2 else 0
     out = []
     for n, e in zip(stage_parameters(spec, layout), stage_expert_parameters(spec, layout), strict=True):
-        # the distributed optimizer: dense parameters over DP, experts over the expert-data-parallel group
-        shard = math.ceil((n - e) / layout.dp) + math.ceil(e / layout.expert_dp) if distributed_optimizer else n
+        # the distributed optimizer: dense parameters over DP x CP, experts over the expert-data-parallel group
+        shard = (math.ceil((n - e) / optimizer_shards(layout)) + math.ceil(e / layout.expert_dp)
+                 if distributed_optimizer else n)
         out.append(StateBytes(params=n * p, grads=n * 4, optimizer=shard * (master + 4 * optimizer_states)))
     return out
+
+
+def optimizer_shards(layout: ParallelLayout) -> int:
+    """Ranks the distributed optimizer shards a dense parameter's state over: megatron-core's DP x CP group
+    (``intra_dp_cp_group``; context-parallel ranks hold the same weights and reduce their gradients together)."""
+    return layout.dp * layout.cp
 
 
 # ------------------------------------------------------------------------------------- activations
@@ -192,6 +213,14 @@ def micro_batch_shape(micro_batch_tokens: int, seq_len: int) -> tuple[int, int]:
     if micro_batch_tokens < 1 or seq_len < 1:
         raise ValueError(f"micro-batch tokens and sequence length must be >= 1, found {micro_batch_tokens}, {seq_len}")
     return max(1, micro_batch_tokens // seq_len), seq_len
+
+
+def micro_batch_fill(budget: int, seq_len: int, packed: bool) -> int:
+    """Tokens of the fullest micro-batch of sequences up to ``seq_len`` under a ``budget`` of tokens: packed, the
+    budget (first fit fills it with real tokens) or one longer sequence alone; padded, ``budget // seq_len`` rows of
+    ``seq_len`` (:func:`micro_batch_shape`). Alignment padding (docs/planner.md §12.2) is not counted."""
+    b, s = micro_batch_shape(budget, seq_len)
+    return max(budget, s) if packed else b * s
 
 
 def sequence_parallel(spec: ModelSpec, tp: int) -> bool:
@@ -228,17 +257,28 @@ def in_flight_layers(spec: ModelSpec, layout: ParallelLayout, stage: int) -> int
 
 
 def activation_bytes(spec: ModelSpec, layout: ParallelLayout, stage: int, *, micro_batch_tokens: int, seq_len: int,
-                     recompute: Recompute, act_bytes: int = 2) -> int:
-    """Peak activation bytes of one rank of ``stage`` while training (see the module docstring)."""
-    b, s = micro_batch_shape(micro_batch_tokens, seq_len)
-    tokens = b * s
-    kept = in_flight_layers(spec, layout, stage) * layer_activation_bytes(spec, layout.tp, tokens, s, recompute,
+                     recompute: Recompute, act_bytes: int = 2, packed: bool = False) -> int:
+    """Peak activation bytes of one rank of ``stage`` while training (see the module docstring): ``packed``
+    micro-batches fill the token budget (:func:`micro_batch_fill`); with context parallelism a rank keeps its
+    ``1/cp`` of every micro-batch's tokens, plus one layer's keys and values of the whole micro-batch."""
+    tokens = micro_batch_fill(micro_batch_tokens, seq_len, packed)
+    local = -(-tokens // layout.cp)  # this CP rank's share (sequences are padded to 2 cp chunks)
+    kept = in_flight_layers(spec, layout, stage) * layer_activation_bytes(spec, layout.tp, local, seq_len, recompute,
                                                                           act_bytes)
     if recompute is Recompute.FULL:  # the one layer being rebuilt for its backward pass
-        kept += layer_activation_bytes(spec, layout.tp, tokens, s, Recompute.SELECTIVE, act_bytes)
+        kept += layer_activation_bytes(spec, layout.tp, local, seq_len, Recompute.SELECTIVE, act_bytes)
+    kept += cp_gather_bytes(spec, layout, tokens, act_bytes)
     if stage == layout.pp - 1 and spec.head is Head.LM:
-        kept += 8 * tokens * spec.padded_vocab_size(layout.tp) // layout.tp
+        kept += 8 * local * spec.padded_vocab_size(layout.tp) // layout.tp
     return kept
+
+
+def cp_gather_bytes(spec: ModelSpec, layout: ParallelLayout, tokens: int, act_bytes: int) -> int:
+    """Context parallelism's transient: one layer's keys and values of the whole micro-batch of ``tokens``, gathered
+    over the CP group (this TP rank's ``n_g / t`` KV heads); 0 at cp 1."""
+    if layout.cp == 1:
+        return 0
+    return tokens * 2 * spec.num_query_groups * spec.head_dim // layout.tp * act_bytes
 
 
 # ------------------------------------------------------------------------------ rollout and resharding

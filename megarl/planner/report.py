@@ -3,8 +3,8 @@ fit verdict, expert-parallel all-to-all traffic (MoE), weight-sync traffic (a Lo
 too) and config overrides; the proposals table; the predicted step times of the modes. Strings out, nothing
 printed; sizes in decimal GB (docs/planner.md).
 
-Pure module: formatting of :mod:`megarl.planner.layouts`, :mod:`megarl.planner.compute` and
-:mod:`megarl.planner.modes` results only.
+Pure module: formatting of :mod:`megarl.planner.layouts`, :mod:`megarl.planner.compute`,
+:mod:`megarl.planner.packing` and :mod:`megarl.planner.modes` results only.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from megarl.planner.layouts import RESERVED, ROLLOUT, LayoutPlan, Phase, PhasePe
 from megarl.planner.memory import (
     GB,
     itemsize,
+    micro_batch_fill,
     micro_batch_shape,
     param_bytes,
     rollout_weight_bytes,
     sequence_parallel,
 )
 from megarl.planner.modes import Mode, StageTimes, StepPrediction
+from megarl.planner.packing import Alignment, ResponseLengths, expected_padding
 
 _ROW_ORDER = [(r.value, t) for r in Role for t in ("weights", "grads", "optimizer", "activations")] + [
     (Role.POLICY.value, "reshard transient"), (Role.POLICY.value, "merge transient"), (ROLLOUT, "weights"),
@@ -57,8 +59,7 @@ def _gpus(plan: LayoutPlan, pool: Pool) -> str:
 
 def header(plan: LayoutPlan) -> list[str]:
     spec, c, w, lay = plan.spec, plan.cluster, plan.workload, plan.layout
-    n = spec.num_parameters()
-    b, s = micro_batch_shape(w.micro_batch_tokens, w.seq_len)
+    n, s = spec.num_parameters(), w.seq_len
     rollout = f"rollout TP{plan.rollout_tp}"
     if c.split:
         rollout += f" x {c.rollout_gpus // plan.rollout_tp} replicas on a pool of their own"
@@ -84,10 +85,40 @@ def header(plan: LayoutPlan) -> list[str]:
     return lines + [
         f"layout: {lay} -> {rollout}; roles {', '.join(r.value for r in w.roles)}; "
         f"{w.precision.value}{', distributed optimizer' if w.distributed_optimizer else ''}",
-        f"workload: micro-batch {b} x {s} tokens (prompt {w.prompt_tokens} + response {w.response_tokens}), "
+        f"workload: {_micro_batch(plan)}, "
         f"{w.recompute.value} recompute; rollout {w.rollout_dtype}, {w.concurrent_seqs} sequences in flight per "
         f"replica, bucket {w.bucket_mb:g} MiB",
     ]
+
+
+def _micro_batch(plan: LayoutPlan) -> str:
+    w, cp = plan.workload, plan.layout.cp
+    seqs = f"prompt {w.prompt_tokens} + response {w.response_tokens}"
+    if not w.packing:
+        b, s = micro_batch_shape(w.micro_batch_tokens, w.seq_len)
+        return f"micro-batch {b} x {s} tokens padded ({seqs})"
+    share = f", 1/{cp} on each CP rank" if cp > 1 else ""
+    tokens = micro_batch_fill(w.micro_batch_tokens, w.seq_len, True)
+    return f"micro-batch {tokens} tokens packed (sequences of {seqs}{share})"
+
+
+def padding_lines(plan: LayoutPlan, responses: ResponseLengths, sequences: int) -> list[str]:
+    """The padding fraction of a rank's pass over ``sequences`` rows of the workload's prompt and ``responses``,
+    padded against packed micro-batches, at this layout's alignment (docs/planner.md §12.2)."""
+    w, lay = plan.workload, plan.layout
+    sp = sequence_parallel(plan.spec, lay.tp)
+    t = expected_padding(responses, prompt_tokens=w.prompt_tokens, sequences=sequences,
+                         max_tokens=w.micro_batch_tokens, max_size=w.micro_batch_rows,
+                         alignment=Alignment.of(lay.tp, lay.cp, sp))
+    shape = (f"uniform {responses.low}..{responses.high}" + (f", {100 * responses.at_max:.0f}% at the limit"
+                                                             if responses.at_max else ""))
+    padded = "impossible at cp > 1 (context parallelism packs)" if lay.cp > 1 else (
+        f"padded {100 * t.fraction(False):.1f}% of {t.padded} tokens computed in {t.padded_micro_batches} "
+        "micro-batches")
+    return [f"padding per rank: {sequences} sequences of prompt {w.prompt_tokens} + responses {shape} (mean "
+            f"{responses.mean:.0f}), {t.real} real tokens, micro-batches of {w.micro_batch_tokens} tokens and up to "
+            f"{w.micro_batch_rows} rows: {padded}; packed {100 * t.fraction(True):.1f}% of {t.packed} in "
+            f"{t.packed_micro_batches}"]
 
 
 def lora_line(plan: LayoutPlan) -> str:
@@ -195,7 +226,7 @@ def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
     lines += expert_traffic_lines(plan)
     if with_reshard:
         lines += reshard_lines(plan) + adapter_sync_lines(plan)
-    lines += ["", "overrides: " + " ".join(plan.overrides())]
+    lines += ["", "overrides: " + " ".join(plan.overrides())] + [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
@@ -206,7 +237,9 @@ def proposals_table(plans: list[LayoutPlan], top: int) -> str:
     width = 11 if split else 10
     label = {k: ("r." if k[0] is Pool.ROLLOUT else "") + k[1].value for k in keys}
     ep = ", smaller ep" if plans and plans[0].spec.moe else ""
-    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*pp{ep}, larger rollout tp, smaller pp"
+    cp = any(p.layout.cp > 1 for p in plans)
+    lines = [f"{len(plans)} fitting layouts, cheapest first (smaller tp*{'cp*' if cp else ''}pp{ep}, larger rollout "
+             f"tp, smaller pp{', smaller cp' if cp else ''}"
              + ("; r.: the rollout pool):" if split else "):"),
              f"  {'layout':<22}{'rollout':>8}" + "".join(f"{label[k]:>{width}}" for k in keys) + f"{'free':>10}"]
     for p in plans[:top]:
