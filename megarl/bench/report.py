@@ -15,7 +15,9 @@ papers use; which trainer timer feeds which column:
   rollout stage (Ray dispatch, gathering the replicas' outputs, building the batch)
 
 ``coverage`` is the sum of the driver's stage timers over the measured step time: the timers must
-cover the whole step (within 5 %), or the split above hides time.
+cover the whole step (within 5 %), or the split above hides time. ``padding`` is the mean over the measured steps
+of ``bench/padding_log_probs`` and ``bench/padding_update`` (:mod:`megarl.bench.padding`): the share of the tokens
+the policy's log-prob forward and updates computed that were padding; the log-prob one only where that stage ran.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def summarize(steps: Sequence[Mapping[str, float]], setup: Setup,
         "tokens_per_step": tokens,
         "response_tokens_per_step": mean(m.get("rollout/num_tokens", 0.0) for m in steps),
         "tokens_per_s_per_device": tokens / step_s / setup.devices,
+        "padding": {"log_probs": _mean_of(steps, "bench/padding_log_probs", "timing/old_log_probs_s"),
+                    "update": _mean_of(steps, "bench/padding_update")},
         "peak_host_gb_per_device": max(m.get("memory/host_peak_gb", 0.0) for m in steps),
         "peak_device_gb_per_device": max(m.get("memory/device_peak_gb", 0.0) for m in steps),
         "reshard_bytes_received_max": max((r["reshard_bytes_received"] for r in ranks), default=0),
@@ -144,6 +148,16 @@ def summarize(steps: Sequence[Mapping[str, float]], setup: Setup,
     return out
 
 
+def _mean_of(steps: Sequence[Mapping[str, float]], key: str, ran: str | None = None) -> float | None:
+    """The mean of ``key`` over the steps that have it (and ran the stage timed by ``ran``); None if none has."""
+    xs = [m[key] for m in steps if key in m and (ran is None or ran in m)]
+    return statistics.fmean(xs) if xs else None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def _mb(n: float) -> str:
     mib = n / 2**20
     return f"{mib:.1f}" if mib >= 10 or mib == 0 else f"{mib:.3g}"
@@ -153,6 +167,7 @@ def markdown(report: Mapping[str, Any]) -> str:
     s, c = report["setup"], report["stages_s"]
     mfu = f"{100 * report['mfu']:.1f}%" if report["mfu"] is not None else "n/a"
     peak = report["peak_device_gb_per_device"] or report["peak_host_gb_per_device"]
+    pad = report.get("padding") or {"log_probs": None, "update": None}
     lines = [
         f"# megarl benchmark: {s['config']}",
         "",
@@ -162,17 +177,21 @@ def markdown(report: Mapping[str, Any]) -> str:
         "generated)",
         f"- MFU peak: {s['peak_flops_source']}",
         "",
-        "| devices | training layout | rollout layout | tokens/s/device | step s | generation | weight sync "
-        "| log-probs | reference | values | reward | training | other | peak GB/device | reshard MiB/rank | MFU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| devices | training layout | rollout layout | tokens/s/device | padding log-probs / update | step s "
+        "| generation | weight sync | log-probs | reference | values | reward | training | other | peak GB/device "
+        "| reshard MiB/rank | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {s['devices']} x {s['device_kind']} | {s['train_layout']} | {s['rollout_layout']} "
-        f"| {report['tokens_per_s_per_device']:.1f} | {report['step_s']:.3f} | "
+        f"| {report['tokens_per_s_per_device']:.1f} | {_pct(pad['log_probs'])} / {_pct(pad['update'])} "
+        f"| {report['step_s']:.3f} | "
         + " | ".join(f"{c[k]:.3f}" for k in COLUMNS)
         + f" | {peak:.2f} | {_mb(report['reshard_bytes_received_max'])} | {mfu} |",
         "",
         f"Step time {report['step_s_min']:.3f}-{report['step_s_max']:.3f} s over the measured iterations; the "
         f"stage timers cover {100 * report['coverage']:.1f}% of it (lowest step {100 * report['coverage_min']:.1f}%). "
-        "Stage columns are seconds per step; reshard MiB/rank is the most any rank received in one weight sync.",
+        "Stage columns are seconds per step; reshard MiB/rank is the most any rank received in one weight sync; "
+        "padding: the share of the tokens the policy's log-prob forward and updates computed that were padding "
+        "(from the steps' batches and the engine's micro-batch rules).",
     ]
     if report["ranks"]:
         lines += ["", "| rank | coords | params MiB | grads MiB | optimizer MiB | reshard sent MiB "

@@ -5,7 +5,9 @@ so the same command measures the tiny CPU example and a 70B cluster job. Differe
 ``megarl train``: no checkpoint is written, validation is off, it never resumes. After the run:
 each policy rank's measured training-state bytes and weight-sync traffic (next to what the planner,
 :mod:`megarl.planner`, predicts for that rank), and with ``trace`` a Chrome/Perfetto trace of the
-measured iterations with one track for the driver and one per worker process.
+measured iterations with one track for the driver and one per worker process. Each measured step also gets the
+padding fraction of the policy's log-prob forward and updates, computed from the step's batch with the engine's
+micro-batch rules (:mod:`megarl.bench.padding`: the workers do not return the engine's ``last_padding_fraction``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megarl.bench import report
+from megarl.bench import padding, report
 from megarl.checkpoint.format import read_meta
 from megarl.config.train import TrainConfig, load_config
 from megarl.controller.spec import Device
@@ -60,12 +62,15 @@ class _NoCheckpointTrainer(Trainer):
 
 
 class _Collector:
-    """Keeps the measured steps' metrics; turns tracing on once the warm-up is over."""
+    """Keeps the measured steps' metrics, each with its batch's padding fractions (``padding_of``: the sequence
+    lengths -> :class:`~megarl.bench.padding.StepPadding`); turns tracing on once the warm-up is over."""
 
-    def __init__(self, warmup: int, tracing: bool) -> None:
-        self.warmup, self.tracing = warmup, tracing
+    def __init__(self, warmup: int, tracing: bool,
+                 padding_of: Callable[[list[int]], padding.StepPadding] | None = None) -> None:
+        self.warmup, self.tracing, self.padding_of = warmup, tracing, padding_of
         self.steps: list[dict[str, float]] = []
         self.groups: list = []
+        self.pending: dict[str, float] = {}  # the current step's padding, from its "step" notice
 
     def start_tracing(self) -> None:
         if self.tracing:
@@ -74,11 +79,13 @@ class _Collector:
                 g.set_tracing(True)
 
     def on_stage_end(self, stage: str, step: int, batch) -> None:
-        pass
+        if stage == "step" and self.padding_of is not None and step > self.warmup:
+            self.pending = self.padding_of(batch["attention_mask"].sum(-1).long().tolist()).metrics()
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         if step > self.warmup:
-            self.steps.append(dict(metrics))
+            self.steps.append(dict(metrics) | self.pending)
+            self.pending = {}
         elif step == self.warmup:
             self.start_tracing()
 
@@ -95,6 +102,7 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
     collector = _Collector(options.warmup, options.trace_file is not None)
     trainer = _NoCheckpointTrainer(cfg, (collector,))
     try:
+        collector.padding_of = _padding_of(cfg, trainer)
         groups = list(trainer.cluster.placement.groups.values())
         collector.groups = groups
         if options.warmup == 0:
@@ -123,6 +131,18 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
     (out / "benchmark.json").write_text(json.dumps(result, indent=1))
     (out / "benchmark.md").write_text(report.markdown(result))
     return result
+
+
+def _padding_of(cfg: TrainConfig, trainer: Trainer) -> Callable[[list[int]], padding.StepPadding]:
+    """A step's padding from its lengths, by the policy's config and layout (the model read once: MoE or dense)."""
+    moe: list[bool] = []
+
+    def of(lengths: list[int]) -> padding.StepPadding:
+        if not moe:  # the initial checkpoint exists once the run has started
+            moe.append(spec_from_hf_config(read_meta(trainer.cluster.source).hf_config).moe is not None)
+        return padding.step_padding(lengths, cfg.policy, cfg.algorithm, cfg.cluster.layout(), moe[0])
+
+    return of
 
 
 def _setup(cfg: TrainConfig, spec: ModelSpec, config: str | Path, overrides: tuple[str, ...],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,3 +84,48 @@ def test_cpu_description_names_the_model_and_widest_simd():
     assert report.cpu_description(amd) == "AMD EPYC 7B13 (AVX2)"
     assert report.cpu_description(xeon) == "Intel(R) Xeon(R) Processor (AVX-512, AVX-512 BF16, AMX)"
     assert report.cpu_description("flags\t: fpu\n") == "unknown CPU"
+
+
+def test_padding_columns_mean_the_steps_and_skip_a_pass_that_did_not_run():
+    ranks = []
+    a = STEP | {"bench/padding_log_probs": 0.4, "bench/padding_update": 0.3}
+    b = STEP | {"bench/padding_log_probs": 0.2, "bench/padding_update": 0.1}
+    out = report.summarize([a, b], SETUP, ranks)
+    assert out["padding"] == pytest.approx({"log_probs": 0.3, "update": 0.2})
+    assert f"| {40 / 8.5 / 2:.1f} | 30.0% / 20.0% | 8.500 |" in report.markdown(out)  # beside tokens/s
+    no_log_probs = {k: v for k, v in a.items() if k != "timing/old_log_probs_s"}
+    out = report.summarize([no_log_probs], SETUP, ranks)
+    assert out["padding"] == {"log_probs": None, "update": 0.3}
+    assert "| - / 30.0% |" in report.markdown(out)
+    assert report.summarize([STEP], SETUP, ranks)["padding"] == {"log_probs": None, "update": None}
+
+
+def test_step_padding_by_hand():
+    """Six rows over DP2: shards [10, 4, 3] and [2, 6, 6]; budget 24 tokens. Padded: [10, 4] (2 x 10) + [3] and
+    [6, 6, 2] (3 x 6): 41 tokens computed for 31 real; packed: one micro-batch per rank, no padding."""
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.bench import padding
+    from megarl.engine.config import EngineConfig, MicroBatchConfig
+    from megarl.parallel.layout import ParallelLayout
+
+    lengths = [10, 4, 3, 2, 6, 6]
+    padded = EngineConfig(micro_batch=MicroBatchConfig(max_tokens=24), packing=False)
+    got = padding.step_padding(lengths, padded, AlgorithmConfig(), ParallelLayout(dp=2))
+    assert got == padding.StepPadding(log_probs=pytest.approx(10 / 41), update=pytest.approx(10 / 41))
+    assert got.metrics() == {"bench/padding_log_probs": got.log_probs, "bench/padding_update": got.update}
+    packed = EngineConfig(micro_batch=MicroBatchConfig(max_tokens=24))
+    assert padding.step_padding(lengths, packed, AlgorithmConfig(), ParallelLayout(dp=2)) == padding.StepPadding(0, 0)
+    # three mini-batches of 2 rows, 1 row per DP rank each: nothing to pad in the updates
+    three = padding.step_padding(lengths, padded, AlgorithmConfig(mini_batches=3), ParallelLayout(dp=2))
+    assert three.update == 0.0 and three.log_probs == pytest.approx(10 / 41)
+    # TP2 with sequence parallelism: padded widths even ([3] -> 4, 24 tokens on rank 0), packed streams even (17 -> 18)
+    sp = padding.step_padding(lengths, dataclasses.replace(padded, sequence_parallel=True), AlgorithmConfig(),
+                              ParallelLayout(tp=2, dp=2))
+    assert sp.update == pytest.approx(1 - 31 / (24 + 18))
+    sp_packed = padding.step_padding(lengths, dataclasses.replace(packed, sequence_parallel=True), AlgorithmConfig(),
+                                     ParallelLayout(tp=2, dp=2))
+    assert sp_packed.update == pytest.approx(1 - 31 / (18 + 14))
+    # the log-prob forward's shards are filled with the first rows; the updates' chunks must divide
+    assert padding.shards([5, 7, 9], 2) == [[5, 7], [9, 5]]
+    with pytest.raises(ValueError, match="3 rows into 2"):
+        padding.chunks([5, 7, 9], 2)
