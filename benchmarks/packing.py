@@ -18,10 +18,7 @@ here with 8192 positions, converted at TP1, fp32, in spawned gloo worlds.
 2. CP1 against CP2 on one sequence of each ``--cp-lengths`` (64 prompt tokens, the rest response): CP1 one process
    with 2 threads, CP2 a world of 2 with 1 thread each (the same two cores); per rank the activation memory of one
    update (and of one log-prob forward) and its time, beside the planner's activation bytes
-   (``memory.activation_bytes`` at fp32, selective: SDPA keeps no scores). A what-if CP2 world (``unmasked``) replaces
-   ``megarl.models.context_parallel._attend`` for query chunks offset into their keys by :class:`OffsetCausal`: the
-   same attention (exact, checked against the masked SDPA in float64) without the explicit ``[queries, keys]`` mask
-   that SDPA's CPU kernel converts to float32 and saves for the backward, O(T^2 / cp) per layer.
+   (``memory.activation_bytes`` at fp32, selective: SDPA keeps no scores).
 
 Memory: glibc's mmap threshold is fixed at 128 KiB in every rank (``mallopt``), so every larger tensor is mapped when
 allocated and unmapped when freed and the RSS follows the live tensors; a pass's peak is the kernel's VmHWM after
@@ -243,58 +240,10 @@ def packing_world(rank: int, world: int, ckpt: str, args: dict) -> dict:
     return out
 
 
-class OffsetCausal(torch.autograd.Function):
-    """Causal attention of queries q [1, h, lq, d] that are the last lq positions of keys k, v [1, hk, lk, d] (GQA:
-    h a multiple of hk), without a mask: SDPA's CPU flash kernel on the keys before the queries (no mask) and on the
-    diagonal block (``is_causal``), merged by their log-sum-exps; the backward runs the kernel's backward on each
-    block with the merged output and log-sum-exp (which makes each block's share of the softmax gradient exact).
-    Saves q, the output and its log-sum-exp, and k, v (views of the gathered keys and values)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o = k.size(2) - q.size(2)
-        out_a, lse_a = fwd(q, k[:, :, :o], v[:, :, :o], 0.0, False, attn_mask=None, scale=scale)
-        out_b, lse_b = fwd(q, k[:, :, o:], v[:, :, o:], 0.0, True, attn_mask=None, scale=scale)
-        lse = torch.logaddexp(lse_a, lse_b)
-        out = torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.offset = scale, o
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        q, k, v, out, lse = ctx.saved_tensors
-        o, grad = ctx.offset, grad.contiguous()
-        dq_a, dk_a, dv_a = bwd(grad, q, k[:, :, :o], v[:, :, :o], out, lse, 0.0, False, attn_mask=None,
-                               scale=ctx.scale)
-        dq_b, dk_b, dv_b = bwd(grad, q, k[:, :, o:], v[:, :, o:], out, lse, 0.0, True, attn_mask=None,
-                               scale=ctx.scale)
-        return dq_a + dq_b, torch.cat([dk_a, dk_b], 2), torch.cat([dv_a, dv_b], 2), None
-
-
-def _unmasked_attention() -> None:
-    """The what-if of the module docstring: a query chunk offset into its keys attends through :class:`OffsetCausal`
-    instead of SDPA with an explicit ``[queries, keys]`` mask (which SDPA's CPU kernel saves as float32)."""
-    from megarl.models import context_parallel
-
-    attend, heads_first = context_parallel._attend, context_parallel._heads_first
-
-    def unmasked(q, k, v, scale):
-        if q.size(0) == k.size(0):
-            return attend(q, k, v, scale)
-        return OffsetCausal.apply(heads_first(q), heads_first(k), heads_first(v), scale).squeeze(0).transpose(0, 1)
-
-    context_parallel._attend = unmasked
-
-
 def cp_world(rank: int, world: int, ckpt: str, args: dict) -> list[dict]:
     """One policy at CP ``world``; per length a log-prob forward and an update of one sequence (a warm-up update on
     the shortest first, which makes the Adam state)."""
     _fix_malloc()
-    if args.get("unmasked"):
-        _unmasked_attention()
     torch.set_num_threads(args["threads"] // world)
     ctx = _context(rank, world, cp=world)
     policy = _policy(ctx, ckpt, True, max(args["lengths"]))
@@ -374,12 +323,11 @@ def packing_table(result: dict, max_tokens: int) -> list[str]:
     return out
 
 
-def cp_table(cp1: list[dict], cp2: list[list[dict]], spec, what_if: list[list[dict]]) -> list[str]:
+def cp_table(cp1: list[dict], cp2: list[list[dict]], spec) -> list[str]:
     out = ["| tokens | forward s CP1 / CP2 | update s CP1 / CP2 | forward peak MiB CP1 / CP2 ranks "
            "| update activations MiB (forward + backward) CP1 / CP2 ranks | CP2 / CP1 | planner activations MiB "
-           "CP1 / CP2 | what-if CP2 without the saved masks: activations MiB ranks, / CP1 "
-           "| update, after the gradient reduction / whole, MiB CP1 / CP2 ranks |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "CP1 / CP2 | update, after the gradient reduction / whole, MiB CP1 / CP2 ranks |",
+           "|---|---|---|---|---|---|---|---|"]
     for i, one in enumerate(cp1):
         n = one["tokens"]
         two = [r[i] for r in cp2]
@@ -388,22 +336,18 @@ def cp_table(cp1: list[dict], cp2: list[list[dict]], spec, what_if: list[list[di
             return " / ".join(_mib(r[p][key]) for r in two)
 
         act = max(r["update"]["peak_backward"] for r in two) / one["update"]["peak_backward"]
-        alt = [r[i]["update"]["peak_backward"] for r in what_if] if what_if else []
-        alt_cell = (f"{' / '.join(_mib(x) for x in alt)}, {max(alt) / one['update']['peak_backward']:.2f}"
-                    if alt else "-")
         out.append(
             f"| {n} | {one['forward']['s']:.2f} / {max(r['forward']['s'] for r in two):.2f} "
             f"| {one['update']['s']:.2f} / {max(r['update']['s'] for r in two):.2f} "
             f"| {_mib(one['forward']['peak'])} / {ranks('forward', 'peak')} "
             f"| {_mib(one['update']['peak_backward'])} / {ranks('update', 'peak_backward')} | {act:.2f} "
-            f"| {_mib(_planned_activations(spec, 1, n))} / {_mib(_planned_activations(spec, 2, n))} | {alt_cell} "
+            f"| {_mib(_planned_activations(spec, 1, n))} / {_mib(_planned_activations(spec, 2, n))} "
             f"| {_mib(one['update']['peak_reduce'])}, {_mib(one['update']['peak'])} / "
             f"{ranks('update', 'peak_reduce')}, {ranks('update', 'peak')} |")
     return out
 
 
-def render(info: dict, args, spec, packing: dict, cp1: list[dict], cp2: list[list[dict]],
-           what_if: list[list[dict]]) -> str:
+def render(info: dict, args, spec, packing: dict, cp1: list[dict], cp2: list[list[dict]]) -> str:
     lines = [f"# Packed micro-batches and context parallelism on CPU, {info['date']}", "",
              f"- megarl commit {info['commit']}; {info['machine']}; {info['platform']}",
              f"- Python {platform.python_version()}, torch {torch.__version__}, megatron-core {info['mcore']}",
@@ -427,7 +371,7 @@ def render(info: dict, args, spec, packing: dict, cp1: list[dict], cp2: list[lis
              "## CP1 against CP2, one sequence", "",
              "CP1: one process, 2 threads; CP2: two processes of 1 thread (gloo), each holding 2 of the sequence's 4 "
              "chunks. Peak: the pass's RSS above the RSS before it, per rank.", "",
-             *cp_table(cp1, cp2, spec, what_if), ""]
+             *cp_table(cp1, cp2, spec), ""]
     return "\n".join(lines)
 
 
@@ -437,7 +381,6 @@ def main() -> int:
     p.add_argument("--repeats", default="16=3,256=1", help="timed rounds per case (both modes each)")
     p.add_argument("--cp-lengths", default="2048,4096,8192", help="tokens of the one sequence CP1/CP2 train")
     p.add_argument("--max-tokens", type=int, default=8192, help="micro-batch budget (the engine's default)")
-    p.add_argument("--no-what-if", action="store_true", help="skip the CP2 world without the saved attention masks")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--wait-load", type=float, default=1.5, help="wait for the 1-min load average below this")
     p.add_argument("--max-wait", type=float, default=300, help="seconds to wait for it at most")
@@ -486,10 +429,8 @@ def main() -> int:
     cp_args = dict(lengths=lengths, threads=args.threads)
     cp1 = run_world(cp_world, 1, str(ckpt), cp_args, timeout_s=3600)[0] if lengths else []
     cp2 = run_world(cp_world, 2, str(ckpt), cp_args, timeout_s=3600) if lengths else []
-    what_if = (run_world(cp_world, 2, str(ckpt), cp_args | {"unmasked": True}, timeout_s=3600)
-               if lengths and not args.no_what_if else [])
     info["load1"], info["wall_s"] = os.getloadavg()[0], time.time() - t0
-    text = render(info, args, spec, packing, cp1, cp2, what_if)
+    text = render(info, args, spec, packing, cp1, cp2)
     print(text)
     out = Path(args.results or root / "benchmarks" / "results" / f"packing-{info['date']}.md")
     out.write_text(text)

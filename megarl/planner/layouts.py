@@ -48,7 +48,6 @@ import enum
 import functools
 import math
 
-from megarl.controller.spec import PoolSpec
 from megarl.engine.config import EngineConfig, LoRAConfig, MicroBatchConfig, Precision
 from megarl.errors import ConfigError, LayoutError
 from megarl.models.spec import Head, ModelSpec
@@ -319,14 +318,6 @@ class LayoutPlan:
         if w.lora is not None:
             out += [f"policy.lora.rank={w.lora.rank}", f"policy.lora.targets=[{','.join(w.lora.targets)}]"]
         return out
-
-    @property
-    def notes(self) -> list[str]:
-        """What the overrides cannot say yet: a pool's ``cp`` before the pool config has the key."""
-        if self.layout.cp > 1 and "cp" not in {f.name for f in dataclasses.fields(PoolSpec)}:
-            return [f"cluster.pools.main.cp={self.layout.cp}: the pool config has no cp key yet (megarl's engine "
-                    "takes cp through ParallelLayout; the trainer's pools do not set it)"]
-        return []
 
 
 # --------------------------------------------------------------------------------------- planning

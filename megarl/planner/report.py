@@ -226,7 +226,7 @@ def render(plan: LayoutPlan, *, with_reshard: bool = True) -> str:
     lines += expert_traffic_lines(plan)
     if with_reshard:
         lines += reshard_lines(plan) + adapter_sync_lines(plan)
-    lines += ["", "overrides: " + " ".join(plan.overrides())] + [f"note: {n}" for n in plan.notes]
+    lines += ["", "overrides: " + " ".join(plan.overrides())]
     return "\n".join(lines)
 
 
