@@ -71,6 +71,9 @@ def test_tiny_example_table_coverage_trace_and_planner(ray_cluster, tmp_path):
         assert abs(stages - m["timing/step_s"]) <= 0.05 * m["timing/step_s"], m
         assert m["batch/tokens"] == 16 * 16 * 5  # 16 prompts x 16 samples x ("a+b=" + one token)
     assert result["tokens_per_s_per_device"] == pytest.approx(1280 / result["step_s"] / 2)
+    # every row 5 tokens, TP2 without sequence parallelism: nothing to pad, packed or not (megarl/bench/padding.py;
+    # tests/bench/test_padding_fraction.py holds it equal to the engine's on rows that do pad)
+    assert all(m["bench/padding_update"] == 0.0 for m in steps) and result["padding"]["update"] == 0.0
     _check_planner(result, tp=2, pp=1)
 
     doc = json.loads(trace_file.read_text())
