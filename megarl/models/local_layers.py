@@ -46,7 +46,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megarl.models.context_parallel import context_parallel_attention, packed_causal_attention
+from megarl.models.context_parallel import context_parallel_attention, packed_causal_attention, packed_plan
 
 
 class SDPAttention(DotProductAttention):
@@ -102,8 +102,12 @@ class SDPAttention(DotProductAttention):
         context parallelism ``t`` is this rank's share of the stream (megatron-core's load-balanced chunks of every
         sequence) and the offsets are the whole stream's."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if self.cp_group is None:
-            out = packed_causal_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        if self.cp_group is None:  # the plan once per micro-batch: every layer gets the same parameters object
+            offsets = cu.tolist()
+            plan = getattr(params, "_megarl_plan", None)
+            if plan is None:
+                plan = params._megarl_plan = packed_plan(offsets, query.device)
+            out = packed_causal_attention(query, key, value, offsets, self.softmax_scale, plan)
         else:
             out = context_parallel_attention(query, key, value, cu.tolist(), self.softmax_scale, self.cp_group)
         return out.reshape(query.size(0), self.hidden_size_per_partition)

@@ -154,6 +154,7 @@ def build_model(spec: ModelSpec, layout: ParallelLayout, opts: BuildOptions = Bu
     layer_spec = mcore_compat.gpt_layer_spec(use_te=use_te, qk_layernorm=spec.qk_layernorm, num_experts=num_experts)
     if not use_te and opts.local_layers:
         use_local_layers(layer_spec)
+    mcore_compat.vectorize_thd_rope()  # packed micro-batches (the engine's default) apply RoPE per sequence
     if config.sequence_parallel or layout.cp > 1:  # context parallelism gathers with the same functions
         cpu_compat.redirect_sequence_parallel()
     # lean RMSNorms with the local layers; sequence parallelism needs these norms either way (TE's support it)

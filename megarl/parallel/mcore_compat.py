@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core import package_info as _mcore_info
 from megatron.core.models.gpt import gpt_layer_specs
@@ -197,3 +198,37 @@ def _fix_distributed_optimizer_step_state() -> None:
 
 
 _fix_distributed_optimizer_step_state()
+
+
+def vectorize_thd_rope() -> None:
+    """Apply RoPE to packed (THD) tokens with one gather of the frequencies instead of megatron-core's loop over the
+    sequences (a split, a slice of the frequencies and a concatenation per sequence and call: on the tiny CPU models'
+    ~10-token rows most of a layer's time). The same frequencies, the same ops (``_apply_rotary_pos_emb_bshd``),
+    so bit-identical; only for frequencies indexed by position within a sequence (megatron-core's "traditional
+    mapping", what GPT models pass), the other case and anything unforeseen go to megatron-core's own. Idempotent."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    if getattr(original, "_megarl_vectorized", False):
+        return
+
+    @functools.wraps(original)
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+              cp_group=None):
+        cp = 1 if cp_group is None else cp_group.size()
+        if cp_group is None or freqs.dim() < 1 or freqs.size(0) == cu_seqlens[-1]:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long) // cp  # this rank's tokens of each sequence
+        starts = torch.cumsum(lengths, 0) - lengths
+        local = torch.arange(t.size(0), device=t.device) - torch.repeat_interleave(starts, lengths)
+        if cp > 1:  # megatron-core's load-balanced chunks: r, then 2 cp - 1 - r, each half of the rank's tokens
+            half = torch.repeat_interleave(lengths // 2, lengths)
+            rank = cp_group.rank()
+            local = torch.where(local < half, rank * half + local,
+                                cp * 2 * half - (rank + 1) * half + (local - half))
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[local], rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    apply._megarl_vectorized = True
+    rope_utils._apply_rotary_pos_emb_thd = apply
