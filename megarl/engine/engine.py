@@ -313,16 +313,12 @@ class MegatronEngine:
             idle = int(count.item()) - len(plan)
         tensors = dict(batch.tensors.items())
         device = self._params()[0].device  # batches arrive on the host; the model may be on a GPU
-        # sequence parallelism splits every micro-batch's sequence over the TP ranks: pad it to a multiple of tp;
-        # context parallelism every sequence into 2 cp chunks, each rank's share then split by sequence parallelism
-        multiple = self.layout.tp if self.sequence_parallel else 1
-        cp = self.layout.cp
-        align, multiple = (2 * cp * multiple, 1) if cp > 1 else (1, multiple)
+        alignment = micro_batches.Alignment.of(self.layout.tp, self.layout.cp, self.sequence_parallel)
         mbs = []
         for rows in plan + [list(range(group))] * idle:
             real = len(mbs) < len(plan)
             length = max(lengths[i] for i in rows) if real else 1
-            width = length if packed else -(-length // multiple) * multiple
+            width = length if packed else alignment.width(length)
             mb: dict[str, Any] = {k: v.to(device, non_blocking=True)
                                   for k, v in micro_batches.cut(tensors, rows, length, width).items()}
             if not real:  # idle: nothing of it counts
@@ -330,8 +326,8 @@ class MegatronEngine:
                     if key in mb:
                         mb[key] = torch.zeros_like(mb[key])
             if packed:
-                mb[PACKING] = Packing.of(mb["input_ids"], [min(lengths[i], length) for i in rows], align=align,
-                                         multiple=multiple, cp_group=self.groups.cp)
+                mb[PACKING] = Packing.of(mb["input_ids"], [min(lengths[i], length) for i in rows], alignment,
+                                         cp_group=self.groups.cp)
             if self.spec.moe is not None:  # megatron-core's, for the load-balancing loss: True = padding
                 mb[PADDING_MASK] = self._model_view(mb, mb["attention_mask"]) == 0
             mbs.append(mb)

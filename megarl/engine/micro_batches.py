@@ -14,6 +14,8 @@ function of both. A group counts as ``group`` rows of its longest row's length.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -98,3 +100,31 @@ def restore(parts: list[torch.Tensor], plan_rows: list[list[int]], batch_size: i
     for part, rows in zip(parts, plan_rows, strict=True):
         out[torch.tensor(rows, dtype=torch.long, device=out.device), : part.shape[1]] = part
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Alignment:
+    """How a micro-batch's model input is padded: sequence parallelism splits it over the TP ranks (a multiple of
+    tp); context parallelism cuts every sequence into 2 cp chunks, each then split by sequence parallelism."""
+
+    align: int = 1  # packed: every sequence's extent a multiple of this
+    multiple: int = 1  # the model's input length a multiple of this (padded: the width; packed: the stream)
+
+    @classmethod
+    def of(cls, tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> Alignment:
+        multiple = tp if sequence_parallel else 1
+        return cls(align=2 * cp * multiple, multiple=1) if cp > 1 else cls(align=1, multiple=multiple)
+
+    def extents(self, lengths: list[int]) -> list[int]:
+        """Each sequence's extent in a packed stream: its length rounded up to ``align`` (at least one ``align``),
+        the last one's grown so that the stream is a multiple of ``multiple``."""
+        extents = [max(-(-n // self.align) * self.align, self.align) for n in lengths]
+        extents[-1] += -sum(extents) % self.multiple
+        return extents
+
+    def width(self, length: int) -> int:
+        """A padded micro-batch's width for its longest row of ``length`` tokens."""
+        return -(-length // self.multiple) * self.multiple
+
+
+UNALIGNED = Alignment()  # no sequence or context parallelism

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megarl.engine.micro_batches import UNALIGNED, Alignment
 from megarl.engine.vocab_parallel import token_log_probs, vocab_parallel_log_prob_entropy
 from megarl.models.context_parallel import cp_token_index
 
@@ -57,12 +58,11 @@ class Packing:
     cp_group: Any = None
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, lengths: list[int], *, align: int = 1, multiple: int = 1,
+    def of(cls, input_ids: torch.Tensor, lengths: list[int], alignment: Alignment = UNALIGNED,
            cp_group=None) -> Packing:
-        """``input_ids`` [b, w]: the rows (right-padded, ``lengths`` real tokens each); each sequence's extent is
-        rounded up to ``align`` tokens, the last one's so that T is a multiple of ``multiple``."""
-        extents = [max(-(-n // align) * align, align) for n in lengths]
-        extents[-1] += -sum(extents) % multiple
+        """``input_ids`` [b, w]: the rows (right-padded, ``lengths`` real tokens each), laid out in the extents of
+        ``alignment``."""
+        extents = alignment.extents(lengths)
         offsets = [0, *itertools.accumulate(extents)]
         rows = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
         cols = torch.cat([torch.arange(n) for n in lengths])

@@ -26,22 +26,8 @@ import dataclasses
 import math
 
 from megarl.engine import micro_batches
+from megarl.engine.micro_batches import UNALIGNED, Alignment
 from megarl.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class Alignment:
-    """How the engine pads a micro-batch's model input (``MegatronEngine._micro_batches``)."""
-
-    align: int = 1  # packed: every sequence's extent a multiple of this
-    multiple: int = 1  # the model's input length a multiple of this (padded: the width; packed: the stream)
-
-    @classmethod
-    def of(cls, tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> Alignment:
-        """Sequence parallelism splits the input over the TP ranks (a multiple of tp); context parallelism cuts every
-        sequence into 2 cp chunks, each then split by sequence parallelism (extents a multiple of 2 cp tp)."""
-        multiple = tp if sequence_parallel else 1
-        return cls(align=2 * cp * multiple, multiple=1) if cp > 1 else cls(align=1, multiple=multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +55,16 @@ class PassTokens:
 
 def padded_tokens(lengths: list[int], multiple: int = 1) -> int:
     """Tokens a padded micro-batch of rows of ``lengths`` computes: rows x the longest, rounded up to ``multiple``."""
-    return len(lengths) * math.ceil(max(lengths) / multiple) * multiple
+    return len(lengths) * Alignment(multiple=multiple).width(max(lengths))
 
 
-def packed_tokens(lengths: list[int], alignment: Alignment = Alignment()) -> int:
+def packed_tokens(lengths: list[int], alignment: Alignment = UNALIGNED) -> int:
     """Tokens a packed micro-batch of ``lengths`` computes (``Packing.of``'s stream: aligned extents, at least one
     ``align`` each, the stream a multiple of ``multiple``)."""
-    a = alignment.align
-    total = sum(max(math.ceil(n / a) * a, a) for n in lengths)
-    return math.ceil(total / alignment.multiple) * alignment.multiple
+    return sum(alignment.extents(lengths))
 
 
-def pass_tokens(lengths: list[int], max_tokens: int, max_size: int, alignment: Alignment = Alignment()) -> PassTokens:
+def pass_tokens(lengths: list[int], max_tokens: int, max_size: int, alignment: Alignment = UNALIGNED) -> PassTokens:
     """One rank's pass over rows of ``lengths``: the engine's micro-batch plan padded and packed, and their tokens."""
     if not lengths or min(lengths) < 1:
         raise ValueError(f"a pass needs rows of >= 1 token, found lengths {lengths[:8]}")
@@ -138,7 +122,7 @@ class ResponseLengths:
 
 
 def expected_padding(responses: ResponseLengths, *, prompt_tokens: int, sequences: int, max_tokens: int,
-                     max_size: int, alignment: Alignment = Alignment()) -> PassTokens:
+                     max_size: int, alignment: Alignment = UNALIGNED) -> PassTokens:
     """A rank's pass over ``sequences`` rows of ``prompt_tokens`` + the distribution's quantile responses."""
     if sequences < 1 or prompt_tokens < 0:
         raise ConfigError(f"need >= 1 sequence per rank and >= 0 prompt tokens, found {sequences}, {prompt_tokens}.")

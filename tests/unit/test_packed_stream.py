@@ -3,6 +3,7 @@ go, the alignment rules, what megatron-core / Transformer Engine are given (``Pa
 
 import torch
 
+from megarl.engine.micro_batches import Alignment
 from megarl.engine.packing import PACKING, Packing, rows_of
 
 
@@ -28,10 +29,10 @@ def test_stream_layout_and_targets_by_hand():
 
 def test_sequence_parallel_pads_the_stream_and_cp_every_sequence():
     ids = _rows([5, 2, 4], 5)
-    sp = Packing.of(ids, [5, 2, 4], multiple=4)  # TP 4 with sequence parallelism: 11 -> 12 tokens
+    sp = Packing.of(ids, [5, 2, 4], Alignment(multiple=4))  # TP 4 with sequence parallelism: 11 -> 12 tokens
     assert sp.offsets == [0, 5, 7, 12] and sp.tokens.shape == (1, 12)
     assert sp.tokens[0, 11].item() == 0  # padding: id 0, after the last sequence's real tokens
-    cp = Packing.of(ids, [5, 2, 4], align=4)  # CP 2: every extent a multiple of 2 x 2
+    cp = Packing.of(ids, [5, 2, 4], Alignment(align=4))  # CP 2: every extent a multiple of 2 x 2
     assert cp.offsets == [0, 8, 12, 16]
     params = cp.seq_params(torch.device("cpu"))
     assert params.qkv_format == "thd"
