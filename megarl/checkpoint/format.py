@@ -62,6 +62,11 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
 
 
+def hf_files(path: str | Path) -> Path:
+    """Where a model directory's HF files (config.json, tokenizer) are: itself, or a megarl checkpoint's hf/."""
+    return Path(path) / HF_SUBDIR if is_checkpoint(path) else Path(path)
+
+
 def write_meta(ckpt_dir: Path, meta: CheckpointMeta) -> None:
     (ckpt_dir / META_FILE).write_text(meta.to_json())
 

@@ -14,6 +14,7 @@ from megarl.algos.advantages import RewardScale, estimator
 from megarl.algos.config import AlgorithmConfig
 from megarl.algos.kl import KLEstimator
 from megarl.algos.plugins import ROLLOUT_FUNCTION, check_plugins, is_spec, resolve
+from megarl.config.auto import decide_layout
 from megarl.config.train import (
     PROGRAM_SIGNATURE,
     PROGRAMS,
@@ -35,12 +36,14 @@ from megarl.rollout.config import ROUTER_REPLAY_TP_REASON, LoRASync, RolloutBack
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Everything checkable before workers start; raises ConfigError with what to change."""
-    _check_cluster(cfg)
-    layout = cfg.cluster.layout()
+    """Everything checkable before workers start; raises ConfigError with what to change. Layout sizes set to
+    ``auto`` are checked as :func:`megarl.config.resolve.resolve` will decide them (the planner's choice)."""
     if not cfg.model.path or not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path {cfg.model.path!r} is not a directory; give an HF model directory or a "
                           "megarl checkpoint (tools/convert_hf_to_megatron.py writes one).")
+    cfg = decide_layout(cfg)
+    _check_cluster(cfg)
+    layout = cfg.cluster.layout()
     if not cfg.data.train:
         raise ConfigError("data.train is empty; give a .jsonl or .parquet prompt file.")
     _check_program(cfg.trainer.program)

@@ -91,7 +91,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(option, value, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {options}")
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{path}: expected {' or '.join(map(_describe, options))}, found {value!r}")
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else from_dict(tp, value, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -119,6 +120,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is Any or (isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{path}: expected {getattr(tp, '__name__', tp)}, found {value!r} ({type(value).__name__})")
+
+
+def _describe(tp: Any) -> str:
+    """A type as a config file spells its values: an enum by them (``'auto'``), else by name (``int``)."""
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " or ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
 
 
 def _leaf_keys(value: Any, path: str) -> list[str]:

@@ -1,10 +1,11 @@
 """The one step that turns a checked :class:`TrainConfig` into what the run uses: every ``null``-means-megarl-
 decides field decided, so the dumped ``<output_dir>/config.yaml`` shows the run as it ran.
 
-Decided here (on the driver, before any worker starts): every path made absolute (workers may run in
-another directory, or on another machine with a shared filesystem), the tokenizer directories, whether old log-probs
-get a forward of their own (``algorithm.recompute_old_log_probs``), the forward-only micro-batching of
-each engine, the role -> pool placement, the embedded engine's prefix cache
+Decided here (on the driver, before any worker starts): the layout sizes set to ``auto`` (the planner's cheapest
+fitting layout, :func:`megarl.config.auto.decide_layout`, its reason in ``cluster.pools.NAME.auto_reason``), every
+path made absolute (workers may run in another directory, or on another machine with a shared filesystem), the
+tokenizer directories, whether old log-probs get a forward of their own (``algorithm.recompute_old_log_probs``), the
+forward-only micro-batching of each engine, the role -> pool placement, the embedded engine's prefix cache
 (``rollout.engine.prefix_cache_mb``) and vLLM's share of the GPU and context length
 (``rollout.engine.gpu_memory_utilization``, ``max_model_len``). Left to the workers, because only the machine
 they land on knows: ``cluster.pools.*.device: auto`` and ``rollout.engine.offload_train_state: null`` (both follow
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
-from megarl.checkpoint.format import HF_SUBDIR, is_checkpoint
+from megarl.checkpoint.format import hf_files
+from megarl.config.auto import decide_layout
 from megarl.config.train import ModelConfig, RolloutSection, TrainConfig
 from megarl.engine.config import EngineConfig
 from megarl.rewards.rules import BUILTIN_REWARDS
@@ -29,6 +30,7 @@ from megarl.rollout.config import RolloutBackend, RolloutConfig
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with megarl's decisions made (idempotent: resolving a resolved config changes nothing)."""
+    cfg = decide_layout(cfg)  # first: what follows reads the layout
     a, d = cfg.algorithm, cfg.data
     rm, cm = cfg.reward_model, cfg.cost_model
     if rm is not None:
@@ -76,11 +78,6 @@ def _rollout_engine(cfg: TrainConfig) -> RolloutConfig:
     if engine.max_model_len is None and not r.multi_turn.enabled:  # a conversation's prompt is the environment's
         engine = dataclasses.replace(engine, max_model_len=cfg.data.max_prompt_length + r.max_new_tokens)
     return engine
-
-
-def hf_files(path: str | Path) -> Path:
-    """Where a model directory's HF files (config.json, tokenizer) are: itself, or a megarl checkpoint's hf/."""
-    return Path(path) / HF_SUBDIR if is_checkpoint(path) else Path(path)
 
 
 def _path(path: str) -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+from typing import ClassVar
 
 from megarl.errors import ConfigError
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import Auto, ParallelLayout
 
 
 class Launcher(enum.Enum):
@@ -35,6 +36,9 @@ class PoolConfig:
     device: Device = Device.AUTO  # auto: GPUs if the cluster has them, else CPU slots (whose workers see no GPU)
     cpus_per_device: float = 1.0  # CPU slot size (CPU pools) or CPUs reserved beside each GPU
     ready_timeout_s: float = 60.0  # a reservation still pending after this (resources held by others) fails
+    # memory of one device, decimal GB, for a layout size set to auto (docs/planner.md §13); null: read from the
+    # driver's GPU when auto needs it
+    device_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -42,6 +46,9 @@ class PoolConfig:
                               f"{self.devices_per_node}")
         if self.cpus_per_device <= 0:
             raise ConfigError(f"cpus_per_device must be > 0, found {self.cpus_per_device}")
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise ConfigError(f"device_memory_gb must be > 0 (decimal GB per device) or null, found "
+                              f"{self.device_memory_gb}")
 
     @property
     def world_size(self) -> int:
@@ -52,13 +59,28 @@ class PoolConfig:
 class PoolSpec(PoolConfig):
     """A pool of devices and the megatron-core layout of the worker group on it (dp fills the pool)."""
 
-    tp: int = 1  # tensor-parallel size of the roles on this pool
-    pp: int = 1  # pipeline-parallel size (dp = devices / (tp x pp x cp))
+    tp: int | Auto = 1  # tensor-parallel size of the roles on this pool; auto: the planner's (docs/planner.md §13)
+    pp: int | Auto = 1  # pipeline-parallel size (dp = devices / (tp x pp x cp)); auto: the planner's
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule); null: none
     cp: int = 1  # context-parallel size: every packed sequence split over cp ranks holding the same weights
-    ep: int = 1  # expert-parallel size of its MoE models (the experts split over ep of a stage's tp x cp x dp ranks)
+    # expert-parallel size of its MoE models (the experts split over ep of a stage's tp x cp x dp ranks); auto: the
+    # planner's
+    ep: int | Auto = 1
+    # written by megarl when it decided auto sizes of this pool (and rollout.engine.tp): the layout chosen and why
+    # (a record: nothing reads it, a reloaded config.yaml keeps it)
+    auto_reason: str | None = None
+
+    AUTO_SIZES: ClassVar[tuple[str, ...]] = ("tp", "pp", "ep")  # the sizes that may be auto
+
+    @property
+    def auto_sizes(self) -> tuple[str, ...]:
+        """The layout sizes left to megarl (``auto``)."""
+        return tuple(name for name in self.AUTO_SIZES if getattr(self, name) is Auto.AUTO)
 
     def layout(self) -> ParallelLayout:
+        if self.auto_sizes:  # megarl.config.auto decides them before anything reads the layout
+            raise ConfigError(f"the pool's {', '.join(self.auto_sizes)} are auto, not yet decided: "
+                              "megarl.config.auto.decide_layout(cfg) decides them (megarl.config.resolve does).")
         return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep)
 
 

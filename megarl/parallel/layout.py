@@ -15,9 +15,18 @@ holds expert shard ``r mod ep`` and is replica ``r div ep`` of it (:meth:`Parall
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import NamedTuple
 
 from megarl.errors import LayoutError
+
+
+class Auto(enum.Enum):
+    """``auto`` in place of a layout size in a run's config (a pool's ``tp``, ``pp``, ``ep``; ``rollout.engine.tp``):
+    megarl asks the layout planner for the cheapest layout that fits the pool's devices before any worker starts
+    (:func:`megarl.config.auto.decide_layout`). A resolved config, and every layout, holds ints only."""
+
+    AUTO = "auto"
 
 
 class RankCoords(NamedTuple):

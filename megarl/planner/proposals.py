@@ -12,6 +12,7 @@ Pure module: no torch.distributed, no megatron-core, no Ray; each candidate is p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from megarl.errors import LayoutError
 from megarl.models.spec import ModelSpec
@@ -77,15 +78,19 @@ def propose(spec: ModelSpec, cluster: Cluster, workload: Workload, *, vpp: int |
 
 
 def closest(spec: ModelSpec, cluster: Cluster, workload: Workload, *, vpp: int | None = None,
-            model_name: str = "model") -> LayoutPlan | None:
-    """The candidate with the smallest worst-phase peak (what to show when nothing fits)."""
-    return min(_candidate_plans(spec, cluster, workload, vpp, model_name), key=lambda p: p.worst.total, default=None)
+            model_name: str = "model",
+            where: Callable[[ParallelLayout, int], bool] | None = None) -> LayoutPlan | None:
+    """The candidate with the smallest worst-phase peak (what to show when nothing fits); ``where(layout,
+    rollout_tp)``: among the candidates it keeps only (e.g. those with the sizes a config fixes)."""
+    return min(_candidate_plans(spec, cluster, workload, vpp, model_name, where), key=lambda p: p.worst.total,
+               default=None)
 
 
-def _candidate_plans(spec: ModelSpec, cluster: Cluster, workload: Workload, vpp: int | None,
-                     model_name: str) -> list[LayoutPlan]:
+def _candidate_plans(spec: ModelSpec, cluster: Cluster, workload: Workload, vpp: int | None, model_name: str,
+                     where: Callable[[ParallelLayout, int], bool] | None = None) -> list[LayoutPlan]:
     pairs = candidate_layouts(spec, cluster, vpp, context_parallel_sizes(workload, cluster))
-    return [plan_layout(spec, cluster, workload, lay, g, model_name) for lay, g in pairs]
+    return [plan_layout(spec, cluster, workload, lay, g, model_name) for lay, g in pairs
+            if where is None or where(lay, g)]
 
 
 def cost(plan: LayoutPlan) -> tuple[int, int, int, int, int]:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from megarl.engine.config import Precision
 from megarl.errors import ConfigError
+from megarl.parallel.layout import Auto
 
 # why policy.router_replay with the vLLM backend needs rollout tp 1 (megarl.config.checks.check_config, the engine)
 ROUTER_REPLAY_TP_REASON = (
@@ -61,7 +62,9 @@ class RolloutBackend(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.EMBEDDED  # embedded: transformers in the worker; vllm: vLLM
-    tp: int = 1  # rollout tensor-parallel size (the embedded engine supports 1)
+    # rollout tensor-parallel size (the embedded engine supports 1); auto: the layout planner's, with the policy's pool
+    # (docs/planner.md §13)
+    tp: int | Auto = 1
     dtype: Precision = Precision.AUTO  # dtype of the rollout weights; auto: bfloat16 on CUDA, float32 on CPU
     bucket_mb: float = 64.0  # resharding bucket cap per rank
     max_batch_size: int = 64  # rows decoded at once per replica (embedded engine)

@@ -11,7 +11,7 @@ with the policy's tokenizer and a stand-in generate (:func:`check_rollout_functi
 
 from __future__ import annotations
 
-from megarl.config.resolve import hf_files
+from megarl.checkpoint.format import hf_files
 from megarl.config.train import ModelConfig, TrainConfig
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError

@@ -75,6 +75,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, callbacks: tuple[Callback, ...] = ()) -> None:
         check_config(cfg)
         cfg = resolve(cfg)
+        for pool in cfg.cluster.pools.values():  # what layout: auto chose (config.yaml records it too)
+            if pool.auto_reason:
+                logger.info("%s", pool.auto_reason)
         self.cfg, self.callbacks = cfg, callbacks
         self.out = Path(cfg.trainer.output_dir)
         self.tokenizer = _load_tokenizer(cfg.model.tokenizer)
