@@ -63,18 +63,18 @@ class PoolSpec(PoolConfig):
     pp: int | Auto = 1  # pipeline-parallel size (dp = devices / (tp x pp x cp)); auto: the planner's
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule); null: none
     cp: int = 1  # context-parallel size: every packed sequence split over cp ranks holding the same weights
-    # expert-parallel size of its MoE models (the experts split over ep of a stage's tp x cp x dp ranks); auto: the
-    # planner's
+    # expert-parallel size of its MoE models (the experts split over ep of a stage's tp x cp x dp ranks); auto:
+    # the planner's choice
     ep: int | Auto = 1
     # written by megarl when it decided auto sizes of this pool (and rollout.engine.tp): the layout chosen and why
     # (a record: nothing reads it, a reloaded config.yaml keeps it)
     auto_reason: str | None = None
 
-    AUTO_SIZES: ClassVar[tuple[str, ...]] = ("tp", "pp", "ep")  # the sizes that may be auto
+    AUTO_SIZES: ClassVar[tuple[str, ...]] = ("tp", "pp", "ep")
 
     @property
     def auto_sizes(self) -> tuple[str, ...]:
-        """The layout sizes left to megarl (``auto``)."""
+        """The layout sizes left to megarl (``auto``), of those that may be (:attr:`AUTO_SIZES`)."""
         return tuple(name for name in self.AUTO_SIZES if getattr(self, name) is Auto.AUTO)
 
     def layout(self) -> ParallelLayout:

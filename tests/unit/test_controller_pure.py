@@ -72,7 +72,7 @@ def test_placement_config_from_dict_and_errors():
         from_dict(PlacementConfig, {"pools": {"main": {"devices_per_nod": 2}}, "roles": {"policy": "main"}})
     with pytest.raises(ConfigError, match="pool 'mian', which is not defined; did you mean 'main'"):
         from_dict(PlacementConfig, {"pools": {"main": {}}, "roles": {"policy": "mian"}})
-    with pytest.raises(ConfigError, match=r"pools\.main\.tp: expected int, found 'two'"):
+    with pytest.raises(ConfigError, match=r"pools\.main\.tp: expected int or 'auto', found 'two'"):
         from_dict(PlacementConfig, {"pools": {"main": {"tp": "two"}}, "roles": {"policy": "main"}})
     with pytest.raises(ConfigError, match=r"pools\.main\.device: 'tpu' is not one of"):
         from_dict(PlacementConfig, {"pools": {"main": {"device": "tpu"}}, "roles": {"policy": "main"}})
