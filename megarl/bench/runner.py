@@ -101,6 +101,7 @@ def run_benchmark(config: str | Path, overrides: Sequence[str], out_dir: str | P
     peak, peak_source = _peak_flops(cfg, options.peak_tflops)
     collector = _Collector(options.warmup, options.trace_file is not None)
     trainer = _NoCheckpointTrainer(cfg, (collector,))
+    cfg = trainer.cfg  # resolved: layout sizes left auto are decided (issue #47)
     try:
         collector.padding_of = _padding_of(cfg, trainer)
         groups = list(trainer.cluster.placement.groups.values())

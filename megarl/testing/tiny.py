@@ -169,15 +169,25 @@ def write_random_model(
 ) -> tuple[int, int]:
     """A random HF model of any size written shard by shard (never whole in memory), with an index
     and a tiny tokenizer; returns (parameters, bytes). For benchmarks of 0.5B-1B models."""
+    return write_random_hf(out_dir, tiny_config(family, **config_kwargs), dtype=dtype, seed=seed,
+                           shard_bytes=shard_bytes)
+
+
+def write_random_hf(out_dir: str | Path, config, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    shard_bytes: int = 2**30, tokenizer: bool = True) -> tuple[int, int]:
+    """:func:`write_random_model` for any transformers ``config`` (a published model's, layers cut: issue #47's
+    rehearsals): tensors are drawn one at a time in checkpoint (hub) layout, MoE experts one by one, so the peak
+    is one shard; returns (parameters, bytes)."""
     import json
 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    config = tiny_config(family, **config_kwargs)
     with torch.device("meta"):  # names and shapes only
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+        meta = dict(AutoModelForCausalLM.from_config(config).named_parameters())
+    moe_ffn = getattr(config, "moe_intermediate_size", None)
+    shapes = {n: t.shape for n, t in (per_expert(meta, moe_ffn) if moe_ffn else meta).items()}
     shards, size, itemsize = [[]], 0, torch.empty((), dtype=dtype).element_size()
     for name, shape in shapes.items():
         if shards[-1] and size + shape.numel() * itemsize > shard_bytes:
@@ -194,13 +204,15 @@ def write_random_model(
             scale = 0.5 if "embed" in name or "lm_head" in name else shapes[name][-1] ** -0.5
             tensors[name] = 1.0 + 0.1 * t if "norm" in name else t * scale
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        del tensors
     nbytes = sum(s.numel() for s in shapes.values()) * itemsize
     weight_map = {n: f for names, f in zip(shards, files, strict=True) for n in names}
     index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config.dtype = dtype
     config.save_pretrained(str(out_dir))
-    make_tokenizer(out_dir, vocab_size=300)
+    if tokenizer:
+        make_tokenizer(out_dir, vocab_size=300)
     return sum(s.numel() for s in shapes.values()), nbytes
 
 
