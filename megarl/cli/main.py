@@ -1,6 +1,7 @@
 """``megarl`` command line: ``megarl train CONFIG.yaml [key.path=value ...]`` runs the built-in step program (or
 ``trainer.program``); ``megarl run PROGRAM.py[:function] CONFIG.yaml [key.path=value ...]`` runs a user's (the file's
-``step`` by default; docs/programming.md §3): the same command with ``trainer.program`` set."""
+``step`` by default; docs/programming.md §3): the same command with ``trainer.program`` set; ``megarl rehearse
+RECIPE.yaml`` runs a GPU recipe's model at its true widths, layers cut, on this machine (docs/rehearsal.md)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def _run(args: argparse.Namespace) -> int:
     return _train(args)
 
 
+def _rehearse(args: argparse.Namespace) -> int:
+    from megarl.bench import rehearse
+
+    report = rehearse.run(args.config, args.workdir, keep=args.keep, layers=args.layers, world=args.world,
+                          preset=args.preset, hf_config=args.hf_config, update=args.update, rollout=args.rollout)
+    print(rehearse.markdown(report))
+    for line in report["failures"]:
+        print(f"FAILED: {line}")
+    print(f"report: {args.workdir}/rehearsal.md, rehearsal.json")
+    return 1 if report["failures"] else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-core + Ray RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +61,20 @@ def main() -> None:
     run.add_argument("config", help="YAML config file (see examples/)")
     run.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. policy.optim.lr=1e-5")
     run.set_defaults(fn=_run)
+    rehearse = sub.add_parser("rehearse", help="rehearse a GPU recipe on this machine: its model at true widths, "
+                              "layers cut (docs/rehearsal.md)")
+    rehearse.add_argument("config", help="the recipe's YAML config (examples/*/config.yaml)")
+    rehearse.add_argument("--layers", type=int, default=1, help="decoder layers kept (default 1)")
+    rehearse.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    model = rehearse.add_mutually_exclusive_group()
+    model.add_argument("--preset", help="the model's planner preset, where model.path is not on this machine")
+    model.add_argument("--hf-config", help="the model's config.json, where model.path is not on this machine")
+    rehearse.add_argument("--workdir", default="outputs/rehearsal", help="where the model files and report go")
+    rehearse.add_argument("--update", action="store_true", help="one SGD step too (the policy holds gradients)")
+    rehearse.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=None,
+                          help="run the sync and generation phases (default: where the planner says they fit)")
+    rehearse.add_argument("--keep", action="store_true", help="keep the model files (GBs) in the workdir")
+    rehearse.set_defaults(fn=_rehearse)
     args = parser.parse_args()
     run_cli(lambda: args.fn(args))
 

@@ -1,0 +1,524 @@
+"""Rehearse a GPU recipe on this machine at its true widths, its layers cut (issue #47).
+
+A recipe's model (its ``config.json``, or a planner preset where the recipe's ``model.path`` is not here) keeps its
+hidden size, FFN, heads and KV heads, vocabulary, rope and experts; only ``num_hidden_layers`` is cut. Random HF
+weights are written shard by shard, and the rehearsal runs, in order, each in its own process so that no two
+copies of the model are resident together:
+
+1. ``reference``: transformers in float32: greedy continuations of the probe prompts, the log-prob of every token of
+   them; in the recipe's rollout dtype too, its greedy continuations (what the rollout engine must reproduce);
+2. ``convert``: HF -> Megatron at the rehearsal layout and back; the round trip compared tensor by tensor (bit-exact);
+3. a world of ``world`` gloo ranks at a layout derived from the recipe's (:func:`derive_layout`): the policy role
+   (megatron-core, the recipe's precision on CPU: float32) computes the log-probs of the reference's sequences,
+   syncs its weights into the recipe's rollout engine (resharding; bytes per rank against the plan's
+   :func:`megarl.resharding.plan.make_plan`), generates greedily, and with ``update`` takes one SGD step.
+
+Each phase's peak resident memory per rank (``/proc/self/clear_refs`` resets the high-water mark before it) is
+reported beside the planner's prediction of the same phase (:func:`predicted_phase_bytes`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import json
+import multiprocessing
+import random
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from megarl.config.train import TrainConfig
+from megarl.errors import ConfigError
+from megarl.models.spec import ModelSpec, spec_from_hf_config
+from megarl.rollout.config import RolloutBackend
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What one rehearsal runs: the cut model, the layout, the rollout engine, the probes."""
+
+    name: str
+    hf_config: dict[str, Any]  # the recipe model's config.json, num_hidden_layers cut
+    world: int
+    tp: int
+    pp: int
+    ep: int
+    rollout_backend: RolloutBackend
+    rollout_tp: int
+    rollout_dtype: str  # float32 or bfloat16 (the recipe's rollout.engine.dtype)
+    update: bool  # one SGD step (the policy then holds gradients: twice its weights)
+    rollout: bool  # the sync and generate phases (off where the rollout engine's copy does not fit this machine)
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    bucket_mb: float = 64.0
+    seed: int = 0
+
+    @property
+    def spec(self) -> ModelSpec:
+        return spec_from_hf_config(self.hf_config)
+
+
+def from_recipe(config: str | Path, *, layers: int, world: int = 2, preset: str | None = None,
+                hf_config: str | Path | None = None, update: bool = False, rollout: bool | None = None,
+                max_new_tokens: int = 8, seed: int = 0) -> Rehearsal:
+    """The rehearsal of a recipe (its YAML): the model of its ``model.path`` (or ``preset`` / ``hf_config`` where
+    that is not on this machine) with ``layers`` layers, at :func:`derive_layout` on ``world`` ranks, the
+    embedded rollout engine in float32 (exact greedy tokens against transformers; the recipe's vLLM runs where a
+    GPU is), four probe prompts of random token ids. ``rollout`` None: the sync and generation phases run where
+    the planner's bytes of the whole world fit this machine's available memory (:func:`fits`)."""
+    from megarl.checkpoint.format import hf_files
+    from megarl.config.train import load_config
+    from megarl.models.spec import load_hf_config
+    from megarl.planner.presets import PRESETS
+
+    cfg = load_config(config, [])
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}.")
+        model = PRESETS[preset]
+    elif hf_config is not None:
+        model = json.loads(Path(hf_config).read_text())
+    elif (hf_files(cfg.model.path) / "config.json").is_file():
+        model = load_hf_config(hf_files(cfg.model.path))
+    else:
+        raise ConfigError(f"the recipe's model.path {cfg.model.path} has no config.json on this machine: name the "
+                          f"model with --preset (one of {sorted(PRESETS)}) or --hf-config path/to/config.json.")
+    cut = cut_layers(model, layers)
+    spec = spec_from_hf_config(cut)
+    tp, pp, ep, _ = derive_layout(cfg, spec, world)
+    vocab = int(cut["vocab_size"])
+    gen = random.Random(seed)
+    prompts = tuple(tuple(gen.randrange(5, vocab) for _ in range(n)) for n in (5, 9, 3, 7))
+    name = Path(config).parent.name if Path(config).name == "config.yaml" else Path(config).stem
+    r = Rehearsal(name, cut, world, tp, pp, ep, RolloutBackend.EMBEDDED, 1, "float32", update, True, prompts,
+                  max_new_tokens, cfg.rollout.engine.bucket_mb, seed)
+    return dataclasses.replace(r, rollout=fits(r) if rollout is None else rollout)
+
+
+def world_bytes(r: Rehearsal) -> int:
+    """The planner's peak of the rehearsal world on this machine: every rank's resident state (parameters,
+    gradients) plus its largest phase, and the runtime of each process (torch, megatron-core: ~0.45 GiB)."""
+    planned = predicted_phase_bytes(r, 64, 32, len(r.prompts))
+    resident = planned["load"] - _vocab_read_copy(r)
+    phases = [planned["load"] - resident, planned["sync"] if r.rollout else 0, planned.get("update", 0)]
+    return r.world * (resident + max(phases) + RUNTIME_BYTES)
+
+
+RUNTIME_BYTES = int(0.45 * GIB)  # a rank's resident set after importing torch and megatron-core and joining
+
+
+def fits(r: Rehearsal) -> bool:
+    """Whether the world with its rollout phases fits 90 % of the memory available now (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return world_bytes(dataclasses.replace(r, rollout=True)) <= 0.9 * available
+
+
+def cut_layers(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``hf_config`` with ``layers`` decoder layers and everything else as published (per-layer lists cut too)."""
+    full = int(hf_config["num_hidden_layers"])
+    if not 1 <= layers <= full:
+        raise ConfigError(f"a rehearsal keeps 1..{full} layers of this model, asked for {layers}.")
+    out = copy.deepcopy(hf_config)
+    out["num_hidden_layers"] = layers
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][:layers]
+    if isinstance(out.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if i < layers]
+    if "max_window_layers" in out:
+        out["max_window_layers"] = min(int(out["max_window_layers"]), layers)
+    return out
+
+
+def _divisor_at_most(n: int, cap: int, *also: int) -> int:
+    """The largest d <= cap dividing n and every one of ``also``."""
+    return max(d for d in range(1, cap + 1) if n % d == 0 and all(a % d == 0 for a in also))
+
+
+def derive_layout(cfg: TrainConfig, spec: ModelSpec, world: int, pool: str = "main") -> tuple[int, int, int, int]:
+    """(tp, pp, ep, rollout tp) of a rehearsal on ``world`` ranks from the recipe's pool: its TP where ``world``
+    allows (else the largest that divides ``world``, the heads and the KV heads), PP 1 (the layers are cut), its
+    EP likewise within the ranks, and its rollout TP within the TP (the embedded engine: 1)."""
+    p = cfg.cluster.pools[pool]
+    tp = _divisor_at_most(world, min(p.tp, world), spec.num_attention_heads, spec.num_query_groups)
+    ep = 1
+    if spec.moe is not None:
+        ep = _divisor_at_most(world, min(p.ep, world), spec.moe.num_experts)
+    engine = cfg.rollout.engine
+    rollout_tp = 1 if engine.backend is RolloutBackend.EMBEDDED else _divisor_at_most(tp, min(engine.tp, tp))
+    return tp, 1, ep, rollout_tp
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+class PhaseMemory:
+    """Peak resident bytes of this process per phase, over the resident bytes when the phase began: the kernel's
+    high-water mark (VmHWM) is reset before each phase (``/proc/self/clear_refs``, value 5)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, int]] = {}
+
+    @staticmethod
+    def _status() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def __call__(self, name: str):
+        import contextlib
+        import gc
+
+        @contextlib.contextmanager
+        def phase():
+            gc.collect()
+            start = self._status()["VmRSS"]
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            yield
+            now = self._status()
+            self.phases[name] = {"start": start, "peak": now["VmHWM"] - start, "end": now["VmRSS"] - start}
+
+        return phase()
+
+
+# the measured peak of a phase is within this of the prediction: relative for what the terms leave out (Python
+# objects, the resharding plan, small work buffers), absolute because glibc keeps freed chunks below its dynamic
+# mmap threshold (up to 32 MiB) resident and reuses them, so a phase whose allocations are tens of MiB is not
+# resolved by the resident set (docs/rehearsal.md §3)
+TOLERANCE_RELATIVE = 0.05
+TOLERANCE_BYTES = 64 * 2**20
+
+
+def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) -> dict[str, int]:
+    """What each phase adds to the fullest rank's resident memory at its peak, from the planner's terms
+    (:mod:`megarl.planner.memory`) and the CPU terms a GPU plan leaves out (docs/rehearsal.md §3):
+
+    * ``load``: the rank's parameters (and gradient buffer with ``update``) plus megatron-core's read copy of the
+      vocabulary shards (embedding and an untied output layer load through its shape-mismatch path into fresh
+      tensors; on GPU that copy is host memory);
+    * ``log-probs``: the output layer's logits of the ``packed`` tokens (the probes' sequences), twice
+      (sequence-major, then the batch-major copy the log-prob function reads), and the two chunk buffers of
+      :mod:`megarl.engine.vocab_parallel`;
+    * ``sync``: the rollout engine's weights and the resharding transient (embedded engine: the receive buffer,
+      the largest HF tensor in full shape or the bucket cap; vLLM: the planner's send + receive bound);
+    * ``generate``: the KV cache of ``rows`` sequences of ``longest`` tokens and one step's logits over the vocabulary;
+    * ``update``: the activations of the micro-batch (no optimizer state: SGD).
+    """
+    from megarl.engine.config import Precision
+    from megarl.engine.vocab_parallel import CHUNK_BYTES
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner import memory
+
+    spec, fp32 = r.spec, 4
+    layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
+    state = memory.training_state_bytes(spec, layout, Precision.FP32, False, optimizer_states=0)[0]
+    local_vocab = spec.padded_vocab_size(r.tp) // r.tp
+    rb, bucket = memory.itemsize(r.rollout_dtype), int(r.bucket_mb * 2**20)
+    if r.rollout_backend is RolloutBackend.VLLM:
+        transient = memory.reshard_transient_bytes(spec, layout, r.rollout_tp, param_dtype_bytes=fp32,
+                                                   rollout_dtype_bytes=rb, bucket_bytes=bucket)
+    else:
+        transient = memory.receive_transient_bytes(spec, layout, rollout_dtype_bytes=rb, bucket_bytes=bucket)
+    out = {"load": state.params + (state.grads if r.update else 0) + _vocab_read_copy(r),
+           "log-probs": 2 * packed * local_vocab * fp32 + 2 * CHUNK_BYTES,
+           "sync": memory.rollout_weight_bytes(spec, r.rollout_tp, rb) + transient,
+           "generate": memory.kv_cache_bytes(spec, r.rollout_tp, rb, rows * longest) + rows * spec.vocab_size * fp32}
+    if not r.rollout:
+        del out["sync"], out["generate"]
+    if r.update:
+        out["update"] = memory.activation_bytes(spec, layout, 0, micro_batch_tokens=packed, seq_len=longest,
+                                                recompute=memory.Recompute.NONE, act_bytes=fp32, packed=True)
+    return out
+
+
+def _vocab_read_copy(r: Rehearsal) -> int:
+    """megatron-core's read copy of a rank's vocabulary shards (float32): the embedding's and, untied, the output
+    layer's."""
+    spec = r.spec
+    return spec.padded_vocab_size(r.tp) // r.tp * spec.hidden_size * 4 * (1 if spec.tie_word_embeddings else 2)
+
+
+def memory_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per phase: the fullest rank's measured peak beside the prediction, their ratio and whether it is within
+    the tolerance (``TOLERANCE_RELATIVE`` of the prediction or ``TOLERANCE_BYTES``, the larger)."""
+    out = []
+    for phase, want in report["memory_planned"].items():
+        got = max(m[phase]["peak"] for m in report["memory"])
+        out.append({"phase": phase, "measured": got, "predicted": want, "ratio": got / want if want else None,
+                    "within": abs(got - want) <= max(TOLERANCE_RELATIVE * want, TOLERANCE_BYTES)})
+    return out
+
+
+def planned_sync_bytes(r: Rehearsal) -> list[dict[str, int]]:
+    """Per rank, the bytes one sync receives from other ranks and copies locally, by the resharding plan."""
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner import memory
+    from megarl.resharding.plan import Grouping, make_plan
+
+    layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
+    grouping = Grouping.CONSECUTIVE if r.rollout_backend is RolloutBackend.VLLM else None
+    plan = make_plan(r.spec, layout, r.rollout_tp, grouping=grouping)
+    size = memory.itemsize(r.rollout_dtype)
+    out = [{"received": 0, "kept": 0} for _ in range(r.world)]
+    for s in plan.slabs:
+        out[s.dst]["kept" if s.src == s.dst else "received"] += plan.slab_bytes(s, size)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ phases
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _write_and_reference(r: Rehearsal, hf_dir: str, out: str) -> dict[str, Any]:
+    """(its own process) random weights, then transformers' greedy continuations and log-probs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.testing.tiny import write_random_hf
+
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    config = AutoConfig.for_model(**r.hf_config)
+    params, nbytes = write_random_hf(hf_dir, config, seed=r.seed)
+    written = time.perf_counter() - start
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    res: dict[str, Any] = {"parameters": params, "hf_bytes": nbytes, "write_s": written}
+
+    def greedy() -> list[list[int]]:
+        return [model.generate(torch.tensor([p]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0].tolist() for p in r.prompts]
+
+    with torch.no_grad():
+        res["greedy_float32"] = greedy()
+        log_probs = []
+        for seq in res["greedy_float32"]:
+            logits = model(torch.tensor([seq])).logits[0, :-1].double()
+            log_probs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
+        res["log_probs"] = log_probs
+        if r.rollout_dtype != "float32":
+            model.to(getattr(torch, r.rollout_dtype))
+            res["greedy_rollout_dtype"] = greedy()
+    res["reference_s"] = time.perf_counter() - start - written
+    res["peak_rss"] = _peak_rss()
+    Path(out).write_text(json.dumps(res))
+    return {k: v for k, v in res.items() if not k.startswith(("greedy", "log_probs"))}
+
+
+def _convert(r: Rehearsal, hf_dir: str, mc_dir: str, back_dir: str) -> dict[str, Any]:
+    """(its own process) HF -> Megatron at the layout and back; the round trip compared tensor by tensor."""
+    import torch
+    from safetensors import safe_open
+
+    from megarl.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+
+    start = time.perf_counter()
+    convert_hf_to_megatron(hf_dir, mc_dir, tp=r.tp, pp=r.pp, ep=r.ep)
+    forward = time.perf_counter() - start
+    convert_megatron_to_hf(mc_dir, back_dir)
+    backward = time.perf_counter() - start - forward
+
+    def tensors(d: str) -> dict[str, str]:
+        index = Path(d) / "model.safetensors.index.json"
+        if index.exists():
+            return {n: str(Path(d) / f) for n, f in json.loads(index.read_text())["weight_map"].items()}
+        with safe_open(str(Path(d) / "model.safetensors"), "pt") as f:
+            return {n: str(Path(d) / "model.safetensors") for n in f.keys()}  # noqa: SIM118 (not a dict)
+
+    a, b = tensors(hf_dir), tensors(back_dir)
+    unequal = sorted(set(a) ^ set(b))
+    for name in sorted(set(a) & set(b)):
+        with safe_open(a[name], "pt") as fa, safe_open(b[name], "pt") as fb:
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+            if x.dtype != y.dtype or not torch.equal(x, y):
+                unequal.append(name)
+    return {"to_megatron_s": forward, "to_hf_s": backward, "tensors": len(a), "round_trip_unequal": unequal,
+            "peak_rss": _peak_rss()}
+
+
+def _rank(rank: int, world: int, r: Rehearsal, mc_dir: str, reference: str) -> dict[str, Any]:
+    """One rank of the rehearsal world (see the module doc, step 3)."""
+    import torch
+
+    from megarl.algos.config import AlgorithmConfig
+    from megarl.controller.role import WorkerContext
+    from megarl.data.batch import Batch, prompt_batch
+    from megarl.engine.config import EngineConfig, MicroBatchConfig, OptimConfig, OptimizerName, Precision
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.roles.policy import PolicyRole
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.config import RolloutConfig
+    from megarl.testing.dist import from_collect_rank
+
+    layout = ParallelLayout.for_world(world, tp=r.tp, pp=r.pp, ep=r.ep)
+    init_distributed(layout)
+    ctx = WorkerContext(rank, world, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
+    ref = json.loads(Path(reference).read_text())
+    seqs = ref["greedy_float32"]
+    width = max(len(s) for s in seqs)
+    engine = EngineConfig(optim=OptimConfig(optimizer=OptimizerName.SGD, lr=1e-3, clip_grad=0.0,
+                                            use_distributed_optimizer=False),
+                          micro_batch=MicroBatchConfig(max_tokens=len(seqs) * width, max_size=len(seqs)))
+    rollout = RolloutConfig(backend=r.rollout_backend, tp=r.rollout_tp, dtype=Precision(r.rollout_dtype),
+                            bucket_mb=r.bucket_mb)
+    mem, out = PhaseMemory(), {}
+    with mem("load"):
+        role = PolicyRole(ctx, checkpoint_dir=mc_dir, engine=engine, algorithm=AlgorithmConfig(
+            recompute_old_log_probs=True), temperature=1.0, rollout=rollout, trainable=r.update)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    response = torch.zeros_like(ids)
+    for i, (s, p) in enumerate(zip(seqs, r.prompts, strict=True)):
+        response[i, len(p):len(s)] = 1
+    rows = Batch.from_dict({"input_ids": ids, "attention_mask": attention, "response_mask": response})
+    with mem("log-probs"):
+        lp = role.compute_log_probs(rows.select("input_ids", "attention_mask"))
+    lp = from_collect_rank(None if lp is None else lp["log_probs"], layout)
+    expected = torch.tensor([row + [0.0] * (width - 1 - len(row)) for row in ref["log_probs"]], dtype=torch.float64)
+    mask = attention[:, 1:].bool()
+    out["log_prob_max_diff"] = float((lp[:, 1:].double() - expected)[mask].abs().max())
+    if r.rollout:
+        with mem("sync"):
+            sync = role.sync_weights()
+        t = sync.transfer
+        out["sync"] = {"received": t.bytes_received, "kept": t.bytes_kept, "sent": t.bytes_sent,
+                       "seconds": sync.seconds}
+        with mem("generate"):
+            greedy = role.generate(prompt_batch([list(p) for p in r.prompts]),
+                                   SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens))
+        role.to_train()
+        if greedy is not None:
+            out["greedy"] = [row[: int(n)].tolist() for row, n in zip(greedy["input_ids"],
+                                                                       greedy["attention_mask"].sum(-1), strict=True)]
+    if r.update:
+        g = torch.Generator().manual_seed(0)
+        train = rows.update(Batch.from_dict({"old_log_probs": lp.float(),
+                                             "advantages": torch.randn(ids.shape, generator=g) * response}))
+        with mem("update"):
+            out["update"] = dataclasses.asdict(role.update(train))
+    out["memory"] = mem.phases
+    out["stage"] = layout.coords(rank).pp
+    return out
+
+
+def rehearse(r: Rehearsal, workdir: str | Path, *, timeout_s: float = 3600) -> dict[str, Any]:
+    """Run the rehearsal in ``workdir`` (it holds the HF model, the checkpoints and the reference) and return its
+    report (:func:`megarl.bench.report` style dict: measured beside planned)."""
+    from megarl.testing.dist import run_world
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    hf, mc, back, ref = (str(workdir / n) for n in ("hf", "mc", "hf_round_trip", "reference.json"))
+    report: dict[str, Any] = {"name": r.name, "layers": r.hf_config["num_hidden_layers"], "world": r.world,
+                              "tp": r.tp, "pp": r.pp, "ep": r.ep, "rollout": r.rollout_backend.value,
+                              "rollout_tp": r.rollout_tp, "rollout_dtype": r.rollout_dtype}
+    context = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        report["reference"] = pool.submit(_write_and_reference, r, hf, ref).result()
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        report["convert"] = pool.submit(_convert, r, hf, mc, back).result()
+    start = time.perf_counter()
+    ranks = run_world(_rank, r.world, r, mc, ref, timeout_s=timeout_s)
+    report["world_s"] = time.perf_counter() - start
+    reference = json.loads(Path(ref).read_text())
+    expected_greedy = reference.get("greedy_rollout_dtype", reference["greedy_float32"])
+    report["log_prob_max_diff"] = max(x["log_prob_max_diff"] for x in ranks)
+    report["greedy_expected"] = expected_greedy
+    if r.rollout:
+        answered = [x["greedy"] for x in ranks if "greedy" in x]
+        report["greedy_equal"] = bool(answered) and all(g == expected_greedy for g in answered)
+        report["greedy"] = answered[0] if answered else None
+        report["sync"] = [x["sync"] for x in ranks]
+        report["sync_planned"] = planned_sync_bytes(r)
+    else:
+        need = world_bytes(dataclasses.replace(r, rollout=True))
+        report["rollout_skipped"] = (f"the world with its rollout engines needs {need / GIB:.1f} GiB by the planner's "
+                                     "terms, over 90 % of this machine's available memory")
+    seqs = reference["greedy_float32"]
+    report["memory_planned"] = predicted_phase_bytes(r, sum(map(len, seqs)), max(map(len, seqs)), len(seqs))
+    report["memory"] = [x["memory"] for x in ranks]
+    report["memory_checks"] = memory_checks(report)
+    report["update"] = [x.get("update") for x in ranks]
+    return report
+
+
+LOG_PROB_TOLERANCE = 1e-4  # float32 against transformers' float32 forward (float64 softmax) at true widths
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """What the rehearsal found wrong, one line each (empty: every check held)."""
+    out = []
+    if report["convert"]["round_trip_unequal"]:
+        out.append(f"HF -> Megatron -> HF changed {report['convert']['round_trip_unequal'][:3]}")
+    if not report["log_prob_max_diff"] <= LOG_PROB_TOLERANCE:
+        out.append(f"log-probs differ from transformers' by {report['log_prob_max_diff']:.2e} (> {LOG_PROB_TOLERANCE})")
+    if "greedy_equal" in report:
+        if not report["greedy_equal"]:
+            out.append("greedy tokens differ from transformers.generate")
+        moved = [{"received": x["received"], "kept": x["kept"]} for x in report["sync"]]
+        if moved != report["sync_planned"]:
+            out.append(f"sync bytes per rank {moved} differ from the plan's {report['sync_planned']}")
+    out += [f"{c['phase']}: measured {c['measured'] / GIB:.3f} GiB, predicted {c['predicted'] / GIB:.3f} GiB"
+            for c in report["memory_checks"] if not c["within"]]
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a markdown section: the checks, then memory per phase beside the prediction."""
+    c, ref = report["convert"], report["reference"]
+    trip = "bit-exact" if not c["round_trip_unequal"] else "DIFFERS: " + ", ".join(c["round_trip_unequal"][:3])
+    lines = [f"### {report['name']}: {report['layers']} layer(s), {ref['parameters'] / 1e9:.2f} B parameters",
+             "",
+             f"World of {report['world']} gloo ranks: TP{report['tp']} PP{report['pp']} EP{report['ep']}; rollout "
+             f"{report['rollout']} TP{report['rollout_tp']} {report['rollout_dtype']}.",
+             "",
+             "| check | result |", "|---|---|",
+             f"| round trip HF -> Megatron -> HF ({c['tensors']} tensors) | "
+             f"{trip} |",
+             f"| log-probs vs transformers (max abs, {sum(map(len, report['greedy_expected']))} tokens) | "
+             f"{report['log_prob_max_diff']:.2e} |"]
+    if "greedy_equal" in report:
+        moved = sum(x["received"] for x in report["sync"])
+        planned = sum(x["received"] for x in report["sync_planned"])
+        lines += [f"| greedy tokens vs transformers.generate | {'equal' if report['greedy_equal'] else 'DIFFER'} |",
+                  f"| sync bytes received (all ranks) vs plan | {moved / 1e9:.3f} GB vs {planned / 1e9:.3f} GB |",
+                  f"| sync seconds (slowest rank) | {max(x['seconds'] for x in report['sync']):.1f} |"]
+    else:
+        lines.append(f"| sync, generation | not run: {report['rollout_skipped']} |")
+    lines += [f"| times: write / reference / to Megatron / to HF / world (s) | {ref['write_s']:.0f} / "
+              f"{ref['reference_s']:.0f} / {c['to_megatron_s']:.0f} / {c['to_hf_s']:.0f} / {report['world_s']:.0f} |",
+              "", "| phase | measured peak (GiB, fullest rank) | predicted (GiB) | ratio | within tolerance |",
+              "|---|---|---|---|---|"]
+    for m in report["memory_checks"]:
+        ratio = f"{m['ratio']:.3f}" if m["ratio"] is not None else "-"
+        lines.append(f"| {m['phase']} | {m['measured'] / GIB:.3f} | {m['predicted'] / GIB:.3f} | {ratio} | "
+                     f"{'yes' if m['within'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(config: str | Path, workdir: str | Path, *, keep: bool = False, **options: Any) -> dict[str, Any]:
+    """``megarl rehearse``: :func:`from_recipe` with ``options``, :func:`rehearse` in ``workdir``, the report written
+    there (``rehearsal.json``, ``rehearsal.md``); the model files (GBs) removed unless ``keep``."""
+    import shutil
+
+    r = from_recipe(config, **options)
+    workdir = Path(workdir)
+    report = rehearse(r, workdir)
+    report["failures"] = failures(report)
+    (workdir / "rehearsal.json").write_text(json.dumps(report, indent=1) + "\n")
+    (workdir / "rehearsal.md").write_text(markdown(report))
+    if not keep:
+        for name in ("hf", "mc", "hf_round_trip"):
+            shutil.rmtree(workdir / name, ignore_errors=True)
+    return report
