@@ -36,6 +36,7 @@ from megarl.models.spec import ModelSpec, spec_from_hf_config
 from megarl.rollout.config import RolloutBackend
 
 GIB = 2**30
+LOGIT_STD = 4.0  # of the random model's logits (write_random_hf's vocab_std = LOGIT_STD / sqrt(hidden))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,11 @@ class Rehearsal:
 
 
 def from_recipe(config: str | Path, *, layers: int, world: int = 2, preset: str | None = None,
-                hf_config: str | Path | None = None, update: bool = False, rollout: bool | None = None,
-                max_new_tokens: int = 8, seed: int = 0) -> Rehearsal:
+                hf_config: str | Path | None = None, tp: int | None = None, ep: int | None = None,
+                update: bool = False, rollout: bool | None = None, max_new_tokens: int = 8, seed: int = 0) -> Rehearsal:
     """The rehearsal of a recipe (its YAML): the model of its ``model.path`` (or ``preset`` / ``hf_config`` where
-    that is not on this machine) with ``layers`` layers, at :func:`derive_layout` on ``world`` ranks, the
+    that is not on this machine) with ``layers`` layers, at :func:`derive_layout` on ``world`` ranks (``tp``, ``ep``:
+    other sizes than the derived ones), the
     embedded rollout engine in float32 (exact greedy tokens against transformers; the recipe's vLLM runs where a
     GPU is), four probe prompts of random token ids. ``rollout`` None: the sync and generation phases run where
     the planner's bytes of the whole world fit this machine's available memory (:func:`fits`)."""
@@ -90,7 +92,8 @@ def from_recipe(config: str | Path, *, layers: int, world: int = 2, preset: str 
                           f"model with --preset (one of {sorted(PRESETS)}) or --hf-config path/to/config.json.")
     cut = cut_layers(model, layers)
     spec = spec_from_hf_config(cut)
-    tp, pp, ep, _ = derive_layout(cfg, spec, world)
+    derived = derive_layout(cfg, spec, world)
+    tp, pp, ep = tp or derived[0], derived[1], ep or derived[2]
     vocab = int(cut["vocab_size"])
     gen = random.Random(seed)
     prompts = tuple(tuple(gen.randrange(5, vocab) for _ in range(n)) for n in (5, 9, 3, 7))
@@ -104,7 +107,7 @@ def world_bytes(r: Rehearsal) -> int:
     """The planner's peak of the rehearsal world on this machine: every rank's resident state (parameters,
     gradients) plus its largest phase, and the runtime of each process (torch, megatron-core: ~0.45 GiB)."""
     planned = predicted_phase_bytes(r, 64, 32, len(r.prompts))
-    resident = planned["load"] - _vocab_read_copy(r)
+    resident = planned["load"] - load_transient_bytes(r)
     phases = [planned["load"] - resident, planned["sync"] if r.rollout else 0, planned.get("update", 0)]
     return r.world * (resident + max(phases) + RUNTIME_BYTES)
 
@@ -158,10 +161,21 @@ def derive_layout(cfg: TrainConfig, spec: ModelSpec, world: int, pool: str = "ma
 
 class PhaseMemory:
     """Peak resident bytes of this process per phase, over the resident bytes when the phase began: the kernel's
-    high-water mark (VmHWM) is reset before each phase (``/proc/self/clear_refs``, value 5)."""
+    high-water mark (VmHWM) is reset before each phase (``/proc/self/clear_refs``, value 5). glibc's mmap and trim
+    thresholds are fixed at 128 KiB first (``mallopt``; by default they grow to 32 MiB), so every larger tensor is
+    mapped when allocated and unmapped when freed, and the resident set follows the live tensors rather than what
+    the heap kept of earlier phases (benchmarks/packing.py measures the same way)."""
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
     def __init__(self) -> None:
+        import ctypes
+
         self.phases: dict[str, dict[str, int]] = {}
+        self.libc = ctypes.CDLL("libc.so.6")
+        for param in (self.M_MMAP_THRESHOLD, self.M_TRIM_THRESHOLD):
+            if not self.libc.mallopt(param, 128 * 2**10):
+                raise RuntimeError(f"glibc refused mallopt({param}, 128 KiB)")
 
     @staticmethod
     def _status() -> dict[str, int]:
@@ -169,7 +183,7 @@ class PhaseMemory:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                     out[key] = int(value.split()[0]) * 1024
         return out
 
@@ -180,6 +194,7 @@ class PhaseMemory:
         @contextlib.contextmanager
         def phase():
             gc.collect()
+            self.libc.malloc_trim(0)
             start = self._status()["VmRSS"]
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -202,9 +217,8 @@ def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) ->
     """What each phase adds to the fullest rank's resident memory at its peak, from the planner's terms
     (:mod:`megarl.planner.memory`) and the CPU terms a GPU plan leaves out (docs/rehearsal.md §3):
 
-    * ``load``: the rank's parameters (and gradient buffer with ``update``) plus megatron-core's read copy of the
-      vocabulary shards (embedding and an untied output layer load through its shape-mismatch path into fresh
-      tensors; on GPU that copy is host memory);
+    * ``load``: the rank's parameters (and gradient buffer with ``update``) plus the larger of megatron-core's two
+      load transients (:func:`load_transient_bytes`; host memory, which a GPU plan leaves out);
     * ``log-probs``: the output layer's logits of the ``packed`` tokens (the probes' sequences), twice
       (sequence-major, then the batch-major copy the log-prob function reads), and the two chunk buffers of
       :mod:`megarl.engine.vocab_parallel`;
@@ -228,7 +242,7 @@ def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) ->
                                                    rollout_dtype_bytes=rb, bucket_bytes=bucket)
     else:
         transient = memory.receive_transient_bytes(spec, layout, rollout_dtype_bytes=rb, bucket_bytes=bucket)
-    out = {"load": state.params + (state.grads if r.update else 0) + _vocab_read_copy(r),
+    out = {"load": state.params + (state.grads if r.update else 0) + load_transient_bytes(r),
            "log-probs": 2 * packed * local_vocab * fp32 + 2 * CHUNK_BYTES,
            "sync": memory.rollout_weight_bytes(spec, r.rollout_tp, rb) + transient,
            "generate": memory.kv_cache_bytes(spec, r.rollout_tp, rb, rows * longest) + rows * spec.vocab_size * fp32}
@@ -240,11 +254,22 @@ def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) ->
     return out
 
 
-def _vocab_read_copy(r: Rehearsal) -> int:
-    """megatron-core's read copy of a rank's vocabulary shards (float32): the embedding's and, untied, the output
-    layer's."""
-    spec = r.spec
-    return spec.padded_vocab_size(r.tp) // r.tp * spec.hidden_size * 4 * (1 if spec.tie_word_embeddings else 2)
+def load_transient_bytes(r: Rehearsal) -> int:
+    """What megatron-core's checkpoint load holds beside the rank's parameters at its peak, the larger of: the
+    reader's copy of one item, twice (the bytes read and the tensor deserialized from them; the largest local
+    shard, the vocabulary's here), and the SwiGLU factories' merged ``linear_fc1`` of every layer (and every local
+    expert), fresh tensors held in the loaded state until it is copied into the parameters. Measured on the 7B,
+    30B-A3B and 70B rehearsals (docs/rehearsal.md §3)."""
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner import memory
+
+    spec, fp32 = r.spec, 4
+    layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
+    if spec.moe is not None:
+        merged = spec.num_layers * spec.moe.num_experts // r.ep * 2 * spec.moe.ffn_hidden_size * spec.hidden_size
+    else:
+        merged = spec.num_layers * 2 * spec.ffn_hidden_size // r.tp * spec.hidden_size
+    return max(2 * memory.largest_shard_bytes(spec, layout, fp32), merged * fp32)
 
 
 def memory_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -290,7 +315,9 @@ def _write_and_reference(r: Rehearsal, hf_dir: str, out: str) -> dict[str, Any]:
     torch.set_num_threads(2)
     start = time.perf_counter()
     config = AutoConfig.for_model(**r.hf_config)
-    params, nbytes = write_random_hf(hf_dir, config, seed=r.seed)
+    # logits of standard deviation ~4 over the vocabulary, as a trained model's: the tests' tiny models' 0.5 would
+    # give 45 at hidden 8192, whose float32 rounding alone exceeds the log-prob tolerance
+    params, nbytes = write_random_hf(hf_dir, config, seed=r.seed, vocab_std=LOGIT_STD / config.hidden_size ** 0.5)
     written = time.perf_counter() - start
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     res: dict[str, Any] = {"parameters": params, "hf_bytes": nbytes, "write_s": written}

@@ -41,7 +41,8 @@ def _rehearse(args: argparse.Namespace) -> int:
     from megarl.bench import rehearse
 
     report = rehearse.run(args.config, args.workdir, keep=args.keep, layers=args.layers, world=args.world,
-                          preset=args.preset, hf_config=args.hf_config, update=args.update, rollout=args.rollout)
+                          preset=args.preset, hf_config=args.hf_config, tp=args.tp, ep=args.ep, update=args.update,
+                          rollout=args.rollout)
     print(rehearse.markdown(report))
     for line in report["failures"]:
         print(f"FAILED: {line}")
@@ -69,6 +70,8 @@ def main() -> None:
     model = rehearse.add_mutually_exclusive_group()
     model.add_argument("--preset", help="the model's planner preset, where model.path is not on this machine")
     model.add_argument("--hf-config", help="the model's config.json, where model.path is not on this machine")
+    rehearse.add_argument("--tp", type=int, help="tensor-parallel size (default: the recipe's, within the world)")
+    rehearse.add_argument("--ep", type=int, help="expert-parallel size (default: the recipe's, within the world)")
     rehearse.add_argument("--workdir", default="outputs/rehearsal", help="where the model files and report go")
     rehearse.add_argument("--update", action="store_true", help="one SGD step too (the policy holds gradients)")
     rehearse.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=None,

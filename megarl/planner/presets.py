@@ -8,6 +8,8 @@ file. Sources, as published on huggingface.co:
 * ``llama3-8b``   meta-llama/Meta-Llama-3-8B/config.json   (transformers 4.40.0.dev0)
 * ``llama3-70b``  meta-llama/Meta-Llama-3-70B/config.json  (transformers 4.40.0.dev0); the
   numbers docs/resharding.md §1.6 and §3.4 use (80 x 8192, 64/8 heads, FFN 28672, V 128256: 70.55 B)
+* ``qwen2.5-0.5b`` Qwen/Qwen2.5-0.5B/config.json (transformers 4.40.1): 24 x 896, 14/2 heads of 64, FFN 4864,
+  vocabulary 151936 tied to the embedding; 0.49 B parameters (the examples' ppo_gsm8k_qwen2.5_0.5b)
 * ``qwen2.5-7b``  Qwen/Qwen2.5-7B/config.json  (transformers 4.43.1)
 * ``qwen2.5-72b`` Qwen/Qwen2.5-72B/config.json (transformers 4.43.1). The -Instruct variants differ
   only in fields that do not change memory (rms_norm_eps 1e-6, max_position_embeddings 32768,
@@ -74,6 +76,20 @@ _QWEN25_COMMON: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": _QWEN25_COMMON | {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "transformers_version": "4.40.1",
+        "vocab_size": 151936,
+    },
     "llama3-8b": _LLAMA3_COMMON | {
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -147,6 +163,7 @@ PRESETS["qwen3-30b-a3b"] = {
 TITLES = {
     "llama3-8b": "Llama-3-8B",
     "llama3-70b": "Llama-3-70B",
+    "qwen2.5-0.5b": "Qwen2.5-0.5B",
     "qwen2.5-7b": "Qwen2.5-7B",
     "qwen2.5-72b": "Qwen2.5-72B",
     "qwen3-30b-a3b": "Qwen3-30B-A3B",

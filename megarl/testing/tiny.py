@@ -174,10 +174,11 @@ def write_random_model(
 
 
 def write_random_hf(out_dir: str | Path, config, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    shard_bytes: int = 2**30, tokenizer: bool = True) -> tuple[int, int]:
+                    shard_bytes: int = 2**30, tokenizer: bool = True, vocab_std: float = 0.5) -> tuple[int, int]:
     """:func:`write_random_model` for any transformers ``config`` (a published model's, layers cut: issue #47's
     rehearsals): tensors are drawn one at a time in checkpoint (hub) layout, MoE experts one by one, so the peak
-    is one shard; returns (parameters, bytes)."""
+    is one shard; returns (parameters, bytes). ``vocab_std``: the standard deviation of the embedding and output
+    layer (after the final norm the logits' is about ``vocab_std * sqrt(hidden)``)."""
     import json
 
     from safetensors.torch import save_file
@@ -201,7 +202,7 @@ def write_random_hf(out_dir: str | Path, config, *, dtype: torch.dtype = torch.f
         tensors = {}
         for name in names:
             t = torch.randn(shapes[name], generator=gen, dtype=dtype)
-            scale = 0.5 if "embed" in name or "lm_head" in name else shapes[name][-1] ** -0.5
+            scale = vocab_std if "embed" in name or "lm_head" in name else shapes[name][-1] ** -0.5
             tensors[name] = 1.0 + 0.1 * t if "norm" in name else t * scale
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
         del tensors

@@ -62,18 +62,21 @@ def _gb(n: float) -> float:
 
 def test_presets_are_the_published_configs():
     """Spot values of the hub config.json files (docs/resharding.md §1.6 table for two of them)."""
-    assert preset_names() == ["llama3-70b", "llama3-8b", "qwen2.5-72b", "qwen2.5-7b", "qwen3-30b-a3b"]
+    assert preset_names() == ["llama3-70b", "llama3-8b", "qwen2.5-0.5b", "qwen2.5-72b", "qwen2.5-7b", "qwen3-30b-a3b"]
     l70, q7 = preset_spec("llama3-70b"), preset_spec("qwen2.5-7b")
     assert (l70.num_layers, l70.hidden_size, l70.ffn_hidden_size) == (80, 8192, 28672)
     assert (l70.num_attention_heads, l70.num_query_groups, l70.head_dim, l70.vocab_size) == (64, 8, 128, 128256)
     assert (q7.num_layers, q7.hidden_size, q7.ffn_hidden_size, q7.num_attention_heads, q7.num_query_groups) == (
         28, 3584, 18944, 28, 4)
     assert q7.qkv_bias and not q7.tie_word_embeddings
-    # published parameter counts: 8.03 B, 70.55 B (docs/resharding.md §3.4), 7.62 B, 72.71 B, 30.53 B (MoE,
-    # tests/unit/test_planner_moe.py)
+    # published parameter counts: 8.03 B, 70.55 B (docs/resharding.md §3.4), 0.49 B (tied), 7.62 B, 72.71 B,
+    # 30.53 B (MoE, tests/unit/test_planner_moe.py)
     counts = {n: round(preset_spec(n).num_parameters() / 1e9, 2) for n in preset_names()}
-    assert counts == {"llama3-8b": 8.03, "llama3-70b": 70.55, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71,
-                      "qwen3-30b-a3b": 30.53}
+    assert counts == {"llama3-8b": 8.03, "llama3-70b": 70.55, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62,
+                      "qwen2.5-72b": 72.71, "qwen3-30b-a3b": 30.53}
+    q05 = preset_spec("qwen2.5-0.5b")
+    assert (q05.num_layers, q05.hidden_size, q05.head_dim, q05.num_query_groups, q05.tie_word_embeddings) == (
+        24, 896, 64, 2, True)
 
 
 def test_unknown_preset_lists_the_valid_ones():
