@@ -28,7 +28,8 @@ def rehearsed(request, tmp_path_factory):
     preset, layers, tp = {"grpo_gsm8k_qwen3_30b_a3b": ("qwen3-30b-a3b", 1, None),  # the recipe's TP, within 2
                           "ppo_gsm8k_qwen2.5_0.5b": ("qwen2.5-0.5b", 24, 2)}[request.param]  # TP2, not the recipe's 1
     work = tmp_path_factory.mktemp(request.param)
-    report = rehearse.run(EXAMPLES / request.param / "config.yaml", work, layers=layers, preset=preset, tp=tp)
+    report = rehearse.run(EXAMPLES / request.param / "config.yaml", work, layers=layers, preset=preset, tp=tp,
+                          rollout=True)  # ~17 GiB at the peak, both ranks together
     print(rehearse.markdown(report))
     return request.param, report, json.loads((work / "reference.json").read_text())
 
