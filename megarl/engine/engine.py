@@ -147,6 +147,7 @@ class MegatronEngine:
             self.model,
         )
         _use_fused_cpu_adam(self.optimizer)
+        _give_sgd_a_state_init(self.optimizer)
         decay = "constant" if o.lr_decay is LRDecay.CONSTANT else o.lr_decay.value
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -438,6 +439,23 @@ def _input_shape(mb: dict[str, Any]) -> tuple[int, int]:
     """[batch, sequence] of a micro-batch's model input."""
     packing = mb.get(PACKING)
     return tuple(packing.tokens.shape) if packing is not None else tuple(mb["input_ids"].shape)
+
+
+def _give_sgd_a_state_init(optimizer) -> None:
+    """megatron-core gives SGD no ``init_state_fn`` (0.16: ``get_megatron_optimizer``), and its
+    ``sharded_state_dict(is_loading=True)`` calls it: resuming an SGD run raised ``TypeError: 'NoneType' object is
+    not callable``. SGD's only state is the momentum buffer, which torch makes on the first step: made here as zeros
+    so that the checkpoint's values load into it (none with momentum 0)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.init_state_fn is None and isinstance(opt.optimizer, torch.optim.SGD):
+            opt.init_state_fn = _init_sgd_state
+
+
+def _init_sgd_state(opt: torch.optim.SGD, config=None) -> None:
+    for group in opt.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
 
 
 def _use_fused_cpu_adam(optimizer) -> None:
