@@ -187,12 +187,15 @@ class Trainer:
             while not self.complete and not self.stop.requested:
                 try:
                     metrics = self._step()
+                    # logged before the checkpoint: a kill between the two loses no record (a resume drops the
+                    # records after its checkpoint and redoes those steps)
+                    tracker.log(self.step, metrics)
+                    self._save_if_due()
                 except WorkerError as e:
                     if not e.lost:
                         raise
                     self._recover(e, tracker)
                     continue
-                tracker.log(self.step, metrics)
                 history.append(metrics)
                 for cb in self.callbacks:
                     cb.on_step_end(self.step, metrics)
@@ -201,7 +204,7 @@ class Trainer:
         return history
 
     def _step(self) -> dict[str, float]:
-        """One training step, its validation and its checkpoint when due."""
+        """One training step and its validation (:meth:`fit` logs it, then checkpoints when due)."""
         t = self.cfg.trainer
         self.step += 1
         start = time.perf_counter()
@@ -216,9 +219,12 @@ class Trainer:
                 metrics |= timer.metrics()
         metrics["timing/step_s"] = time.perf_counter() - start
         metrics["run/restarts"] = float(self.restarts)
+        return metrics
+
+    def _save_if_due(self) -> None:
+        t = self.cfg.trainer
         if (t.save_every and self.step % t.save_every == 0) or self.complete:
             self.save()
-        return metrics
 
     def _program_step(self) -> dict[str, float]:
         """The program's step with its stage times (``timing/<stage>_s``) and, when it reports ``batch/tokens``,
