@@ -6,7 +6,7 @@ weights are written shard by shard, and the rehearsal runs, in order, each in it
 copies of the model are resident together:
 
 1. ``reference``: transformers in float32: greedy continuations of the probe prompts, the log-prob of every token of
-   them; in the recipe's rollout dtype too, its greedy continuations (what the rollout engine must reproduce);
+   them (what the float32 rollout engine must reproduce);
 2. ``convert``: HF -> Megatron at the rehearsal layout and back; the round trip compared tensor by tensor (bit-exact);
 3. a world of ``world`` gloo ranks at a layout derived from the recipe's (:func:`derive_layout`): the policy role
    (megatron-core, the recipe's precision on CPU: float32) computes the log-probs of the reference's sequences,
@@ -183,7 +183,7 @@ class PhaseMemory:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                if key in ("VmRSS", "VmHWM"):
                     out[key] = int(value.split()[0]) * 1024
         return out
 
@@ -333,9 +333,6 @@ def _write_and_reference(r: Rehearsal, hf_dir: str, out: str) -> dict[str, Any]:
             logits = model(torch.tensor([seq])).logits[0, :-1].double()
             log_probs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
         res["log_probs"] = log_probs
-        if r.rollout_dtype != "float32":
-            model.to(getattr(torch, r.rollout_dtype))
-            res["greedy_rollout_dtype"] = greedy()
     res["reference_s"] = time.perf_counter() - start - written
     res["peak_rss"] = _peak_rss()
     Path(out).write_text(json.dumps(res))
@@ -459,7 +456,7 @@ def rehearse(r: Rehearsal, workdir: str | Path, *, timeout_s: float = 3600) -> d
     ranks = run_world(_rank, r.world, r, mc, ref, timeout_s=timeout_s)
     report["world_s"] = time.perf_counter() - start
     reference = json.loads(Path(ref).read_text())
-    expected_greedy = reference.get("greedy_rollout_dtype", reference["greedy_float32"])
+    expected_greedy = reference["greedy_float32"]  # the rehearsal's rollout engine runs in float32
     report["log_prob_max_diff"] = max(x["log_prob_max_diff"] for x in ranks)
     report["greedy_expected"] = expected_greedy
     if r.rollout:
