@@ -22,3 +22,13 @@ class WeightSync:
         return (self.transfer.metrics() | {"timing/to_rollout_s": self.seconds,
                                            "rollout/sleep_frees_memory": float(self.sleep_frees_memory)}
                 | (self.parity.metrics() if self.parity is not None else {}))
+
+    @staticmethod
+    def slowest(syncs: list[WeightSync]) -> WeightSync:
+        """The transition of many ranks as one: the slowest rank's seconds, and each traffic count's largest value
+        over the ranks (the busiest rank's bytes: which rank is slowest changes from run to run, and the byte
+        counts must not change with it, or a resumed run's metrics differ from its uninterrupted twin's)."""
+        slowest = max(syncs, key=lambda w: w.seconds)
+        counts = {f.name: max(getattr(w.transfer, f.name) for w in syncs)
+                  for f in dataclasses.fields(TransferStats) if f.name != "seconds"}
+        return dataclasses.replace(slowest, transfer=dataclasses.replace(slowest.transfer, **counts))

@@ -157,12 +157,12 @@ class Cluster:
 
     def sync_weights(self, version: int = 0) -> WeightSync:
         """Train -> rollout: the rollout engines hold the policy's current weights, which the rows they generate
-        record as ``policy_version`` = ``version``. The slowest rank's transition (its traffic with it);
+        record as ``policy_version`` = ``version``. The ranks' transitions as one (:meth:`WeightSync.slowest`);
         with a rollout pool, the receiving side's (its seconds cover the whole transfer), with the push's parity
         probe (:meth:`_check_push`). A push stalled past ``cluster.timeouts.push_s`` (counted once the rollout
         ranks have run the calls ahead of it) fails as a lost worker."""
         if self.rollout is None:
-            return max(self.policy.all(PolicyRole.sync_weights, version), key=lambda w: w.seconds)
+            return WeightSync.slowest(self.policy.all(PolicyRole.sync_weights, version))
         # one submission to each rollout rank, in this order, before any other thread's call: the marker, the
         # receive, then the probe, which so meets exactly the weights pushed
         with self._rollout_calls:
@@ -173,7 +173,7 @@ class Cluster:
         ready.result()  # the generation ahead of the push (call_s); the policy's ranks wait in the link
         _, received = wait_all(calls, deadline_s=self.cfg.cluster.timeouts.push_s,
                                what=f"the weight push of version {version} to the rollout pool")
-        sync = dataclasses.replace(max(received, key=lambda w: w.seconds), parity=self._check_push(probed, version))
+        sync = dataclasses.replace(WeightSync.slowest(received), parity=self._check_push(probed, version))
         self._held = version
         return sync
 
