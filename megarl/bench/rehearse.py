@@ -13,8 +13,11 @@ copies of the model are resident together:
    syncs its weights into the recipe's rollout engine (resharding; bytes per rank against the plan's
    :func:`megarl.resharding.plan.make_plan`), generates greedily, and with ``update`` takes one SGD step.
 
-Each phase's peak resident memory per rank (``/proc/self/clear_refs`` resets the high-water mark before it) is
-reported beside the planner's prediction of the same phase (:func:`predicted_phase_bytes`).
+Each phase's peak memory per rank is reported beside the planner's prediction of the same phase
+(:func:`predicted_phase_bytes`). ``device`` picks where the reference and the world run and whose memory is
+measured, through one probe class per device (:data:`MEMORY_PROBES`): ``cpu``, gloo ranks and the host's resident
+set (:class:`PhaseMemory`); ``cuda``, NCCL ranks (rank r on GPU r) and the CUDA allocator's bytes
+(:class:`CudaPhaseMemory`), the reference in float32 on the GPU with TF32 off. Torch and CUDA are imported lazily.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Rehearsal:
     max_new_tokens: int
     bucket_mb: float = 64.0
     seed: int = 0
+    device: str = "cpu"  # a key of MEMORY_PROBES: "cuda" runs the reference and the world on GPUs (NCCL)
 
     @property
     def spec(self) -> ModelSpec:
@@ -66,18 +70,21 @@ class Rehearsal:
 
 def from_recipe(config: str | Path, *, layers: int, world: int = 2, preset: str | None = None,
                 hf_config: str | Path | None = None, tp: int | None = None, ep: int | None = None,
-                update: bool = False, rollout: bool | None = None, max_new_tokens: int = 8, seed: int = 0) -> Rehearsal:
+                update: bool = False, rollout: bool | None = None, max_new_tokens: int = 8, seed: int = 0,
+                device: str = "cpu") -> Rehearsal:
     """The rehearsal of a recipe (its YAML): the model of its ``model.path`` (or ``preset`` / ``hf_config`` where
     that is not on this machine) with ``layers`` layers, at :func:`derive_layout` on ``world`` ranks (``tp``, ``ep``:
     other sizes than the derived ones), the
     embedded rollout engine in float32 (exact greedy tokens against transformers; the recipe's vLLM runs where a
     GPU is), four probe prompts of random token ids. ``rollout`` None: the sync and generation phases run where
-    the planner's bytes of the whole world fit this machine's available memory (:func:`fits`)."""
+    the planner's bytes of the whole world fit this machine's available memory (:func:`fits`). ``device``: ``cpu``
+    or ``cuda`` (:data:`MEMORY_PROBES`; ``cuda`` needs a GPU per rank)."""
     from megarl.checkpoint.format import hf_files
     from megarl.config.train import load_config
     from megarl.models.spec import load_hf_config
     from megarl.planner.presets import PRESETS
 
+    memory_probe(device).require(world)  # before anything is read or written
     cfg = load_config(config, [])
     if preset is not None:
         if preset not in PRESETS:
@@ -99,15 +106,15 @@ def from_recipe(config: str | Path, *, layers: int, world: int = 2, preset: str 
     prompts = tuple(tuple(gen.randrange(5, vocab) for _ in range(n)) for n in (5, 9, 3, 7))
     name = Path(config).parent.name if Path(config).name == "config.yaml" else Path(config).stem
     r = Rehearsal(name, cut, world, tp, pp, ep, RolloutBackend.EMBEDDED, 1, "float32", update, True, prompts,
-                  max_new_tokens, cfg.rollout.engine.bucket_mb, seed)
+                  max_new_tokens, cfg.rollout.engine.bucket_mb, seed, device)
     return dataclasses.replace(r, rollout=fits(r) if rollout is None else rollout)
 
 
 def world_bytes(r: Rehearsal) -> int:
     """The planner's peak of the rehearsal world on this machine: every rank's resident state (parameters,
     gradients) plus its largest phase, and the runtime of each process (torch, megatron-core: ~0.45 GiB)."""
-    planned = predicted_phase_bytes(r, 64, 32, len(r.prompts))
-    resident = planned["load"] - load_transient_bytes(r)
+    planned, terms = predicted_phase_bytes(r, 64, 32, len(r.prompts)), memory_terms(r)
+    resident = terms.params + terms.grads
     phases = [planned["load"] - resident, planned["sync"] if r.rollout else 0, planned.get("update", 0)]
     return r.world * (resident + max(phases) + RUNTIME_BYTES)
 
@@ -116,10 +123,8 @@ RUNTIME_BYTES = int(0.45 * GIB)  # a rank's resident set after importing torch a
 
 
 def fits(r: Rehearsal) -> bool:
-    """Whether the world with its rollout phases fits 90 % of the memory available now (/proc/meminfo)."""
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return world_bytes(dataclasses.replace(r, rollout=True)) <= 0.9 * available
+    """Whether the world with its rollout phases fits 90 % of the memory available now (the probe's)."""
+    return world_bytes(dataclasses.replace(r, rollout=True)) <= 0.9 * memory_probe(r.device).available_bytes(r.world)
 
 
 def cut_layers(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -159,6 +164,19 @@ def derive_layout(cfg: TrainConfig, spec: ModelSpec, world: int, pool: str = "ma
 
 # ------------------------------------------------------------------------------------------------ memory
 
+@dataclasses.dataclass(frozen=True)
+class MemoryTerms:
+    """The planner's terms (bytes, the fullest rank) that the phases' predictions combine; which of them land in
+    the measured memory, and when, depends on the device (each probe's ``load_bytes`` and ``sync_bytes``)."""
+
+    params: int
+    grads: int  # the gradient buffer (0 without ``update``)
+    load_read: int  # megatron-core's reader: the bytes read and the tensor deserialized from them, host memory
+    load_merged: int  # the SwiGLU factories' merged linear_fc1 of every layer (and local expert), beside the params
+    rollout: int  # the rollout engine's weights
+    receive: int  # the sync's transient (the receive buffer; vLLM: send + receive)
+
+
 class PhaseMemory:
     """Peak resident bytes of this process per phase, over the resident bytes when the phase began: the kernel's
     high-water mark (VmHWM) is reset before each phase (``/proc/self/clear_refs``, value 5). glibc's mmap and trim
@@ -167,10 +185,12 @@ class PhaseMemory:
     the heap kept of earlier phases (benchmarks/packing.py measures the same way)."""
 
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+    backend, cuda, measures = "gloo", False, "resident"
 
     def __init__(self) -> None:
         import ctypes
 
+        self.device = "cpu"  # the rank's compute device (WorkerContext.device)
         self.phases: dict[str, dict[str, int]] = {}
         self.libc = ctypes.CDLL("libc.so.6")
         for param in (self.M_MMAP_THRESHOLD, self.M_TRIM_THRESHOLD):
@@ -204,6 +224,103 @@ class PhaseMemory:
 
         return phase()
 
+    @staticmethod
+    def load_bytes(t: MemoryTerms) -> int:
+        """The rank's state plus the larger load transient: both the reader's copies and the merged fc1 are host
+        memory. (The rollout engine's replica, made at construction and freed by its sleep, is never touched, so
+        its pages are not resident.)"""
+        return t.params + t.grads + max(t.load_read, t.load_merged)
+
+    @staticmethod
+    def sync_bytes(t: MemoryTerms) -> int:
+        return t.rollout + t.receive  # on CPU the hybrid engine offloads nothing (rollout.offload_train_state)
+
+    @staticmethod
+    def available_bytes(world: int) -> int:
+        """What the whole world may use: the host's available memory (/proc/meminfo), shared by its ranks."""
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    @staticmethod
+    def require(world: int) -> None:
+        """Raise where this machine cannot run a world of ``world`` ranks on this device (a CPU always can)."""
+
+
+class CudaPhaseMemory:
+    """Peak bytes the CUDA caching allocator handed out per phase, over those allocated when the phase began
+    (``torch.cuda.reset_peak_memory_stats`` before, ``max_memory_allocated`` after, on the rank's current device):
+    tensors only, not the allocator's cached blocks nor the CUDA context. Made in a rank after
+    :func:`megarl.parallel.init.init_distributed` has chosen the rank's GPU."""
+
+    backend, cuda, measures = "nccl", True, "CUDA allocated"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = f"cuda:{torch.cuda.current_device()}"
+        self.phases: dict[str, dict[str, int]] = {}
+
+    def __call__(self, name: str):
+        import contextlib
+        import gc
+
+        cuda = self.torch.cuda
+
+        @contextlib.contextmanager
+        def phase():
+            gc.collect()
+            cuda.synchronize()
+            start = cuda.memory_allocated()
+            cuda.reset_peak_memory_stats()
+            yield
+            cuda.synchronize()
+            self.phases[name] = {"start": start, "peak": cuda.max_memory_allocated() - start,
+                                 "end": cuda.memory_allocated() - start}
+
+        return phase()
+
+    @staticmethod
+    def load_bytes(t: MemoryTerms) -> int:
+        """megatron-core loads into the parameters in place (the reader's copies stay on the host), the merged fc1
+        are device tensors held until the state is copied in; then the gradient buffer, then the embedded engine
+        materialises its replica (``torch.empty`` on a GPU allocates; on the host untouched pages are not resident)
+        and frees it when it sleeps."""
+        return t.params + max(t.load_merged, t.grads + t.rollout)
+
+    @staticmethod
+    def sync_bytes(t: MemoryTerms) -> int:
+        """The hybrid engine offloads the gradients before the rollout engine wakes (the parameters after the
+        sync), so the phase adds the replica and the receive buffer less the gradient buffer it freed."""
+        return t.rollout + t.receive - t.grads
+
+    @staticmethod
+    def available_bytes(world: int) -> int:
+        """What the whole world may use: each rank has a GPU of its own; the first one's free bytes, ``world`` times."""
+        import torch
+
+        return world * torch.cuda.mem_get_info(0)[0]
+
+    @staticmethod
+    def require(world: int) -> None:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < world:
+            raise ConfigError(f"a rehearsal on cuda runs each of its {world} ranks on a GPU of its own; this machine "
+                              f"has {count}: run it where there are {world}, with a smaller --world, or --device cpu.")
+
+
+# the devices a rehearsal runs on: what the reference and the world compute on, and whose memory is measured
+MEMORY_PROBES: dict[str, type[PhaseMemory] | type[CudaPhaseMemory]] = {"cpu": PhaseMemory, "cuda": CudaPhaseMemory}
+
+
+def memory_probe(device: str) -> type[PhaseMemory] | type[CudaPhaseMemory]:
+    """The probe class of ``device`` (a key of :data:`MEMORY_PROBES`)."""
+    if device not in MEMORY_PROBES:
+        raise ConfigError(f"unknown rehearsal device {device!r}; known: {sorted(MEMORY_PROBES)} (cuda: rank r, GPU r)")
+    return MEMORY_PROBES[device]
+
 
 # the measured peak of a phase is within this of the prediction: relative for what the terms leave out (Python
 # objects, the resharding plan, small work buffers), absolute because glibc keeps freed chunks below its dynamic
@@ -214,62 +331,76 @@ TOLERANCE_BYTES = 64 * 2**20
 
 
 def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) -> dict[str, int]:
-    """What each phase adds to the fullest rank's resident memory at its peak, from the planner's terms
-    (:mod:`megarl.planner.memory`) and the CPU terms a GPU plan leaves out (docs/rehearsal.md §3):
+    """What each phase adds to the fullest rank's measured memory at its peak (resident on CPU, allocated on CUDA),
+    from the planner's terms (:func:`memory_terms`) and the CPU terms a GPU plan leaves out (docs/rehearsal.md §3):
 
     * ``load``: the rank's parameters (and gradient buffer with ``update``) plus the larger of megatron-core's two
-      load transients (:func:`load_transient_bytes`; host memory, which a GPU plan leaves out);
+      load transients (:func:`load_transient_bytes`; host memory, which a GPU plan leaves out); on CUDA
+      :meth:`CudaPhaseMemory.load_bytes`;
     * ``log-probs``: the output layer's logits of the ``packed`` tokens (the probes' sequences), twice
       (sequence-major, then the batch-major copy the log-prob function reads), and the two chunk buffers of
       :mod:`megarl.engine.vocab_parallel`;
     * ``sync``: the rollout engine's weights and the resharding transient (embedded engine: the receive buffer,
-      the largest HF tensor in full shape or the bucket cap; vLLM: the planner's send + receive bound);
+      the largest HF tensor in full shape or the bucket cap; vLLM: the planner's send + receive bound); on CUDA
+      less the gradient buffer offloaded first (:meth:`CudaPhaseMemory.sync_bytes`);
     * ``generate``: the KV cache of ``rows`` sequences of ``longest`` tokens and one step's logits over the vocabulary;
-    * ``update``: the activations of the micro-batch (no optimizer state: SGD).
+    * ``update``: the activations of the micro-batch (no optimizer state: SGD) and the largest parameter's gradient
+      as autograd makes it, before the DDP hook adds it into the buffer (megarl builds its models without
+      megatron-core's fused gradient accumulation): the vocabulary shard's.
     """
-    from megarl.engine.config import Precision
     from megarl.engine.vocab_parallel import CHUNK_BYTES
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.planner import memory
+
+    spec, fp32, probe, terms = r.spec, 4, memory_probe(r.device), memory_terms(r)
+    layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
+    local_vocab = spec.padded_vocab_size(r.tp) // r.tp
+    rb = memory.itemsize(r.rollout_dtype)
+    out = {"load": probe.load_bytes(terms),
+           "log-probs": 2 * packed * local_vocab * fp32 + 2 * CHUNK_BYTES,
+           "sync": probe.sync_bytes(terms),
+           "generate": memory.kv_cache_bytes(spec, r.rollout_tp, rb, rows * longest) + rows * spec.vocab_size * fp32}
+    if not r.rollout:
+        del out["sync"], out["generate"]
+    if r.update:
+        out["update"] = memory.activation_bytes(spec, layout, 0, micro_batch_tokens=packed, seq_len=longest,
+                                                recompute=memory.Recompute.NONE, act_bytes=fp32, packed=True) \
+            + memory.largest_shard_bytes(spec, layout, fp32)
+    return out
+
+
+def memory_terms(r: Rehearsal) -> MemoryTerms:
+    """The planner's terms of the fullest rank of ``r`` (:mod:`megarl.planner.memory`, float32 training)."""
+    from megarl.engine.config import Precision
     from megarl.parallel.layout import ParallelLayout
     from megarl.planner import memory
 
     spec, fp32 = r.spec, 4
     layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
     state = memory.training_state_bytes(spec, layout, Precision.FP32, False, optimizer_states=0)[0]
-    local_vocab = spec.padded_vocab_size(r.tp) // r.tp
     rb, bucket = memory.itemsize(r.rollout_dtype), int(r.bucket_mb * 2**20)
     if r.rollout_backend is RolloutBackend.VLLM:
         transient = memory.reshard_transient_bytes(spec, layout, r.rollout_tp, param_dtype_bytes=fp32,
                                                    rollout_dtype_bytes=rb, bucket_bytes=bucket)
     else:
         transient = memory.receive_transient_bytes(spec, layout, rollout_dtype_bytes=rb, bucket_bytes=bucket)
-    out = {"load": state.params + (state.grads if r.update else 0) + load_transient_bytes(r),
-           "log-probs": 2 * packed * local_vocab * fp32 + 2 * CHUNK_BYTES,
-           "sync": memory.rollout_weight_bytes(spec, r.rollout_tp, rb) + transient,
-           "generate": memory.kv_cache_bytes(spec, r.rollout_tp, rb, rows * longest) + rows * spec.vocab_size * fp32}
-    if not r.rollout:
-        del out["sync"], out["generate"]
-    if r.update:
-        out["update"] = memory.activation_bytes(spec, layout, 0, micro_batch_tokens=packed, seq_len=longest,
-                                                recompute=memory.Recompute.NONE, act_bytes=fp32, packed=True)
-    return out
-
-
-def load_transient_bytes(r: Rehearsal) -> int:
-    """What megatron-core's checkpoint load holds beside the rank's parameters at its peak, the larger of: the
-    reader's copy of one item, twice (the bytes read and the tensor deserialized from them; the largest local
-    shard, the vocabulary's here), and the SwiGLU factories' merged ``linear_fc1`` of every layer (and every local
-    expert), fresh tensors held in the loaded state until it is copied into the parameters. Measured on the 7B,
-    30B-A3B and 70B rehearsals (docs/rehearsal.md §3)."""
-    from megarl.parallel.layout import ParallelLayout
-    from megarl.planner import memory
-
-    spec, fp32 = r.spec, 4
-    layout = ParallelLayout.for_world(r.world, tp=r.tp, pp=r.pp, ep=r.ep)
     if spec.moe is not None:
         merged = spec.num_layers * spec.moe.num_experts // r.ep * 2 * spec.moe.ffn_hidden_size * spec.hidden_size
     else:
         merged = spec.num_layers * 2 * spec.ffn_hidden_size // r.tp * spec.hidden_size
-    return max(2 * memory.largest_shard_bytes(spec, layout, fp32), merged * fp32)
+    return MemoryTerms(params=state.params, grads=state.grads if r.update else 0,
+                       load_read=2 * memory.largest_shard_bytes(spec, layout, fp32), load_merged=merged * fp32,
+                       rollout=memory.rollout_weight_bytes(spec, r.rollout_tp, rb), receive=transient)
+
+
+def load_transient_bytes(r: Rehearsal) -> int:
+    """What megatron-core's checkpoint load holds beside the rank's parameters at its peak on CPU, the larger of:
+    the reader's copy of one item, twice (the bytes read and the tensor deserialized from them; the largest local
+    shard, the vocabulary's here), and the SwiGLU factories' merged ``linear_fc1`` of every layer (and every local
+    expert), fresh tensors held in the loaded state until it is copied into the parameters. Measured on the 7B,
+    30B-A3B and 70B rehearsals (docs/rehearsal.md §3)."""
+    t = memory_terms(r)
+    return max(t.load_read, t.load_merged)
 
 
 def memory_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -305,33 +436,45 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _exact_float32() -> None:
+    """float32 matrix products in float32 on a GPU (no TF32, whose 10-bit mantissa would move the log-probs by
+    ~1e-3 and flip greedy near-ties); nothing changes on a CPU."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def _write_and_reference(r: Rehearsal, hf_dir: str, out: str) -> dict[str, Any]:
-    """(its own process) random weights, then transformers' greedy continuations and log-probs."""
+    """(its own process) random weights, then transformers' greedy continuations and log-probs on ``r.device``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megarl.testing.tiny import write_random_hf
 
     torch.set_num_threads(2)
+    _exact_float32()
+    device = torch.device(r.device)
     start = time.perf_counter()
     config = AutoConfig.for_model(**r.hf_config)
     # logits of standard deviation ~4 over the vocabulary, as a trained model's: the tests' tiny models' 0.5 would
     # give 45 at hidden 8192, whose float32 rounding alone exceeds the log-prob tolerance
     params, nbytes = write_random_hf(hf_dir, config, seed=r.seed, vocab_std=LOGIT_STD / config.hidden_size ** 0.5)
     written = time.perf_counter() - start
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     res: dict[str, Any] = {"parameters": params, "hf_bytes": nbytes, "write_s": written}
 
     def greedy() -> list[list[int]]:
-        return [model.generate(torch.tensor([p]), max_new_tokens=r.max_new_tokens, do_sample=False,
+        return [model.generate(torch.tensor([p], device=device), max_new_tokens=r.max_new_tokens, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0].tolist() for p in r.prompts]
 
     with torch.no_grad():
         res["greedy_float32"] = greedy()
         log_probs = []
         for seq in res["greedy_float32"]:
-            logits = model(torch.tensor([seq])).logits[0, :-1].double()
-            log_probs.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
+            logits = model(torch.tensor([seq], device=device)).logits[0, :-1].double()
+            targets = torch.tensor(seq[1:], device=device)[:, None]
+            log_probs.append(torch.log_softmax(logits, -1).gather(-1, targets)[:, 0].tolist())
         res["log_probs"] = log_probs
     res["reference_s"] = time.perf_counter() - start - written
     res["peak_rss"] = _peak_rss()
@@ -386,8 +529,10 @@ def _rank(rank: int, world: int, r: Rehearsal, mc_dir: str, reference: str) -> d
     from megarl.testing.dist import from_collect_rank
 
     layout = ParallelLayout.for_world(world, tp=r.tp, pp=r.pp, ep=r.ep)
-    init_distributed(layout)
-    ctx = WorkerContext(rank, world, layout, layout.coords(rank), "127.0.0.1", "local", 0, "cpu")
+    init_distributed(layout)  # NCCL on the rank's GPU where CUDA is, else gloo
+    _exact_float32()
+    mem = memory_probe(r.device)()
+    ctx = WorkerContext(rank, world, layout, layout.coords(rank), "127.0.0.1", "local", 0, mem.device)
     ref = json.loads(Path(reference).read_text())
     seqs = ref["greedy_float32"]
     width = max(len(s) for s in seqs)
@@ -396,7 +541,7 @@ def _rank(rank: int, world: int, r: Rehearsal, mc_dir: str, reference: str) -> d
                           micro_batch=MicroBatchConfig(max_tokens=len(seqs) * width, max_size=len(seqs)))
     rollout = RolloutConfig(backend=r.rollout_backend, tp=r.rollout_tp, dtype=Precision(r.rollout_dtype),
                             bucket_mb=r.bucket_mb)
-    mem, out = PhaseMemory(), {}
+    out: dict[str, Any] = {}
     with mem("load"):
         role = PolicyRole(ctx, checkpoint_dir=mc_dir, engine=engine, algorithm=AlgorithmConfig(
             recompute_old_log_probs=True), temperature=1.0, rollout=rollout, trainable=r.update)
@@ -444,7 +589,8 @@ def rehearse(r: Rehearsal, workdir: str | Path, *, timeout_s: float = 3600) -> d
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     hf, mc, back, ref = (str(workdir / n) for n in ("hf", "mc", "hf_round_trip", "reference.json"))
-    report: dict[str, Any] = {"name": r.name, "layers": r.hf_config["num_hidden_layers"], "world": r.world,
+    report: dict[str, Any] = {"name": r.name, "device": r.device, "layers": r.hf_config["num_hidden_layers"],
+                              "world": r.world,
                               "tp": r.tp, "pp": r.pp, "ep": r.ep, "rollout": r.rollout_backend.value,
                               "rollout_tp": r.rollout_tp, "rollout_dtype": r.rollout_dtype}
     context = multiprocessing.get_context("forkserver")
@@ -453,7 +599,7 @@ def rehearse(r: Rehearsal, workdir: str | Path, *, timeout_s: float = 3600) -> d
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         report["convert"] = pool.submit(_convert, r, hf, mc, back).result()
     start = time.perf_counter()
-    ranks = run_world(_rank, r.world, r, mc, ref, timeout_s=timeout_s)
+    ranks = run_world(_rank, r.world, r, mc, ref, timeout_s=timeout_s, cuda=memory_probe(r.device).cuda)
     report["world_s"] = time.perf_counter() - start
     reference = json.loads(Path(ref).read_text())
     expected_greedy = reference["greedy_float32"]  # the rehearsal's rollout engine runs in float32
@@ -500,12 +646,12 @@ def failures(report: dict[str, Any]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a markdown section: the checks, then memory per phase beside the prediction."""
-    c, ref = report["convert"], report["reference"]
+    c, ref, probe = report["convert"], report["reference"], memory_probe(report["device"])
     trip = "bit-exact" if not c["round_trip_unequal"] else "DIFFERS: " + ", ".join(c["round_trip_unequal"][:3])
     lines = [f"### {report['name']}: {report['layers']} layer(s), {ref['parameters'] / 1e9:.2f} B parameters",
              "",
-             f"World of {report['world']} gloo ranks: TP{report['tp']} PP{report['pp']} EP{report['ep']}; rollout "
-             f"{report['rollout']} TP{report['rollout_tp']} {report['rollout_dtype']}.",
+             f"World of {report['world']} {probe.backend} ranks: TP{report['tp']} PP{report['pp']} EP{report['ep']}; "
+             f"rollout {report['rollout']} TP{report['rollout_tp']} {report['rollout_dtype']}.",
              "",
              "| check | result |", "|---|---|",
              f"| round trip HF -> Megatron -> HF ({c['tensors']} tensors) | "
@@ -522,7 +668,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| sync, generation | not run: {report['rollout_skipped']} |")
     lines += [f"| times: write / reference / to Megatron / to HF / world (s) | {ref['write_s']:.0f} / "
               f"{ref['reference_s']:.0f} / {c['to_megatron_s']:.0f} / {c['to_hf_s']:.0f} / {report['world_s']:.0f} |",
-              "", "| phase | measured peak (GiB, fullest rank) | predicted (GiB) | ratio | within tolerance |",
+              "", f"| phase | measured peak (GiB {probe.measures}, fullest rank) | predicted (GiB) | ratio | within "
+                  "tolerance |",
               "|---|---|---|---|---|"]
     for m in report["memory_checks"]:
         ratio = f"{m['ratio']:.3f}" if m["ratio"] is not None else "-"

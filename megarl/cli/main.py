@@ -42,7 +42,7 @@ def _rehearse(args: argparse.Namespace) -> int:
 
     report = rehearse.run(args.config, args.workdir, keep=args.keep, layers=args.layers, world=args.world,
                           preset=args.preset, hf_config=args.hf_config, tp=args.tp, ep=args.ep, update=args.update,
-                          rollout=args.rollout)
+                          rollout=args.rollout, device=args.device)
     print(rehearse.markdown(report))
     for line in report["failures"]:
         print(f"FAILED: {line}")
@@ -66,7 +66,9 @@ def main() -> None:
                               "layers cut (docs/rehearsal.md)")
     rehearse.add_argument("config", help="the recipe's YAML config (examples/*/config.yaml)")
     rehearse.add_argument("--layers", type=int, default=1, help="decoder layers kept (default 1)")
-    rehearse.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    rehearse.add_argument("--world", type=int, default=2, help="ranks of the world (default 2)")
+    rehearse.add_argument("--device", default="cpu", help="cpu (gloo ranks, default) or cuda (NCCL ranks, rank r on "
+                          "GPU r; the reference on the GPU too)")
     model = rehearse.add_mutually_exclusive_group()
     model.add_argument("--preset", help="the model's planner preset, where model.path is not on this machine")
     model.add_argument("--hf-config", help="the model's config.json, where model.path is not on this machine")
