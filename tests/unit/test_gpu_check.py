@@ -27,10 +27,12 @@ def test_make_gpu_check_without_a_gpu_lists_the_checks_and_exits_0():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("no CUDA device here: nothing is run")
     listed = [ln.split(". ", 1)[1].split(" (needs")[0].split(": pytest")[0] for ln in lines[1:]]
-    assert listed == [c.name for c in gpu_check.CHECKS] and len(listed) == 8
-    # the issue's list: collective audit over MoE + dense, checkpoint resume, TE, vLLM cycles, colocated memory
+    assert listed == [c.name for c in gpu_check.CHECKS] and len(listed) == 9
+    # the issue's list: collective audit over MoE + dense, checkpoint resume, TE, vLLM cycles, colocated memory, and
+    # issue #47's one-GPU rehearsal of the 7B recipe
     text = done.stdout
     for phrase in ("MoE cycle", "checkpoint save/resume bit-exact", "Transformer Engine round trip",
+                   "one-GPU rehearsal of the 7B recipe at true width",
                    "sleep/wake/sync/generate twice", "realistic memory ratio"):
         assert phrase in text, phrase
     assert "(needs vllm)" in text and "(needs transformer_engine)" in text
