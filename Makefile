@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # `torch` requirement would pull a multi-GB CUDA build, so the pin is installed first.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install demo test test-quick lint clean gpu-check
+.PHONY: install demo test test-quick test-scale lint clean gpu-check
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ test: lint
 # Fast subset: no multi-process worlds, nothing marked slow.
 test-quick: lint
 	$(PY) -m pytest -q -m "not dist and not slow"
+
+# The whole Qwen2.5-0.5B trained on CPU at TP2 (GRPO on both engines, PPO, resume, HF export; ~5 min, ~19 GB;
+# tests/scale, docs/rehearsal.md §5): too heavy for `make test`.
+test-scale: install
+	MEGARL_SCALE_TEST=1 $(PY) -m pytest -q -s tests/scale
 
 # megarl's GPU paths on one GPU in under 8 minutes (docs/gpu.md): on a bare CUDA + PyTorch image it installs the
 # wheels in $(WHEELS) first; without a GPU it lists its checks and exits 0. The image's python, not the venv's.
