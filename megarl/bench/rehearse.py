@@ -171,7 +171,7 @@ class MemoryTerms:
 
     params: int
     grads: int  # the gradient buffer (0 without ``update``)
-    load_read: int  # megatron-core's reader: the bytes read and the tensor deserialized from them, host memory
+    load_read: int  # megatron-core's reader: the largest tensor (the vocabulary's) in full shape, host memory
     load_merged: int  # the SwiGLU factories' merged linear_fc1 of every layer (and local expert), beside the params
     rollout: int  # the rollout engine's weights
     receive: int  # the sync's transient (the receive buffer; vLLM: send + receive)
@@ -390,21 +390,24 @@ def memory_terms(r: Rehearsal) -> MemoryTerms:
                                                    rollout_dtype_bytes=rb, bucket_bytes=bucket)
     else:
         transient = memory.receive_transient_bytes(spec, layout, rollout_dtype_bytes=rb, bucket_bytes=bucket)
+    # the largest tensor in full shape: the vocabulary's, padded for the rank's TP, or one that TP does not split
+    full = max(spec.padded_vocab_size(r.tp) * spec.hidden_size,
+               memory.largest_shard_bytes(spec, ParallelLayout(), 1))
     if spec.moe is not None:
         merged = spec.num_layers * spec.moe.num_experts // r.ep * 2 * spec.moe.ffn_hidden_size * spec.hidden_size
     else:
         merged = spec.num_layers * 2 * spec.ffn_hidden_size // r.tp * spec.hidden_size
     return MemoryTerms(params=state.params, grads=state.grads if r.update else 0,
-                       load_read=2 * memory.largest_shard_bytes(spec, layout, fp32), load_merged=merged * fp32,
+                       load_read=full * fp32, load_merged=merged * fp32,
                        rollout=memory.rollout_weight_bytes(spec, r.rollout_tp, rb), receive=transient)
 
 
 def load_transient_bytes(r: Rehearsal) -> int:
     """What megatron-core's checkpoint load holds beside the rank's parameters at its peak on CPU, the larger of:
-    the reader's copy of one item, twice (the bytes read and the tensor deserialized from them; the largest local
-    shard, the vocabulary's here), and the SwiGLU factories' merged ``linear_fc1`` of every layer (and every local
+    the reader's copy of the largest tensor in its full shape (the vocabulary's: at TP2 that is twice the rank's
+    shard, at TP1 the shard itself), and the SwiGLU factories' merged ``linear_fc1`` of every layer (and every local
     expert), fresh tensors held in the loaded state until it is copied into the parameters. Measured on the 7B,
-    30B-A3B and 70B rehearsals (docs/rehearsal.md §3)."""
+    30B-A3B and 70B rehearsals at TP2 and the 7B at TP1 (docs/rehearsal.md §3)."""
     t = memory_terms(r)
     return max(t.load_read, t.load_merged)
 

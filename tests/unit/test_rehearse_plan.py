@@ -51,8 +51,8 @@ def test_load_transient_by_hand():
     """The larger of 2 x the largest local shard and the merged fc1 of every layer (docs/rehearsal.md §3)."""
     q7 = rehearse.Rehearsal("q7", rehearse.cut_layers(PRESETS["qwen2.5-7b"], 1), 2, 2, 1, 1,
                             rehearse.RolloutBackend.EMBEDDED, 1, "float32", False, True, ((5, 6),), 8)
-    assert rehearse.load_transient_bytes(q7) == 2 * (152064 // 2) * 3584 * 4  # the vocabulary shard, twice
+    assert rehearse.load_transient_bytes(q7) == 2 * (152064 // 2) * 3584 * 4  # the vocabulary, full shape
     q05 = rehearse.Rehearsal("q05", PRESETS["qwen2.5-0.5b"], 2, 2, 1, 1, rehearse.RolloutBackend.EMBEDDED, 1,
                              "float32", False, True, ((5, 6),), 8)
-    merged = 24 * 2 * (4864 // 2) * 896 * 4  # 24 merged fc1 shards: 418 MB, under the tied vocabulary shard twice
+    merged = 24 * 2 * (4864 // 2) * 896 * 4  # 24 merged fc1 shards: 418 MB, under the tied vocabulary in full shape
     assert merged < rehearse.load_transient_bytes(q05) == 2 * (152064 // 2) * 896 * 4
