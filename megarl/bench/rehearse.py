@@ -174,7 +174,7 @@ class MemoryTerms:
     load_read: int  # megatron-core's reader: the largest tensor (the vocabulary's) in full shape, host memory
     load_merged: int  # the SwiGLU factories' merged linear_fc1 of every layer (and local expert), beside the params
     rollout: int  # the rollout engine's weights
-    receive: int  # the sync's transient (the receive buffer; vLLM: send + receive)
+    receive: int  # the sync's transient (embedded engine: one bucket, received in place; vLLM: send + receive)
 
 
 class PhaseMemory:
@@ -293,7 +293,7 @@ class CudaPhaseMemory:
     @staticmethod
     def sync_bytes(t: MemoryTerms) -> int:
         """The hybrid engine offloads the gradients before the rollout engine wakes (the parameters after the
-        sync), so the phase adds the replica and the receive buffer less the gradient buffer it freed."""
+        sync), so the phase adds the replica and the transient less the gradient buffer it freed."""
         return t.rollout + t.receive - t.grads
 
     @staticmethod
@@ -343,8 +343,8 @@ def predicted_phase_bytes(r: Rehearsal, packed: int, longest: int, rows: int) ->
     * ``log-probs``: the output layer's logits of the ``packed`` tokens (the probes' sequences), twice
       (sequence-major, then the batch-major copy the log-prob function reads), and the two chunk buffers of
       :mod:`megarl.engine.vocab_parallel`;
-    * ``sync``: the rollout engine's weights and the resharding transient (embedded engine: the receive buffer,
-      the largest HF tensor in full shape or the bucket cap; vLLM: the planner's send + receive bound); on CUDA
+    * ``sync``: the rollout engine's weights and the resharding transient (embedded engine: one bucket of slab
+      copies, every shard received into the engine's own parameters; vLLM: the planner's send + receive bound); on CUDA
       less the gradient buffer offloaded first (:meth:`CudaPhaseMemory.sync_bytes`);
     * ``generate``: the KV cache of ``rows`` sequences of ``longest`` tokens and one step's logits over the vocabulary;
     * ``update``: the larger of the micro-batch's activations (no optimizer state: SGD) and two copies of the
@@ -388,8 +388,8 @@ def memory_terms(r: Rehearsal) -> MemoryTerms:
     if r.rollout_backend is RolloutBackend.VLLM:
         transient = memory.reshard_transient_bytes(spec, layout, r.rollout_tp, param_dtype_bytes=fp32,
                                                    rollout_dtype_bytes=rb, bucket_bytes=bucket)
-    else:
-        transient = memory.receive_transient_bytes(spec, layout, rollout_dtype_bytes=rb, bucket_bytes=bucket)
+    else:  # the embedded engine receives into its own parameters: at most one bucket of outgoing slab copies
+        transient = bucket
     # the largest tensor in full shape: the vocabulary's, padded for the rank's TP, or one that TP does not split
     full = max(spec.padded_vocab_size(r.tp) * spec.hidden_size,
                memory.largest_shard_bytes(spec, ParallelLayout(), 1))

@@ -166,15 +166,18 @@ def empty_dest(t: HFTensor, rng: tuple[int, int], dtype: torch.dtype, device: to
     ``full``: the whole HF shape instead, for engines whose loaders take checkpoint-format tensors and
     read their own slice (vLLM's); the rows outside ``rng`` are never received and are NaN, so a loader
     that read past its slice would poison the logits instead of silently using garbage."""
+    out = torch.empty(dest_shape(t, rng, full), dtype=dtype, device=device)
+    if full and t.dim is not None and rng != (0, t.length):
+        out.fill_(float("nan"))
+    return out
+
+
+def dest_shape(t: HFTensor, rng: tuple[int, int], full: bool = False) -> tuple[int, ...]:
+    """The shape of the rollout shard ``rng`` of ``t`` (``full``: the whole HF shape)."""
     shape = list(t.shape)
-    if full:
-        out = torch.empty(shape, dtype=dtype, device=device)
-        if t.dim is not None and rng != (0, t.length):
-            out.fill_(float("nan"))
-        return out
-    if t.dim is not None:
+    if not full and t.dim is not None:
         shape[t.dim] = rng[1] - rng[0]
-    return torch.empty(shape, dtype=dtype, device=device)
+    return tuple(shape)
 
 
 def dest_view(dest: torch.Tensor, t: HFTensor, lo: int, s: Slab) -> torch.Tensor:

@@ -15,14 +15,14 @@ come out empty), rollout ranks only receive (they pass no parameters).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.metrics import trace
 from megarl.models.spec import ModelSpec
-from megarl.resharding.buckets import Bucket, LocalPieces, dest_view, empty_dest, make_buckets
+from megarl.resharding.buckets import Bucket, LocalPieces, dest_shape, dest_view, empty_dest, make_buckets
 from megarl.resharding.link import Message, WeightLink
 from megarl.resharding.plan import ReshardPlan
 from megarl.resharding.stats import TransferStats
@@ -41,6 +41,7 @@ def stream_weights(
     full_tensors: bool = False,
     link: WeightLink | None = None,
     device: torch.device | str | None = None,
+    buffer: Callable[[str, Sequence[int], torch.dtype, torch.device], torch.Tensor | None] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield this rank's rollout shards bucket by bucket (HF names, ``dtype``, vocab trimmed).
 
@@ -50,20 +51,24 @@ def stream_weights(
     for engines that load checkpoint-format tensors; the bytes moved are the same.
     ``link``: the group of a split placement (then ``group`` is unused); a rollout rank passes no ``params``
     and the ``device`` its shards go to (default: where the training shards are).
+    ``buffer``: the engine's own storage of a rollout shard (name, shape, dtype, device), received into in place
+    (:meth:`megarl.rollout.base.RolloutEngine.weight_buffer`); None there, or without it, a staging tensor.
     Every rank of the group must consume the whole iterator: buckets are collective.
     """
     stats = stats if stats is not None else TransferStats()
     sends = rank < plan.train.world_size  # a training rank (a rollout rank of a split plan only receives)
     pieces = LocalPieces(plan, spec, plan.train.coords(rank).tp, params, dtype) if sends else None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    device = device if device is not None else next(iter(params.values())).device
+    device = torch.device(device if device is not None else next(iter(params.values())).device)
     dests: dict[str, torch.Tensor] = {}  # rollout shards being filled
     for bucket in make_buckets(plan, bucket_bytes, itemsize, full_tensors=full_tensors):
         start, start_ns, moved = time.perf_counter(), time.time_ns(), stats.bytes_sent + stats.bytes_received
         for t in bucket.tensors:  # full-shape tensors also where a receiver's slice is empty (vocabulary tails)
             if t.name not in dests and ((full_tensors and (t.name, rank) in plan.dest)
                                         or any(s.dst == rank for s in bucket.slabs if s.tensor == t.name)):
-                dests[t.name] = empty_dest(t, plan.dest[(t.name, rank)], dtype, device, full=full_tensors)
+                rng = plan.dest[(t.name, rank)]
+                into = None if buffer is None else buffer(t.name, dest_shape(t, rng, full_tensors), dtype, device)
+                dests[t.name] = into if into is not None else empty_dest(t, rng, dtype, device, full=full_tensors)
         _exchange(plan, bucket, pieces, dests, rank, dtype, itemsize, stats, group, link, full_tensors)
         stats.seconds += time.perf_counter() - start
         trace.record(f"reshard bucket {stats.buckets}", start_ns, time.time_ns(), cat="reshard",

@@ -81,7 +81,7 @@ class HybridRollout:
         if params is not None:
             for bucket in stream_weights(self.plan, self.spec, params, rank=self.ctx.rank, dtype=self.dtype,
                                          bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
-                                         full_tensors=self.full_tensors):
+                                         full_tensors=self.full_tensors, buffer=self.rollout.weight_buffer):
                 self.rollout.update_weights(bucket)
                 bucket.clear()  # drop the shards as soon as the engine has copied them
             self.rollout.finish_weight_update()

@@ -171,7 +171,7 @@ class RolloutRole(Role):
             for bucket in stream_weights(self.plan, self.spec, {}, rank=self.link_rank, dtype=self.dtype,
                                          bucket_bytes=int(self.config.bucket_mb * 2**20), stats=stats,
                                          link=self.member.get(), device=self.ctx.device,
-                                         full_tensors=_full_tensors(self.config)):
+                                         full_tensors=_full_tensors(self.config), buffer=self.engine.weight_buffer):
                 self.engine.update_weights(bucket)
                 bucket.clear()
             self.engine.finish_weight_update()

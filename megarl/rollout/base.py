@@ -134,6 +134,8 @@ class RolloutEngine(Protocol):
 
     Weight sync: ``wake_up()`` (or a fresh engine), then ``update_weights`` once per bucket of full HF-named
     tensors, then ``finish_weight_update()`` which raises if any parameter was not loaded since the sync began.
+    ``weight_buffer`` offers the engine's own storage of a tensor for the sync to receive into in place (no
+    staging copy; ``update_weights`` then finds the tensor already there), or None where the engine loads a copy.
     ``sleep()`` frees weights and caches between rollouts (e.g. while training runs on the same device)
     where the engine can (``sleep_frees_memory``); elsewhere it only ends the engine's readiness.
     """
@@ -143,6 +145,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput: ...
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def weight_buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None: ...
 
     def finish_weight_update(self) -> None: ...
 

@@ -358,12 +358,30 @@ class EmbeddedEngine:
                 target = self._target_for(name, tensor)
                 if name in self._aliases:
                     continue
-                target.copy_(tensor)
+                if tensor.data_ptr() != target.data_ptr():  # else received in place (weight_buffer)
+                    target.copy_(tensor)
                 loaded.add(name)
         self._loaded |= loaded
         for fused in loaded & self._pieces_of.keys():  # a fused parameter loaded whole: all of its pieces
             self._loaded.update(self._pieces_of[fused])
         return loaded
+
+    def weight_buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None:
+        """The parameter (or view of a fused expert parameter) ``name`` is loaded into, for a sync to receive into
+        in place: the largest tensor's staging copy is then never made (the 70B's vocabulary: 4.2 GB in float32).
+        None for a tied alias or where shape, dtype, device or layout differ (the sync then stages a copy)."""
+        if not self._awake or name in self._aliases:
+            return None
+        if name in self._pieces:
+            canonical, index = self._pieces[name]
+            target = self._params[canonical][index]
+        else:
+            target = self._params.get(name)
+        if (target is None or tuple(target.shape) != tuple(shape) or target.dtype != dtype
+                or target.device != torch.device(device) or not target.is_contiguous()):
+            return None
+        return target
 
     def _target_for(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The parameter (or view of a fused expert parameter) that ``name`` is loaded into, shape-checked."""

@@ -275,6 +275,11 @@ class VLLMEngine:
         """HF tensor names a full weight sync must deliver."""
         return list(self._shapes)
 
+    def weight_buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None:
+        """None: vLLM's loaders take checkpoint-format tensors and place (fuse, shard) them themselves."""
+        return None
+
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full HF-named tensors. Tensors are held until their decoder layer is complete, then the
         whole layer goes to vLLM in one call; returns the HF names loaded by this call."""

@@ -171,7 +171,7 @@ def test_weights_after_update_equal_offline_conversion(hybrid):
 
 # ------------------------------------------------------------------------------ transition memory
 
-BIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4)
+BIG = dict(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4)
 CAP_MB = 4
 
 
@@ -213,10 +213,13 @@ def test_transition_memory_is_bounded(tiny_hf, tmp_path):
     hf = make_tiny_model(tmp_path / "hf", "llama", seed=3, with_tokenizer=False, **BIG)
     convert_hf_to_megatron(hf, tmp_path / "mc", tp=2, pp=2)
     results = run_world(_memory_world, 4, str(tmp_path / "mc"), timeout_s=900)
-    largest = BIG["vocab_size"] * BIG["hidden_size"] * 4  # embed_tokens / lm_head, fp32
-    # RSS noise (allocator arenas, gloo buffers, page-granular growth) measured up to ~25 MB under CI load
-    bound = CAP_MB * 2**20 + largest + 32 * 2**20
+    largest = BIG["vocab_size"] * BIG["hidden_size"] * 4  # embed_tokens / lm_head, fp32: 64 MiB
+    # RSS noise (allocator arenas, gloo buffers, page-granular growth) measured up to ~25 MB under CI load. The
+    # embedded engine receives into its own parameters (weight_buffer): no staging copy of the largest tensor, which
+    # alone would exceed the bound (with the 8192-row vocabulary: 3-9 MiB extra in place, 17-34 MiB staged)
+    bound = CAP_MB * 2**20 + 32 * 2**20
+    assert largest > bound
     for per_rank in results:
         for r in per_rank:
-            assert bound < r["weights"] / 2  # a second model copy (~126 MB) cannot hide under the bound (~53 MB)
+            assert bound < r["weights"] / 2  # a second model copy (~230 MB) cannot hide under the bound (~38 MB)
             assert r["extra"] < bound, (r, bound)

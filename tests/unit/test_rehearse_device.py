@@ -60,9 +60,10 @@ def test_float32_products_stay_float32():
 
 def test_one_gpu_7b_predictions_by_hand():
     """Where the planner's terms land per device (bytes, float32): P parameters, G gradients, R the embedded
-    engine's replica, B the receive buffer (the largest HF tensor, the embedding), M the merged fc1 of 2 layers."""
+    engine's replica, B the sync's transient (one 64 MiB bucket: the engine receives into its own parameters), M the
+    merged fc1 of 2 layers."""
     P = G = R = 4 * PARAMS_2_LAYERS  # the rollout replica is the whole model in float32; 152064 % 64 == 0
-    B, M, shard = 4 * V * H, 2 * 2 * F * H * 4, 4 * V * H
+    B, M, shard = 64 * 2**20, 2 * 2 * F * H * 4, 4 * V * H
     t = rehearse.memory_terms(_q7("cuda"))
     assert (t.params, t.grads, t.rollout, t.receive, t.load_merged, t.load_read) == (P, G, R, B, M, shard)
     gpu, cpu = rehearse.predicted_phase_bytes(_q7("cuda"), 56, 17, 4), rehearse.predicted_phase_bytes(_q7("cpu"), 56,
@@ -70,7 +71,7 @@ def test_one_gpu_7b_predictions_by_hand():
     # CUDA: the load reads in place, then the gradient buffer, then the engine's replica allocated and freed
     assert gpu["load"] == P + G + R == 18_673_367_040
     # CUDA: the gradients are offloaded before the engine wakes, so the sync adds the replica and B, less G
-    assert gpu["sync"] == B == 2_179_989_504
+    assert gpu["sync"] == B == 67_108_864
     # the host: the gradient buffer (6.2 GB, built after the load) beats the read transient (the vocabulary tensor,
     # 2.2 GB at TP1); the replica is never touched; nothing is offloaded
     assert shard < G and cpu["load"] == P + G and cpu["sync"] == R + B
