@@ -42,7 +42,7 @@ def _rehearse(args: argparse.Namespace) -> int:
 
     report = rehearse.run(args.config, args.workdir, keep=args.keep, layers=args.layers, world=args.world,
                           preset=args.preset, hf_config=args.hf_config, tp=args.tp, ep=args.ep, update=args.update,
-                          rollout=args.rollout, device=args.device)
+                          rollout=args.rollout, device=args.device, train_dtype=args.train_dtype)
     print(rehearse.markdown(report))
     for line in report["failures"]:
         print(f"FAILED: {line}")
@@ -76,6 +76,8 @@ def main() -> None:
     rehearse.add_argument("--ep", type=int, help="expert-parallel size (default: the recipe's, within the world)")
     rehearse.add_argument("--workdir", default="outputs/rehearsal", help="where the model files and report go")
     rehearse.add_argument("--update", action="store_true", help="one SGD step too (the policy holds gradients)")
+    rehearse.add_argument("--train-dtype", default="float32", help="the training copy: float32 (default) or bfloat16 "
+                          "(HF weights written in bfloat16; half the bytes: the 70B's sync fits 24 GB at --world 1)")
     rehearse.add_argument("--rollout", action=argparse.BooleanOptionalAction, default=None,
                           help="run the sync and generation phases (default: where the planner says they fit)")
     rehearse.add_argument("--keep", action="store_true", help="keep the model files (GBs) in the workdir")
