@@ -57,13 +57,31 @@ def test_sync_bytes_equal_the_plan_and_memory_the_prediction(rehearsed):
     for got, plan in zip(report["sync"], report["sync_planned"], strict=True):
         assert (got["received"], got["kept"]) == (plan["received"], plan["kept"])
         assert got["received"] > 0  # the other rank's half of what this rank's replica needs crossed the link
-    if name == "ppo_gsm8k_qwen2.5_0.5b":
-        # not yet predicted to 5 % (docs/rehearsal.md §3): 24 layers and a tied embedding load at 0.93x the
-        # prediction and sync at 0.79x (no receive transient seen); the true-width recipes' phases are
-        return
-    assert report["failures"] == []
-    for check in report["memory_checks"]:  # docs/rehearsal.md §3: 5 % or 64 MiB
-        assert check["within"], check
+    # docs/rehearsal.md §3: 5 % or 64 MiB; the 0.5B's load (24 layers, a tied embedding) is not yet predicted to 5 %
+    # (0.93x), its other phases are
+    unpredicted = {"load"} if name == "ppo_gsm8k_qwen2.5_0.5b" else set()
+    for check in report["memory_checks"]:
+        assert check["within"] or check["phase"] in unpredicted, check
+    if not unpredicted:
+        assert report["failures"] == []
     by_phase = {c["phase"]: c for c in report["memory_checks"]}
     assert set(by_phase) == {"load", "log-probs", "sync", "generate"}
     assert by_phase["sync"]["measured"] > 2**30  # the rollout engine's float32 copy: GBs, resolved to 5 %
+
+
+def test_a_bfloat16_training_copy_syncs_the_exact_weights(tmp_path):
+    """``--train-dtype bfloat16`` (how the 70B's sync fits this machine, benchmarks/rehearsal.py): Qwen2.5-0.5B's
+    widths cut to 2 layers, a world of one. The HF weights are bfloat16, so the float32 replica the sync fills holds
+    exactly what transformers' float32 reference upcasts: greedy tokens equal, every byte kept locally as planned,
+    the load and sync phases as predicted; the bfloat16 forward within bfloat16's tolerance of transformers."""
+    report = rehearse.run(EXAMPLES / "ppo_gsm8k_qwen2.5_0.5b" / "config.yaml", tmp_path, layers=2, world=1, tp=1,
+                          preset="qwen2.5-0.5b", train_dtype="bfloat16", rollout=True)
+    print(rehearse.markdown(report))
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    assert report["train_dtype"] == "bfloat16" and report["reference"]["parameters"] == 165_960_320
+    assert report["convert"]["round_trip_unequal"] == []
+    assert report["greedy"] == reference["greedy_float32"]
+    assert 1e-4 < report["log_prob_max_diff"] < rehearse.BF16_LOG_PROB_TOLERANCE  # a bfloat16 forward, not float32
+    assert [{"received": x["received"], "kept": x["kept"]} for x in report["sync"]] == report["sync_planned"] \
+        == [{"received": 0, "kept": 4 * 165_960_320}]
+    assert report["failures"] == []
