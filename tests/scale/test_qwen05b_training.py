@@ -28,7 +28,7 @@ import torch
 pytestmark = [
     pytest.mark.dist, pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("MEGARL_SCALE_TEST") != "1",
-                       reason="opt-in: set MEGARL_SCALE_TEST=1 (the whole Qwen2.5-0.5B trained on CPU: ~6 min)"),
+                       reason="opt-in: set MEGARL_SCALE_TEST=1 (the whole Qwen2.5-0.5B trained on CPU: ~5 min)"),
 ]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
