@@ -36,19 +36,16 @@ Imports torch and (lazily) transformers; no Ray, no process groups, no vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 import itertools
 import logging
-import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from megarl.errors import ConfigError
 from megarl.rollout.base import (
@@ -59,6 +56,7 @@ from megarl.rollout.base import (
     WeightUpdateError,
     sample_next,
 )
+from megarl.rollout.embedded_model import build_model, expert_pieces, moe_routers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -66,78 +64,6 @@ if TYPE_CHECKING:
     from megarl.rollout.kv_cache import Prefix
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside the block moves to the meta device; buffers stay where they are.
-
-    Patches ``nn.Module.register_parameter`` for the duration (not thread-safe: build engines one at a time).
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def _materialize_(model: nn.Module, device: torch.device) -> None:
-    """Give every (meta) parameter an empty storage on ``device``; tied parameters stay one object."""
-    memo: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in memo:
-                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
-                memo[id(param)] = (param, nn.Parameter(fresh, requires_grad=False))
-            module._parameters[name] = memo[id(param)][1]
-    model.to(device)  # the buffers
-
-
-def _build_model(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    _materialize_(model, device)
-    return model.eval().requires_grad_(False)
-
-
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-
-
-def _expert_pieces(params: dict[str, nn.Parameter]) -> dict[str, tuple[str, tuple]]:
-    """Per-expert checkpoint name -> (fused parameter name, index of its view) for every fused 3-D expert
-    parameter; per fused parameter the views partition it (gate and up halves of each expert, or each expert)."""
-    out: dict[str, tuple[str, tuple]] = {}
-    for name, param in params.items():
-        m = _FUSED_EXPERTS.match(name)
-        if m is None or param.dim() != 3:
-            continue
-        prefix, experts, rows = m["prefix"], param.shape[0], param.shape[1]
-        for e in range(experts):
-            if m["kind"] == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = (name, (e,))
-            else:
-                half = rows // 2
-                out[f"{prefix}.{e}.gate_proj.weight"] = (name, (e, slice(0, half)))
-                out[f"{prefix}.{e}.up_proj.weight"] = (name, (e, slice(half, rows)))
-    return out
-
-
-def _moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The top-k router of every MoE decoder layer (transformers' ``mlp.gate`` beside ``mlp.experts``), in layer
-    order; empty for a dense model."""
-    layers = model.get_decoder().layers
-    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -291,7 +217,7 @@ class EmbeddedEngine:
         self.vocab_size = vocab
         self.vocab_limit = vocab_limit
         self.max_batch_size = max_batch_size
-        self.model = _build_model(hf_config, dtype, self.device)
+        self.model = build_model(hf_config, dtype, self.device)
         self._params = dict(self.model.named_parameters())
         # names that alias a parameter listed under another name (tied lm_head.weight)
         self._aliases = {
@@ -300,7 +226,7 @@ class EmbeddedEngine:
             for canonical, p in self._params.items()
             if p is param and name != canonical
         }
-        self._pieces = _expert_pieces(self._params)  # per-expert name -> view of a fused expert parameter
+        self._pieces = expert_pieces(self._params)  # per-expert name -> view of a fused expert parameter
         self._pieces_of: dict[str, list[str]] = {}  # fused parameter -> its per-expert names
         for piece, (canonical, _) in self._pieces.items():
             self._pieces_of.setdefault(canonical, []).append(piece)
@@ -319,7 +245,7 @@ class EmbeddedEngine:
         # releases take only ``past_key_values`` and would silently ignore ``cache`` (no context after prefill)
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        self._routers = _moe_routers(self.model)  # MoE: each layer's router, whose choices generate() records
+        self._routers = moe_routers(self.model)  # MoE: each layer's router, whose choices generate() records
         self._routed: list[torch.Tensor] = []  # the last forward's top-k experts per router, [tokens, k] each
         for router in self._routers:
             router.register_forward_hook(self._record_routing)
@@ -368,28 +294,27 @@ class EmbeddedEngine:
 
     def weight_buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor | None:
-        """The parameter (or view of a fused expert parameter) ``name`` is loaded into, for a sync to receive into
-        in place: the largest tensor's staging copy is then never made (the 70B's vocabulary: 4.2 GB in float32).
-        None for a tied alias or where shape, dtype, device or layout differ (the sync then stages a copy)."""
+        """The parameter (or expert view) ``name`` is loaded into, for a sync to receive into in place (no staging
+        copy: the 70B's vocabulary would take 4.2 GB in float32). None for a tied alias or where shape, dtype,
+        device or layout differ (the sync then stages a copy)."""
         if not self._awake or name in self._aliases:
             return None
-        if name in self._pieces:
-            canonical, index = self._pieces[name]
-            target = self._params[canonical][index]
-        else:
-            target = self._params.get(name)
+        target = self._parameter(name)
         if (target is None or tuple(target.shape) != tuple(shape) or target.dtype != dtype
-                or target.device != torch.device(device) or not target.is_contiguous()):
+                or target.device != device or not target.is_contiguous()):
             return None
         return target
 
-    def _target_for(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The parameter (or view of a fused expert parameter) that ``name`` is loaded into, shape-checked."""
+    def _parameter(self, name: str) -> torch.Tensor | None:
+        """The parameter (or view of a fused expert parameter) that ``name`` is loaded into; None if unknown."""
         if name in self._pieces:
             canonical, index = self._pieces[name]
-            target = self._params[canonical][index]
-        else:
-            target = self._params.get(self._aliases.get(name, name))
+            return self._params[canonical][index]
+        return self._params.get(self._aliases.get(name, name))
+
+    def _target_for(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`_parameter`, shape-checked against ``tensor``."""
+        target = self._parameter(name)
         if target is None:
             near = difflib.get_close_matches(name, self._required, n=1)
             hint = f"; nearest parameter name: {near[0]!r}" if near else ""
