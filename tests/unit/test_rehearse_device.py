@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.bench import rehearse
+from megarl.bench import rehearse, rehearse_memory
 from megarl.errors import ConfigError
 from megarl.planner.presets import PRESETS
 
@@ -36,15 +36,16 @@ def _q7(device: str, update: bool = True) -> rehearse.Rehearsal:
 
 
 def test_each_device_has_its_probe_and_an_unknown_one_is_named():
-    assert rehearse.memory_probe("cpu") is rehearse.PhaseMemory
-    assert rehearse.memory_probe("cuda") is rehearse.CudaPhaseMemory
-    assert (rehearse.PhaseMemory.backend, rehearse.CudaPhaseMemory.backend) == ("gloo", "nccl")
-    assert (rehearse.PhaseMemory.cuda, rehearse.CudaPhaseMemory.cuda) == (False, True)  # run_world's cuda=
+    assert rehearse_memory.memory_probe("cpu") is rehearse_memory.PhaseMemory
+    assert rehearse_memory.memory_probe("cuda") is rehearse_memory.CudaPhaseMemory
+    assert (rehearse_memory.PhaseMemory.backend, rehearse_memory.CudaPhaseMemory.backend) == ("gloo", "nccl")
+    # run_world's cuda=
+    assert (rehearse_memory.PhaseMemory.cuda, rehearse_memory.CudaPhaseMemory.cuda) == (False, True)
     for bad in ("mps", "cuda:0", "gpu"):
         with pytest.raises(ConfigError, match=r"unknown rehearsal device .*known: \['cpu', 'cuda'\]"):
-            rehearse.memory_probe(bad)
-    assert rehearse.PhaseMemory().device == "cpu"  # the rank's WorkerContext.device on CPU
-    rehearse.PhaseMemory.require(64)  # a CPU world needs no device
+            rehearse_memory.memory_probe(bad)
+    assert rehearse_memory.PhaseMemory().device == "cpu"  # the rank's WorkerContext.device on CPU
+    rehearse_memory.PhaseMemory.require(64)  # a CPU world needs no device
 
 
 def test_float32_products_stay_float32():
@@ -64,10 +65,10 @@ def test_one_gpu_7b_predictions_by_hand():
     merged fc1 of 2 layers."""
     P = G = R = 4 * PARAMS_2_LAYERS  # the rollout replica is the whole model in float32; 152064 % 64 == 0
     B, M, shard = 64 * 2**20, 2 * 2 * F * H * 4, 4 * V * H
-    t = rehearse.memory_terms(_q7("cuda"))
+    t = rehearse_memory.memory_terms(_q7("cuda"))
     assert (t.params, t.grads, t.rollout, t.receive, t.load_merged, t.load_read) == (P, G, R, B, M, shard)
-    gpu, cpu = rehearse.predicted_phase_bytes(_q7("cuda"), 56, 17, 4), rehearse.predicted_phase_bytes(_q7("cpu"), 56,
-                                                                                                      17, 4)
+    gpu = rehearse_memory.predicted_phase_bytes(_q7("cuda"), 56, 17, 4)
+    cpu = rehearse_memory.predicted_phase_bytes(_q7("cpu"), 56, 17, 4)
     # CUDA: the load reads in place, then the gradient buffer, then the engine's replica allocated and freed
     assert gpu["load"] == P + G + R == 18_673_367_040
     # CUDA: the gradients are offloaded before the engine wakes, so the sync adds the replica and B, less G
@@ -81,12 +82,12 @@ def test_one_gpu_7b_predictions_by_hand():
     assert gpu["update"] == 2 * shard
     assert gpu["log-probs"] == 2 * 56 * V * 4 + 2 * 2 * 2**20  # two copies of the logits, two 2 MiB chunk buffers
     # without the update nothing is offloaded and the load holds P + R on the GPU
-    no_update = rehearse.predicted_phase_bytes(_q7("cuda", update=False), 56, 17, 4)
+    no_update = rehearse_memory.predicted_phase_bytes(_q7("cuda", update=False), 56, 17, 4)
     assert (no_update["load"], no_update["sync"]) == (P + R, R + B) and "update" not in no_update
 
 
 def test_plan_of_a_world_of_one_keeps_every_byte():
-    assert rehearse.planned_sync_bytes(_q7("cuda")) == [{"received": 0, "kept": 4 * PARAMS_2_LAYERS}]
+    assert rehearse_memory.planned_sync_bytes(_q7("cuda")) == [{"received": 0, "kept": 4 * PARAMS_2_LAYERS}]
 
 
 def test_from_recipe_carries_the_device(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.bench import rehearse
+from megarl.bench import rehearse, rehearse_memory
 from megarl.config.train import load_config
 from megarl.errors import ConfigError
 from megarl.models.spec import spec_from_hf_config
@@ -51,11 +51,11 @@ def test_load_transient_by_hand():
     """The larger of the largest tensor in full shape and the merged fc1 of every layer (docs/rehearsal.md §3)."""
     q7 = rehearse.Rehearsal("q7", rehearse.cut_layers(PRESETS["qwen2.5-7b"], 1), 2, 2, 1, 1,
                             rehearse.RolloutBackend.EMBEDDED, 1, "float32", False, True, ((5, 6),), 8)
-    assert rehearse.load_transient_bytes(q7) == 2 * (152064 // 2) * 3584 * 4  # the vocabulary, full shape
+    assert rehearse_memory.load_transient_bytes(q7) == 2 * (152064 // 2) * 3584 * 4  # the vocabulary, full shape
     q05 = rehearse.Rehearsal("q05", PRESETS["qwen2.5-0.5b"], 2, 2, 1, 1, rehearse.RolloutBackend.EMBEDDED, 1,
                              "float32", False, True, ((5, 6),), 8)
     merged = 24 * 2 * (4864 // 2) * 896 * 4  # 24 merged fc1 shards: 418 MB, under the tied vocabulary in full shape
-    assert merged < rehearse.load_transient_bytes(q05) == 2 * (152064 // 2) * 896 * 4
+    assert merged < rehearse_memory.load_transient_bytes(q05) == 2 * (152064 // 2) * 896 * 4
 
 
 def test_a_bfloat16_training_copy_by_hand():
@@ -67,13 +67,13 @@ def test_a_bfloat16_training_copy_by_hand():
     assert n == 2_957_008_896  # the 2.96 B of benchmarks/results/rehearsal-2026-12-05.md
     r = rehearse.Rehearsal("l70", cut, 1, 1, 1, 1, rehearse.RolloutBackend.EMBEDDED, 1, "float32", False, True,
                            ((5, 6),), 8, train_dtype="bfloat16")
-    t = rehearse.memory_terms(r)
+    t = rehearse_memory.memory_terms(r)
     assert (t.params, t.rollout, t.receive) == (2 * n, 4 * n, 64 * 2**20)
     assert (t.load_read, t.load_merged) == (2 * V * H, 2 * 2 * F * H)  # the vocabulary, the merged fc1, in bfloat16
-    planned = rehearse.predicted_phase_bytes(r, 56, 17, 4)
+    planned = rehearse_memory.predicted_phase_bytes(r, 56, 17, 4)
     assert planned["load"] == 2 * n + 2 * V * H and planned["sync"] == 4 * n + 64 * 2**20
     # resident: the bfloat16 copy and the replica, 17.8 GB, with the runtime under 24 GB; float32 would be 23.7 GB
-    assert rehearse.world_bytes(r) == 2 * n + 4 * n + 64 * 2**20 + rehearse.RUNTIME_BYTES
+    assert rehearse_memory.world_bytes(r) == 2 * n + 4 * n + 64 * 2**20 + rehearse_memory.RUNTIME_BYTES
 
 
 def test_training_dtype_choices_and_tolerance(tmp_path):
