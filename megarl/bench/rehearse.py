@@ -372,7 +372,7 @@ def failures(report: dict[str, Any]) -> list[str]:
     out = []
     if report["convert"]["round_trip_unequal"]:
         out.append(f"HF -> Megatron -> HF changed {report['convert']['round_trip_unequal'][:3]}")
-    tolerance = LOG_PROB_TOLERANCE[report.get("train_dtype", "float32")]
+    tolerance = LOG_PROB_TOLERANCE[report["train_dtype"]]
     if not report["log_prob_max_diff"] <= tolerance:
         out.append(f"log-probs differ from transformers' by {report['log_prob_max_diff']:.2e} (> {tolerance})")
     if "greedy_equal" in report:
@@ -393,7 +393,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"### {report['name']}: {report['layers']} layer(s), {ref['parameters'] / 1e9:.2f} B parameters",
              "",
              f"World of {report['world']} {probe.backend} ranks: TP{report['tp']} PP{report['pp']} EP{report['ep']}, "
-             f"training copy {report.get('train_dtype', 'float32')}; "
+             f"training copy {report['train_dtype']}; "
              f"rollout {report['rollout']} TP{report['rollout_tp']} {report['rollout_dtype']}.",
              "",
              "| check | result |", "|---|---|",
